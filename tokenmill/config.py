@@ -1,0 +1,140 @@
+"""Configuration dataclasses, validated once at the edge (flags, LLM kwargs); inner code trusts them."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.errors import ConfigError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a Llama-family model, read from config.json or GGUF metadata."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v bias (Qwen2)
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face config.json dictionary."""
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                                       "qwen2": "Qwen2ForCausalLM"}.get(cfg.get("model_type", ""), "?")
+        num_heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            rope_scaling=_rope_scaling(cfg),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @property
+    def kv_bytes_per_token_per_element(self) -> int:
+        """K and V elements per token over all layers (multiply by the dtype's size)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise ConfigError(f"unsupported rope scaling {kind!r}; supported: llama3")
+    return dict(scaling)
+
+
+def default_kv_cache_memory() -> int:
+    """A quarter of available RAM, capped at 2 GiB: room for the weights, activations and the OS."""
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        avail = 8 << 30
+    return int(min(avail // 4, 2 << 30))
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None = default_kv_cache_memory()
+    num_blocks: int | None = None  # set by the engine once the pool is sized
+    enable_prefix_caching: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ConfigError(f"--block-size must be in [1, 1024], got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ConfigError(f"--kv-cache-memory must be a positive number of bytes, got {self.kv_cache_memory}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 512
+    policy: str = "continuous"  # or "static" (fixed batches, kept for measurement)
+    max_model_len: int | None = None  # set from the model config when None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.policy not in ("continuous", "static"):
+            raise ConfigError(f"--scheduling-policy must be 'continuous' or 'static', got {self.policy!r}")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF directory or .gguf file; None = the embedded SmolLM2 GGUF
+    dtype: str = "auto"  # float32 | bfloat16 | auto
+    device: str = "cpu"
+    seed: int = 0
+    tokenizer: str | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"--dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")

@@ -1,0 +1,143 @@
+"""EngineCore: add / abort / step. Owns the scheduler, the KV cache manager and the model runner.
+
+Takes token ids, returns token ids: no text, no HTTP. Offline use drives it in-process; the server runs it in
+its own process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.config import EngineConfig, ModelConfig, default_kv_cache_memory
+from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.runner import DTYPES, ModelRunner, kv_bytes_per_token
+from tokenmill.engine.scheduler import Scheduler, SchedulerStats
+from tokenmill.errors import ConfigError
+from tokenmill.model.loader import load_model_config, load_weights, resolve_model_path
+from tokenmill.request import Request, RequestStatus
+
+log = logging.getLogger("tokenmill")
+
+# Measured on the 2-core AVX512-BF16 machine (benchmarks/dtype_choice.py, BENCHMARKS.md): bf16 is faster
+# for batched serving and matches float32's greedy output on the default model's test prompts.
+AUTO_DTYPE = "bfloat16"
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request (only requests that changed)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class CacheInfo:
+    num_blocks: int
+    block_size: int
+    kv_bytes_per_token: int
+    dtype: str
+
+    @property
+    def token_capacity(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def describe(self) -> str:
+        return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.token_capacity} tokens, "
+                f"{self.kv_bytes_per_token} bytes per token ({self.dtype}), "
+                f"{self.num_blocks * self.block_size * self.kv_bytes_per_token / 2**20:.0f} MiB")
+
+
+@dataclass
+class StepStats:
+    num_scheduled_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    elapsed_s: float = 0.0
+    scheduler: SchedulerStats | None = None
+    totals: dict[str, int] = field(default_factory=dict)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        torch.manual_seed(config.seed)
+        path = resolve_model_path(config.model)
+        self.model_path = path
+        self.model_config: ModelConfig = load_model_config(path)
+        self.dtype = DTYPES[AUTO_DTYPE if config.dtype == "auto" else config.dtype]
+        weights = load_weights(path, self.model_config)
+        mc, cc = self.model_config, config.cache
+        per_token = kv_bytes_per_token(mc, self.dtype)
+        budget = cc.kv_cache_memory or default_kv_cache_memory()
+        num_blocks = cc.num_blocks or budget // (per_token * cc.block_size)
+        if num_blocks < 1:
+            raise ConfigError(f"--kv-cache-memory {budget} bytes holds no block of {cc.block_size} tokens "
+                              f"({per_token * cc.block_size} bytes); raise it")
+        self.cache_info = CacheInfo(num_blocks, cc.block_size, per_token, str(self.dtype).removeprefix("torch."))
+        max_len = config.scheduler.max_model_len or mc.max_position_embeddings
+        if max_len > mc.max_position_embeddings:
+            raise ConfigError(f"--max-model-len {max_len} exceeds the model's {mc.max_position_embeddings} positions")
+        self.max_model_len = max_len
+        self.kv = KVCacheManager(num_blocks, cc.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv, max_len)
+        self.runner = ModelRunner(mc, weights, self.dtype, config.device, num_blocks, cc.block_size, config.seed)
+        del weights
+        self.totals = {"prompt_tokens": 0, "generation_tokens": 0, "prefill_tokens_computed": 0, "steps": 0}
+
+    # ---- requests ----------------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Raises ContextTooLong (nothing queued) when the request can never fit."""
+        self.scheduler.add_request(request)
+        self.totals["prompt_tokens"] += request.num_prompt_tokens
+
+    def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            if self.scheduler.abort(rid) is not None:
+                self.runner.release(rid)
+
+    def finish(self, request_id: str, stop_reason: str) -> None:
+        """A stop string matched in the detokenizer: end the request now and free its blocks."""
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, stop_reason)
+        self.runner.release(request_id)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- one step ------------------------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        t0 = time.perf_counter()
+        result = self.runner.execute(sched)
+        self.last_step_s = time.perf_counter() - t0
+        finished = self.scheduler.update(sched, result.sampled)
+        self.totals["steps"] += 1
+        self.totals["generation_tokens"] += len(result.sampled)
+        self.totals["prefill_tokens_computed"] += sum(
+            s.num_new_tokens for s in sched.scheduled if s.num_new_tokens > 1 or not s.request.output_token_ids)
+        outputs = []
+        for s in sched.scheduled:
+            req = s.request
+            if req.request_id not in result.sampled:
+                continue
+            token, lp = result.sampled[req.request_id]
+            outputs.append(EngineCoreOutput(req.request_id, [token], [lp] if lp is not None else None,
+                                            req.finish_reason, req.stop_reason))
+        for req in finished:
+            self.runner.release(req.request_id)
+        return outputs
+
+    def check_idle_invariants(self) -> None:
+        """With nothing in flight every block must be free: a leak is a bug."""
+        assert not self.scheduler.has_unfinished
+        self.kv.pool.check_whole()

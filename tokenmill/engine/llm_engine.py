@@ -1,0 +1,172 @@
+"""LLMEngine: the text side around an EngineCore (tokenize, n samples, detokenize, stop strings).
+
+Used in-process by `LLM` and the CLI; the server's async engine does the same work over a process boundary.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field, replace
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.core import EngineCore, EngineCoreOutput
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.errors import ContextTooLong, InvalidRequest
+from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.request import Request
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import Tokenizer
+
+
+@dataclass
+class _Sample:
+    """One of the n samples of a request, as the frontend tracks it."""
+
+    index: int
+    core_id: str
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def output(self) -> CompletionOutput:
+        text = self.detok.visible_text(self.finish_reason is not None)
+        return CompletionOutput(self.index, text, list(self.token_ids), self.cumulative_logprob,
+                                self.logprobs, self.finish_reason, self.stop_reason)
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[_Sample]
+    metrics: RequestMetrics
+    core_requests: list[Request]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None):
+        self.core = EngineCore(config)
+        self.tokenizer = tokenizer or Tokenizer.load(self.core.model_path if config.tokenizer is None
+                                                     else config.tokenizer)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.core.model_config.eos_token_ids)
+        self._parents: dict[str, _Parent] = {}
+        self._by_core_id: dict[str, tuple[_Parent, _Sample]] = {}
+        self._ids = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    # ---- requests ----------------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise InvalidRequest("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}",
+                             param="prompt")
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        vocab = self.core.model_config.vocab_size
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+
+    def add_request(self, request_id: str, prompt: str | dict, params: SamplingParams) -> None:
+        """Tokenize, validate and queue; raises InvalidRequest / ContextTooLong with nothing queued."""
+        text, ids = self.tokenize_prompt(prompt)
+        self.validate_prompt(ids)
+        if len(ids) >= self.max_model_len:
+            raise ContextTooLong(f"the prompt has {len(ids)} tokens; the context window is {self.max_model_len}",
+                                 param="prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        self.core.scheduler.check_admissible(len(ids), max_tokens)
+        now = time.monotonic()
+        parent = _Parent(request_id, text, ids, params, [], RequestMetrics(arrival_time=now), [])
+        for i in range(params.n):
+            core_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = replace(params, seed=params.seed + i)
+            req = Request(core_id, ids, child_params, max_tokens, self.eos_token_ids, arrival_time=now)
+            detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop_list, params.include_stop_str_in_output,
+                                           params.skip_special_tokens)
+            sample = _Sample(i, core_id, detok, logprobs=[] if params.logprobs is not None else None,
+                             cumulative_logprob=0.0 if params.logprobs is not None else None)
+            parent.samples.append(sample)
+            parent.core_requests.append(req)
+            self._by_core_id[core_id] = (parent, sample)
+        self._parents[request_id] = parent
+        for req in parent.core_requests:
+            self.core.add_request(req)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return None
+        self.core.abort([s.core_id for s in parent.samples if s.finish_reason is None])
+        for s in parent.samples:
+            s.finish_reason = s.finish_reason or "abort"
+            self._by_core_id.pop(s.core_id, None)
+        return self._output(parent)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    # ---- one step --------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return an updated RequestOutput for every request that changed."""
+        touched: dict[str, _Parent] = {}
+        for out in self.core.step():
+            parent, sample = self._by_core_id[out.request_id]
+            self._apply(parent, sample, out)
+            touched[parent.request_id] = parent
+        results = []
+        for parent in touched.values():
+            if parent.finished:
+                parent.metrics.finished_time = time.monotonic()
+                del self._parents[parent.request_id]
+                for s in parent.samples:
+                    self._by_core_id.pop(s.core_id, None)
+            results.append(self._output(parent))
+        return results
+
+    def _apply(self, parent: _Parent, sample: _Sample, out: EngineCoreOutput) -> None:
+        sample.token_ids.extend(out.new_token_ids)
+        if sample.logprobs is not None and out.new_logprobs:
+            for tok, lp in zip(out.new_token_ids, out.new_logprobs):
+                sample.logprobs.append(lp)
+                sample.cumulative_logprob += lp[tok]
+        if parent.metrics.first_token_time is None:
+            parent.metrics.first_token_time = time.monotonic()
+        stop = sample.detok.append(out.new_token_ids)
+        if out.finish_reason is not None:
+            sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+        elif stop is not None:
+            self.core.finish(sample.core_id, stop)
+            sample.finish_reason, sample.stop_reason = "stop", stop
+
+    def _output(self, parent: _Parent) -> RequestOutput:
+        req0 = parent.core_requests[0]
+        parent.metrics.first_scheduled_time = req0.first_scheduled_time
+        parent.metrics.num_preemptions = sum(r.num_preemptions for r in parent.core_requests)
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
+                             [s.output() for s in parent.samples], parent.finished, parent.metrics)
+

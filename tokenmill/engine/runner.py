@@ -1,0 +1,127 @@
+"""ModelRunner: SchedulerOutput -> one flat token batch + attention metadata -> forward -> sampled tokens.
+
+The one place in the engine that builds tensors. It owns the model, the KV cache tensors and each request's
+random generator.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.config import ModelConfig
+from tokenmill.engine.sampler import Sampler, SamplingRow
+from tokenmill.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tokenmill.model.attention import AttentionMetadata, PrefillSpan
+from tokenmill.model.registry import model_class
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, tuple[int, dict[int, float] | None]]
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    return cfg.kv_bytes_per_token_per_element * dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str,
+                 num_blocks: int, block_size: int, seed: int = 0):
+        self.cfg, self.dtype, self.device, self.block_size = cfg, dtype, torch.device(device), block_size
+        with torch.device("meta"):
+            model = model_class(cfg)(cfg)
+        model = model.to_empty(device=self.device)  # no random init: every parameter is loaded next
+        model.load_hf_weights(weights)
+        self.model = model.to(dtype=dtype).eval()
+        self.model.init_rotary(self.device)  # float32 tables, cast per step
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # Zeroed, not empty: masked-out slots are still multiplied by 0 and must not hold NaN bit patterns.
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
+                           torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(cfg.num_layers)]
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+        self._seed_rng = random.Random(seed)
+
+    # ---- per-request state -----------------------------------------------------------------------------
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
+        gen = self.generators.get(request_id)
+        if gen is None:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(seed if seed is not None else self._seed_rng.getrandbits(63))
+            self.generators[request_id] = gen
+        return gen
+
+    def release(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    # ---- one step ----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
+        ordered = decodes + prefills
+        input_ids, positions, slots = [], [], []
+        bs = self.block_size
+        for s in ordered:
+            req, start = s.request, s.request.num_computed_tokens
+            input_ids.extend(req.tokens_slice(start, start + s.num_new_tokens))
+            for p in range(start, start + s.num_new_tokens):
+                positions.append(p)
+                slots.append(req.block_ids[p // bs] * bs + p % bs)
+        meta = AttentionMetadata(slot_mapping=self._long(slots), num_decodes=len(decodes))
+        if decodes:
+            self._decode_metadata(meta, decodes)
+        row = len(decodes)
+        for s in prefills:
+            meta.prefills.append(self._prefill_span(s, row))
+            row += s.num_new_tokens
+
+        hidden = self.model(self._long(input_ids), self._long(positions), meta, self.kv_caches)
+        last_rows, sampling = [], []
+        row = 0
+        for s in ordered:
+            row += s.num_new_tokens
+            if s.samples:
+                last_rows.append(row - 1)
+                sampling.append(s)
+        if not sampling:
+            return StepResult({})
+        logits = self.model.compute_logits(hidden[self._long(last_rows)])
+        rows = [self._sampling_row(s) for s in sampling]
+        results = self.sampler(logits.cpu(), rows)
+        return StepResult({s.request.request_id: r for s, r in zip(sampling, results)})
+
+    def _long(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _decode_metadata(self, meta: AttentionMetadata, decodes: list[ScheduledRequest]) -> None:
+        seq_lens = [s.request.num_computed_tokens + 1 for s in decodes]
+        max_blocks = -(-max(seq_lens) // self.block_size)
+        tables = [s.request.block_ids[:max_blocks] + [0] * (max_blocks - len(s.request.block_ids[:max_blocks]))
+                  for s in decodes]
+        meta.decode_block_tables = self._long([b for t in tables for b in t]).view(len(decodes), max_blocks)
+        key_pos = torch.arange(max_blocks * self.block_size, device=self.device)
+        meta.decode_mask = (key_pos.unsqueeze(0) < self._long(seq_lens).unsqueeze(1)).view(len(decodes), 1, 1, -1)
+
+    def _prefill_span(self, s: ScheduledRequest, row: int) -> PrefillSpan:
+        ctx, n = s.request.num_computed_tokens, s.num_new_tokens
+        span = PrefillSpan(start=row, end=row + n, context_len=ctx)
+        if ctx:
+            total = ctx + n
+            span.block_ids = self._long(s.request.block_ids[:-(-total // self.block_size)])
+            q_pos = torch.arange(ctx, total, device=self.device).unsqueeze(1)
+            span.mask = torch.arange(total, device=self.device).unsqueeze(0) <= q_pos
+        return span
+
+    def _sampling_row(self, s: ScheduledRequest) -> SamplingRow:
+        req, p = s.request, s.request.params
+        blocked = None
+        if req.num_output_tokens < p.min_tokens:
+            blocked = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids)))
+        gen = None if p.greedy else self._generator(req.request_id, p.seed)
+        return SamplingRow(p, req.prompt_token_ids, req.output_token_ids, gen, blocked)

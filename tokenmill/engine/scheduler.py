@@ -1,0 +1,197 @@
+"""Continuous batching with chunked prefill and recompute preemption, scheduling by tokens, not phases.
+
+Each step hands out a token budget: running requests first (a decode takes one token, an unfinished prefill a
+chunk of what is left), then waiting ones in arrival order. A request whose computed tokens reach its known
+tokens gets a new token sampled. When blocks run out, the most recent arrival is preempted (blocks freed, to be
+recomputed later). The `static` policy admits a fixed batch only when the previous one has fully finished.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from tokenmill.config import SchedulerConfig
+from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.errors import ContextTooLong
+from tokenmill.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the request's known tokens, so its last logits are used."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_waiting_tokens: int
+    kv_usage: float
+    num_preemptions_total: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- admission -------------------------------------------------------------------------------------
+    def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Refuse at once what can never run: longer than the context window or than the whole KV pool."""
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise ContextTooLong(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the context "
+                f"window of {self.max_model_len} tokens", param="max_tokens")
+        capacity = self.kv.pool.num_blocks * self.kv.block_size
+        if total > capacity:
+            raise ContextTooLong(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the KV cache "
+                f"capacity of {capacity} tokens; raise --kv-cache-memory", param="max_tokens")
+
+    def add_request(self, request: Request) -> None:
+        self.check_admissible(request.num_prompt_tokens, request.max_tokens)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is None or request.status.finished:
+            return None
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._finish(request)
+        return request
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step --------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        now = time.monotonic()
+
+        if self.config.policy == "static" and not self.running:
+            self._form_static_batch(now)
+        running = list(self.running)
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = running.pop()  # the latest arrival among those not yet served this step
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, n))
+                budget -= n
+                i += 1
+
+        if not out.preempted and self.config.policy == "continuous":
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self.waiting[0]
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not self.kv.allocate_slots(req, n):
+                    break
+                self.waiting.popleft()
+                req.status = RequestStatus.RUNNING
+                req.first_scheduled_time = req.first_scheduled_time or now
+                self.running.append(req)
+                out.scheduled.append(ScheduledRequest(req, n))
+                budget -= n
+        return out
+
+    def _form_static_batch(self, now: float) -> None:
+        """Static batching: a fixed batch joins together and no one else joins until all of it has ended."""
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            req.first_scheduled_time = req.first_scheduled_time or now
+            self.running.append(req)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- after the forward pass ------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, tuple[int, dict[int, float] | None]]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens; return the requests that finished this step."""
+        finished = []
+        now = time.monotonic()
+        for s in out.scheduled:
+            req = s.request
+            if req.status.finished:  # aborted while its step ran
+                continue
+            req.num_computed_tokens += s.num_new_tokens
+            if req.request_id not in sampled:
+                continue
+            token, logprobs = sampled[req.request_id]
+            req.output_token_ids.append(token)
+            if logprobs is not None:
+                req.output_logprobs.append(logprobs)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if req.check_stop():
+                self._finish(req)
+                finished.append(req)
+        return finished
+
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason: str | None = None) -> None:
+        """Finish from outside the step (a stop string found by the detokenizer)."""
+        req = self.requests.get(request_id)
+        if req is not None and not req.status.finished:
+            req.status = status
+            req.stop_reason = stop_reason
+            self._finish(req)
+
+    def _finish(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in self.waiting),
+            kv_usage=self.kv.usage,
+            num_preemptions_total=self.num_preemptions,
+        )

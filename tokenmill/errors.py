@@ -1,0 +1,29 @@
+"""One exception type per failure a user can cause; the server maps them to HTTP status in one place."""
+
+
+class TokenmillError(Exception):
+    """Base of every error tokenmill raises on purpose."""
+
+
+class ConfigError(TokenmillError, ValueError):
+    """A flag or constructor argument is invalid; the message names the flag to change."""
+
+
+class ModelLoadError(TokenmillError):
+    """A model path is missing, corrupt or of an unsupported architecture."""
+
+
+class InvalidRequest(TokenmillError, ValueError):
+    """A request field is out of range; `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class ContextTooLong(InvalidRequest):
+    """Prompt plus max_tokens exceed the context window or the KV pool."""
+
+
+class ServerOverloaded(TokenmillError):
+    """The waiting queue is full; try again later."""

@@ -1,0 +1,106 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2) over a flat token batch with a paged KV cache.
+
+The model knows nothing about requests: it sees token ids, positions, attention metadata and the caches.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.config import ModelConfig
+from tokenmill.model.attention import AttentionMetadata, paged_attention
+from tokenmill.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta)
+        return self.o_proj(out.view(t, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, meta, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary: RotaryEmbedding | None = None  # built by init_rotary once the model is on its device
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def init_rotary(self, device: torch.device) -> None:
+        cfg = self.config
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary.to(device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm for every token of the flat batch."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.tables(positions, x.dtype)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, meta, kv)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Every parameter must be covered."""
+        cfg, loaded = self.config, set()
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise KeyError(f"checkpoint is missing tensor {name}")
+            loaded.add(name)
+            return weights[name]
+
+        self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
+        self.norm.weight.copy_(take("model.norm.weight"))
+        if self.lm_head is not None:
+            self.lm_head.weight.copy_(take("lm_head.weight"))
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
+            layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+            attn = layer.self_attn
+            attn.qkv_proj.weight.copy_(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+            if cfg.attention_bias:
+                attn.qkv_proj.bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+            attn.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
+            mlp = layer.mlp
+            mlp.gate_up_proj.weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
+            mlp.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
+        unused = set(weights) - loaded - {"lm_head.weight"}
+        unused = {n for n in unused if not n.endswith("rotary_emb.inv_freq")}
+        if unused:
+            raise KeyError(f"checkpoint has tensors this model does not use: {sorted(unused)[:5]}")

@@ -1,0 +1,77 @@
+"""SamplingParams: vLLM's names and defaults, validated once when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.errors import InvalidRequest
+
+MAX_LOGPROBS = 20
+MAX_N = 64
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request. temperature 0 means greedy."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the context window
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per generated token (0 = just the sampled one)
+    skip_special_tokens: bool = True
+    stop_list: list[str] = field(init=False, repr=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]")
+        self._check(self.temperature >= 0, "temperature", "must be >= 0 (0 means greedy)")
+        self._check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        self._check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k",
+                    "must be -1 or 0 (disabled) or a positive integer")
+        self._check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        self._check(self.repetition_penalty > 0, "repetition_penalty", "must be > 0 (1 = off)")
+        self._check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
+        self._check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
+        if self.max_tokens is not None:
+            self._check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
+                        "must be an integer >= 1")
+        self._check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        if self.max_tokens is not None:
+            self._check(self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens")
+        if self.logprobs is not None:
+            self._check(isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+                        f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.seed is not None:
+            self._check(isinstance(self.seed, int) and 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self._check(all(isinstance(s, str) and s for s in stops), "stop", "must be non-empty strings")
+        self.stop_list = stops
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+                    "must be non-negative token ids")
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @staticmethod
+    def _check(ok: bool, param: str, rule: str) -> None:
+        if not ok:
+            raise InvalidRequest(f"{param} {rule}", param=param)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
