@@ -1,0 +1,1 @@
+"""Test helpers that build small models (not tests themselves)."""

@@ -1,0 +1,121 @@
+"""Tiny random-weight Llama-family models saved as Hugging Face directories, for fast exact tests.
+
+Each directory holds config.json, model.safetensors, generation_config.json and SmolLM2's tokenizer
+(with its chat template), so `LLM(model=dir)`, `load_weights(dir)` and `Tokenizer.load(dir)` all work,
+and transformers can run the same model as a reference.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SMOLLM2_VOCAB = 49152
+BOS_ID, EOS_ID = 1, 2  # SmolLM2's <|im_start|> and <|im_end|>
+
+
+@lru_cache(maxsize=1)
+def smollm2_tokenizer() -> Any:
+    """SmolLM2's tokenizer (a transformers fast tokenizer), built once from the bundled GGUF."""
+    from tokenmill.model.loader import default_model_path
+    from tokenmill.tokenizer import Tokenizer
+
+    return Tokenizer.load(default_model_path()).hf_tokenizer
+
+
+def _hf_config(arch: str, **kw: Any) -> Any:
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    if arch == "llama":
+        return LlamaConfig(**kw)
+    if arch == "mistral":
+        return MistralConfig(sliding_window=None, **kw)  # plain causal attention, like the engine
+    if arch == "qwen2":
+        return Qwen2Config(use_sliding_window=False, **kw)  # q/k/v always carry a bias
+    raise ValueError(f"unknown tiny arch {arch!r}; use llama, qwen2 or mistral")
+
+
+@torch.no_grad()
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights with spread, so tests can tell right from wrong.
+
+    Logits get a std of ~3 (the 0.02 default init gives near-uniform ones); input projections are
+    unit-gain; the residual-writing o_proj/down_proj are 4x louder, so layers outweigh the tied input
+    embedding and greedy decoding does not just repeat the last token; norms and biases sit away from
+    1 and 0, so a mis-mapped norm or bias changes the output.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            p.copy_(1.0 + 0.1 * noise)
+        elif name.endswith(".bias"):
+            p.copy_(0.1 * noise)
+        elif "embed_tokens" in name or name.startswith("lm_head"):
+            p.copy_(0.4 * noise)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            p.copy_(4.0 * noise / math.sqrt(p.shape[-1]))
+        else:
+            p.copy_(noise / math.sqrt(p.shape[-1]))
+
+
+def _next_free_dir(root: Path, arch: str) -> Path:
+    n = 0
+    while (root / f"tiny-{arch}-{n}").exists():
+        n += 1
+    return root / f"tiny-{arch}-{n}"
+
+
+def make_tiny_model(
+    tmp_path: Path,
+    *,
+    arch: str = "llama",
+    num_heads: int = 4,
+    num_kv_heads: int = 4,
+    tie_word_embeddings: bool = True,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    vocab_size: int | None = None,
+    seed: int = 0,
+    rope_scaling: dict[str, Any] | None = None,
+    rope_theta: float = 10000.0,
+    max_position_embeddings: int = 2048,
+) -> Path:
+    """Build, save and return a new directory `tmp_path/tiny-{arch}-{n}` holding a random model.
+
+    GQA when num_kv_heads < num_heads. vocab_size None uses SmolLM2's 49152 so text prompts work; a
+    smaller vocab_size keeps the same tokenizer, so feed such a model token ids below vocab_size.
+    rope_scaling is a HF dict such as {"rope_type": "llama3", "factor": 8.0, ...}.
+    """
+    from transformers import AutoModelForCausalLM
+
+    rope = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": rope_theta}
+    config = _hf_config(
+        arch,
+        vocab_size=vocab_size or SMOLLM2_VOCAB,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_parameters=rope,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=EOS_ID,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, seed)
+    out = _next_free_dir(Path(tmp_path), arch)
+    model.save_pretrained(out, safe_serialization=True)
+    smollm2_tokenizer().save_pretrained(out)
+    return out

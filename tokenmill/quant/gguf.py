@@ -1,0 +1,304 @@
+"""GGUF files: a lean container reader and torch dequantizers for the GGML block formats.
+
+Why our own reader: `gguf.GGUFReader` builds a numpy view per metadata string and takes ~3-5 s on the
+49k-token SmolLM2 vocabulary; parsing the header with `struct` takes a fraction of a second.
+Why our own dequantizers: they are vectorized torch ops (fast at load), and a later quantized kernel
+path keeps these same block layouts.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from tokenmill.errors import ModelLoadError
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+
+# GGUF metadata value types (gguf spec): fixed-size scalars by struct format; 8 = string, 9 = array.
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                   10: "<Q", 11: "<q", 12: "<d"}
+_NUMPY_DTYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
+                 6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+_STRING, _ARRAY = 8, 9
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reading the container
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """Where one tensor's bytes live; `shape` is in torch order (GGUF stores ggml's reversed `ne`)."""
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: int
+    offset: int  # absolute, from the start of the file
+    nbytes: int
+
+
+class _Cursor:
+    """Bounds-checked little-endian reads over a buffer, so a truncated header fails with a clear message."""
+
+    def __init__(self, buf: Any, size: int):
+        self.buf, self.size, self.pos = buf, size, 0
+
+    def take(self, n: int) -> int:
+        if n < 0 or self.pos + n > self.size:
+            raise ValueError(f"unexpected end of header at byte {self.pos}, wanted {n} more bytes (truncated?)")
+        start = self.pos
+        self.pos += n
+        return start
+
+    def scalar(self, fmt: str) -> Any:
+        start = self.take(struct.calcsize(fmt))
+        return struct.unpack_from(fmt, self.buf, start)[0]
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        start = self.take(n)
+        return bytes(self.buf[start:start + n]).decode("utf-8")
+
+    def value(self, vtype: int) -> Any:
+        if vtype in _SCALAR_FORMATS:
+            return self.scalar(_SCALAR_FORMATS[vtype])
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            return self.array()
+        raise ValueError(f"unknown metadata value type {vtype}")
+
+    def array(self) -> list[Any]:
+        etype, count = self.scalar("<I"), self.scalar("<Q")
+        if count > self.size - self.pos:  # every element takes at least one byte
+            raise ValueError(f"array of {count} elements runs past the end of the file (truncated?)")
+        if etype in _NUMPY_DTYPES:
+            dtype = np.dtype(_NUMPY_DTYPES[etype]).newbyteorder("<")
+            start = self.take(count * dtype.itemsize)
+            return np.frombuffer(self.buf, dtype=dtype, count=count, offset=start).tolist()
+        return [self.value(etype) for _ in range(count)]
+
+
+@dataclass
+class GGUFFile:
+    """A parsed GGUF header: metadata and tensor locations. Tensor bytes are read on demand."""
+
+    path: Path
+    version: int
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensorInfo]
+
+    @classmethod
+    def open(cls, path: Path | str) -> GGUFFile:
+        """Parse the header; any malformed or truncated file raises ModelLoadError naming it."""
+        path = Path(path)
+        try:
+            with open(path, "rb") as f:
+                size = f.seek(0, 2)
+                if size < 24:
+                    raise ValueError(f"file is {size} bytes, too small for a GGUF header")
+                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                    parsed = _parse_header(mm, size)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+        except (OSError, ValueError, struct.error, UnicodeDecodeError, KeyError, OverflowError) as e:
+            raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+        version, metadata, tensors = parsed
+        return cls(path=path, version=version, metadata=metadata, tensors=tensors)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    def read_raw(self, name: str) -> torch.Tensor:
+        """The tensor's bytes as a writable uint8 tensor (a private copy: nothing pins the file)."""
+        info = self.tensors[name]
+        buf = torch.empty(info.nbytes, dtype=torch.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(info.offset)
+            got = f.readinto(buf.numpy())
+        if got != info.nbytes:
+            raise ModelLoadError(f"GGUF file {self.path} is truncated inside tensor {name!r}")
+        return buf
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        """The tensor dequantized to float32, in torch shape order."""
+        info = self.tensors[name]
+        return dequantize(self.read_raw(name), info.ggml_type, info.shape)
+
+
+def _parse_header(buf: Any, size: int) -> tuple[int, dict[str, Any], dict[str, GGUFTensorInfo]]:
+    cur = _Cursor(buf, size)
+    magic = bytes(buf[0:4])
+    cur.take(4)
+    if magic != GGUF_MAGIC:
+        raise ValueError(f"not a GGUF file (magic bytes {magic!r}, expected {GGUF_MAGIC!r})")
+    version = cur.scalar("<I")
+    if version not in (2, 3):
+        raise ValueError(f"unsupported GGUF version {version} (supported: 2, 3)")
+    n_tensors, n_kv = cur.scalar("<Q"), cur.scalar("<Q")
+    if n_tensors > size or n_kv > size:
+        raise ValueError(f"implausible counts ({n_tensors} tensors, {n_kv} metadata keys)")
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        metadata[key] = cur.value(cur.scalar("<I"))
+    raw_infos = [_read_tensor_info(cur) for _ in range(n_tensors)]
+    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"invalid general.alignment {alignment}")
+    data_start = -(-cur.pos // alignment) * alignment
+    tensors: dict[str, GGUFTensorInfo] = {}
+    for name, shape, ggml_type, rel_offset in raw_infos:
+        info = GGUFTensorInfo(name, shape, ggml_type, data_start + rel_offset, tensor_nbytes(ggml_type, shape))
+        if info.offset + info.nbytes > size:
+            raise ValueError(f"truncated: tensor {name!r} ends at byte {info.offset + info.nbytes}, "
+                             f"the file has {size} bytes")
+        tensors[name] = info
+    return version, metadata, tensors
+
+
+def _read_tensor_info(cur: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
+    name = cur.string()
+    n_dims = cur.scalar("<I")
+    if n_dims > 8:
+        raise ValueError(f"tensor {name!r} claims {n_dims} dimensions")
+    ne = [cur.scalar("<Q") for _ in range(n_dims)]
+    ggml_type, offset = cur.scalar("<I"), cur.scalar("<Q")
+    return name, tuple(reversed(ne)), ggml_type, offset
+
+
+def tensor_nbytes(ggml_type: int, shape: Sequence[int]) -> int:
+    """Bytes a tensor of this type and (torch-order) shape occupies; rows must hold whole blocks."""
+    block, type_size = _block_layout(ggml_type)
+    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if shape and shape[-1] % block:
+        raise ValueError(f"row length {shape[-1]} is not a multiple of the {_type_name(ggml_type)} "
+                         f"block size {block}")
+    return n // block * type_size
+
+
+def _block_layout(ggml_type: int) -> tuple[int, int]:
+    try:
+        return GGML_QUANT_SIZES[GGMLQuantizationType(int(ggml_type))]
+    except (ValueError, KeyError):
+        raise ModelLoadError(f"unknown GGML tensor type {int(ggml_type)}; supported: "
+                             f"{', '.join(SUPPORTED_TYPE_NAMES)} (others via the gguf package)") from None
+
+
+def _type_name(ggml_type: int) -> str:
+    try:
+        return GGMLQuantizationType(int(ggml_type)).name
+    except ValueError:
+        return f"type {int(ggml_type)}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Dequantizing
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The fp16 stored at bytes [start, start+2) of every block, as float32 of shape [n_blocks, 1]."""
+    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+
+
+def _unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """16 packed bytes per block -> 32 float32 values: low nibbles are elements 0..15, high ones 16..31.
+
+    Written into one preallocated output (no torch.cat, no temporary float copies): load time is
+    dominated by allocation and memory traffic, not arithmetic.
+    """
+    out = torch.empty(qs.shape[0], 32, dtype=torch.float32)
+    out[:, :16].copy_(qs & 0x0F)
+    out[:, 16:].copy_(qs >> 4)
+    return out
+
+
+def _deq_f32(raw: torch.Tensor) -> torch.Tensor:
+    return raw.view(torch.float32).clone()
+
+
+def _deq_f16(raw: torch.Tensor) -> torch.Tensor:
+    return raw.view(torch.float16).float()
+
+
+def _deq_bf16(raw: torch.Tensor) -> torch.Tensor:
+    return raw.view(torch.bfloat16).float()
+
+
+def _deq_q8_0(raw: torch.Tensor) -> torch.Tensor:
+    blocks = raw.view(-1, 34)
+    out = torch.empty(blocks.shape[0], 32, dtype=torch.float32)
+    out.copy_(blocks[:, 2:].contiguous().view(torch.int8))
+    return out.mul_(_half(blocks, 0))
+
+
+def _deq_q4_0(raw: torch.Tensor) -> torch.Tensor:
+    blocks = raw.view(-1, 18)
+    return _unpack_nibbles(blocks[:, 2:]).sub_(8.0).mul_(_half(blocks, 0))
+
+
+def _deq_q4_1(raw: torch.Tensor) -> torch.Tensor:
+    blocks = raw.view(-1, 20)
+    # q*d then +m: two roundings, like ggml's reference (no fused multiply-add)
+    return _unpack_nibbles(blocks[:, 4:]).mul_(_half(blocks, 0)).add_(_half(blocks, 2))
+
+
+_DEQUANTIZERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
+    GGMLQuantizationType.F32: _deq_f32,
+    GGMLQuantizationType.F16: _deq_f16,
+    GGMLQuantizationType.BF16: _deq_bf16,
+    GGMLQuantizationType.Q8_0: _deq_q8_0,
+    GGMLQuantizationType.Q4_0: _deq_q4_0,
+    GGMLQuantizationType.Q4_1: _deq_q4_1,
+}
+SUPPORTED_TYPE_NAMES = tuple(GGMLQuantizationType(t).name for t in _DEQUANTIZERS)
+
+
+def dequantize(raw: np.ndarray | torch.Tensor, ggml_type: int, shape: Sequence[int]) -> torch.Tensor:
+    """Decode a tensor's raw GGML bytes into a float32 tensor of `shape` (torch order, blocks along rows)."""
+    shape = tuple(int(s) for s in shape)
+    raw_u8 = _as_uint8(raw)
+    expected = tensor_nbytes(ggml_type, shape)
+    if raw_u8.numel() != expected:
+        raise ModelLoadError(f"{_type_name(ggml_type)} tensor of shape {list(shape)} needs {expected} bytes, "
+                             f"got {raw_u8.numel()}")
+    fn = _DEQUANTIZERS.get(int(ggml_type))
+    out = fn(raw_u8) if fn is not None else _dequantize_with_gguf(raw_u8, int(ggml_type), shape)
+    return out.reshape(shape)
+
+
+def _as_uint8(raw: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """A flat, contiguous uint8 view of any array's bytes (the reader may hand typed F32/F16 arrays)."""
+    if isinstance(raw, np.ndarray):
+        arr = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+        if not arr.flags.writeable:
+            arr = arr.copy()  # torch warns on read-only memory (e.g. a memmap)
+        return torch.from_numpy(arr)
+    return raw.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _dequantize_with_gguf(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Types we do not decode ourselves (K-quants, IQ...): the gguf package's numpy reference."""
+    from gguf import quants
+
+    block, type_size = _block_layout(ggml_type)
+    rows = raw.numpy().reshape(-1, shape[-1] // block * type_size) if shape else raw.numpy()
+    try:
+        out = quants.dequantize(rows, GGMLQuantizationType(ggml_type))
+    except NotImplementedError:
+        raise ModelLoadError(f"GGML tensor type {_type_name(ggml_type)} is not supported; supported: "
+                             f"{', '.join(SUPPORTED_TYPE_NAMES)} and the K/IQ quants the gguf package "
+                             f"decodes") from None
+    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32))
