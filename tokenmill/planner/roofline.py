@@ -1,0 +1,293 @@
+"""Memory fit and roofline timing of one deployment: a model on `tp x pp` devices of one kind.
+
+The model, stated once:
+
+* Memory per device = weights / (tp x pp) + a runtime reserve + KV cache. The reserve
+  (RUNTIME_RESERVE_FRACTION of device memory: CUDA context, activations, allocator fragmentation, CUDA
+  graphs) matches vLLM's default gpu_memory_utilization of 0.9. Everything left holds KV blocks.
+* KV bytes per token = 2 (K and V) x layers x KV heads x head_dim x bytes. Grouped-query attention
+  stores the KV heads, not the query heads. Tensor parallelism splits the KV heads across ranks; when
+  tp > KV heads each KV head is replicated on tp / KV heads ranks (as vLLM does), so a rank still holds
+  one head per layer.
+* A decode step at batch B reads the weights once and each sequence's KV cache once, and does
+  2 x params x B matmul FLOPs plus 4 x layers x heads x head_dim x context x B attention FLOPs. The step
+  takes max(bytes / bandwidth, FLOPs / peak): the larger wins (roofline). Tensor parallelism divides
+  both the bytes and the FLOPs by tp. The all-reduce traffic of TP (2 per layer, B x hidden values each)
+  is not modelled: on NVLink/Infinity Fabric it costs a few percent at small batch; on PCIe (L40S) it is
+  larger.
+* Pipeline parallelism splits the layers (and their KV) over pp stages, so it divides memory, but a
+  token still passes through every stage in turn: the decode step latency stays the whole model's at the
+  given tp, and with one batch in flight the deployment's throughput is the same as without pp (a
+  conservative choice: interleaving pp micro-batches could approach pp x, if the memory for pp x B
+  sequences is there). Tokens/s per device therefore drops with pp; use pp only to fit.
+* Prefill of L tokens (one prompt): 2 x params x L + 2 x layers x heads x head_dim x L^2 (causal
+  attention) FLOPs against reading the weights once and writing L tokens of KV.
+* Efficiency: BANDWIDTH_EFFICIENCY and COMPUTE_EFFICIENCY scale the datasheet peaks. Both default to
+  1.0, the pure roofline; measured engines reach roughly 0.7-0.85 of peak bandwidth and 0.5-0.7 of peak
+  FLOPs, so real steps are slower. --bandwidth-efficiency / --compute-efficiency change them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from tokenmill.planner.common import PlanError, fmt_bytes, kv_bytes_per_element, weight_bytes_per_param
+from tokenmill.planner.hardware import Hardware
+from tokenmill.planner.models import ModelShape
+
+RUNTIME_RESERVE_FRACTION = 0.10
+BANDWIDTH_EFFICIENCY = 1.0
+COMPUTE_EFFICIENCY = 1.0
+TP_CANDIDATES = (1, 2, 4, 8)  # one node's worth of devices
+SECONDS_PER_HOUR = 3600.0
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What to plan: a device kind, the parallelism, the dtypes and the workload (context, batch)."""
+
+    hardware: Hardware
+    tp: int = 1
+    pp: int = 1
+    dtype: str | None = None  # None: the model's own (bf16, or a GGUF's actual tensor bytes)
+    kv_dtype: str = "bf16"
+    context: int = 8192
+    batch: int = 1
+    bandwidth_efficiency: float = BANDWIDTH_EFFICIENCY
+    compute_efficiency: float = COMPUTE_EFFICIENCY
+    reserve_fraction: float = RUNTIME_RESERVE_FRACTION
+
+    @property
+    def n_devices(self) -> int:
+        return self.tp * self.pp
+
+
+@dataclass
+class Plan:
+    """Every figure `tokenmill plan` prints; `to_dict` is the --json object."""
+
+    model: str
+    gpu: str
+    gpu_name: str
+    tp: int
+    pp: int
+    n_gpus: int
+    dtype: str
+    kv_dtype: str
+    context: int
+    batch: int
+    params: int
+    weights_bytes: int
+    weights_bytes_per_gpu: int
+    memory_bytes_per_gpu: int
+    reserve_bytes_per_gpu: int
+    kv_budget_bytes_per_gpu: int
+    kv_bytes_per_token: int
+    kv_bytes_per_token_per_gpu: int
+    kv_bytes_per_sequence: int
+    kv_bytes_per_sequence_per_gpu: int
+    weights_fit: bool
+    fits: bool
+    max_concurrent_sequences: int
+    min_tp_to_fit: int | None
+    decode_step_ms: float
+    decode_bound: str
+    decode_bytes_per_gpu: float
+    decode_flops_per_gpu: float
+    prefill_ms: float
+    prefill_bound: str
+    tokens_per_s: float
+    tokens_per_s_per_gpu: float
+    usd_per_hour_per_gpu: float | None
+    usd_per_million_tokens: float | None
+    bandwidth_bytes_per_s: float
+    peak_flops: float
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# -- validation ----------------------------------------------------------------------------------
+
+def valid_tp_degrees(model: ModelShape) -> list[int]:
+    """TP degrees the model's heads allow: divisors of the query heads that shard or replicate KV heads."""
+    return [d for d in range(1, model.num_heads + 1)
+            if model.num_heads % d == 0 and (model.num_kv_heads % d == 0 or d % model.num_kv_heads == 0)]
+
+
+def validate(model: ModelShape, dep: Deployment) -> None:
+    """Reject impossible deployments with a message naming the flag."""
+    sizes = (("--tp", dep.tp), ("--pp", dep.pp), ("--context", dep.context), ("--batch", dep.batch))
+    for flag, value in sizes:
+        if not isinstance(value, int) or value < 1:
+            raise PlanError(f"{flag} must be a positive integer, got {value}")
+    if dep.tp not in valid_tp_degrees(model):
+        raise PlanError(
+            f"--tp {dep.tp} does not divide the {model.num_heads} attention heads "
+            f"({model.num_kv_heads} KV heads) of {model.name}; valid TP degrees: "
+            f"{', '.join(map(str, valid_tp_degrees(model)))}")
+    if dep.pp > model.num_layers:
+        raise PlanError(f"--pp {dep.pp} exceeds the {model.num_layers} layers of {model.name}")
+    if dep.dtype is not None:
+        weight_bytes_per_param(dep.dtype)
+    kv_bytes_per_element(dep.kv_dtype)
+    for flag, frac in (("--bandwidth-efficiency", dep.bandwidth_efficiency),
+                       ("--compute-efficiency", dep.compute_efficiency)):
+        if not 0 < frac <= 1:
+            raise PlanError(f"{flag} must be in (0, 1], got {frac}")
+    if not 0 <= dep.reserve_fraction < 1:
+        raise PlanError(f"--reserve-fraction must be in [0, 1), got {dep.reserve_fraction}")
+
+
+# -- memory --------------------------------------------------------------------------------------
+
+def kv_bytes_per_token(model: ModelShape, kv_dtype: str) -> int:
+    """2 x layers x KV heads x head_dim x bytes (the whole model, one token)."""
+    return model.kv_elements_per_token() * kv_bytes_per_element(kv_dtype)
+
+
+def kv_heads_per_rank(model: ModelShape, tp: int) -> int:
+    """KV heads one TP rank stores: sharded while tp <= KV heads, then one replicated head."""
+    return max(model.num_kv_heads // tp, 1)
+
+
+def kv_bytes_per_token_per_gpu(model: ModelShape, tp: int, pp: int, kv_dtype: str) -> int:
+    """One token's KV on the most loaded device (pp stages split layers; the first stages get the extra)."""
+    layers = math.ceil(model.num_layers / pp)
+    return 2 * layers * kv_heads_per_rank(model, tp) * model.head_dim * kv_bytes_per_element(kv_dtype)
+
+
+def memory_fit(model: ModelShape, dep: Deployment) -> tuple[int, int, int, int]:
+    """(weights per device, reserve, bytes left for KV, sequences of length `context` that fit)."""
+    weights_per_gpu = math.ceil(model.weight_bytes(dep.dtype) / dep.n_devices)
+    reserve = int(dep.hardware.memory_bytes * dep.reserve_fraction)
+    budget = dep.hardware.memory_bytes - reserve - weights_per_gpu
+    per_seq = kv_bytes_per_token_per_gpu(model, dep.tp, dep.pp, dep.kv_dtype) * dep.context
+    return weights_per_gpu, reserve, budget, max(budget // per_seq, 0)
+
+
+def min_tp_to_fit(model: ModelShape, dep: Deployment) -> int | None:
+    """Smallest TP in 1, 2, 4, 8 (allowed by the heads) that holds the weights and one sequence."""
+    for tp in TP_CANDIDATES:
+        if tp in valid_tp_degrees(model) and memory_fit(model, replace(dep, tp=tp))[3] >= 1:
+            return tp
+    return None
+
+
+# -- time ----------------------------------------------------------------------------------------
+
+def _rates(model: ModelShape, dep: Deployment) -> tuple[float, float]:
+    bw = dep.hardware.bandwidth_bytes_per_s * dep.bandwidth_efficiency
+    weight_dtype = dep.dtype or model.default_dtype
+    peak = dep.hardware.peak_flops(weight_dtype) * dep.compute_efficiency
+    return bw, peak
+
+
+def _decode_weight_bytes(model: ModelShape, dep: Deployment) -> float:
+    return model.weight_bytes(dep.dtype) * model.decode_params / model.params
+
+
+def decode_cost(model: ModelShape, dep: Deployment, batch: int | None = None) -> tuple[float, float]:
+    """(bytes, FLOPs) per device of one decode step, summed over the pipeline stages."""
+    b = dep.batch if batch is None else batch
+    kv_rank = kv_bytes_per_token_per_gpu(model, dep.tp, 1, dep.kv_dtype)
+    nbytes = _decode_weight_bytes(model, dep) / dep.tp + b * dep.context * kv_rank
+    attn = 4 * model.num_layers * model.num_heads * model.head_dim * dep.context * b
+    flops = (2 * model.decode_params * b + attn) / dep.tp
+    return nbytes, flops
+
+
+def decode_step_seconds(model: ModelShape, dep: Deployment, batch: int | None = None) -> tuple[float, str]:
+    """(seconds, "memory" | "compute") of one decode step at batch B."""
+    nbytes, flops = decode_cost(model, dep, batch)
+    bw, peak = _rates(model, dep)
+    t_mem, t_compute = nbytes / bw, flops / peak
+    return (t_mem, "memory") if t_mem >= t_compute else (t_compute, "compute")
+
+
+def prefill_seconds(model: ModelShape, dep: Deployment) -> tuple[float, str]:
+    """(seconds, bound) of prefilling one prompt of `context` tokens."""
+    n = dep.context
+    attn = 2 * model.num_layers * model.num_heads * model.head_dim * n * n
+    flops = (2 * model.body_params * n + 2 * model.lm_head_params + attn) / dep.tp
+    kv_write = n * kv_bytes_per_token_per_gpu(model, dep.tp, 1, dep.kv_dtype)
+    nbytes = _decode_weight_bytes(model, dep) / dep.tp + kv_write
+    bw, peak = _rates(model, dep)
+    t_mem, t_compute = nbytes / bw, flops / peak
+    return (t_mem, "memory") if t_mem >= t_compute else (t_compute, "compute")
+
+
+def usd_per_million(usd_per_hour_total: float | None, tokens_per_s: float) -> float | None:
+    """Cost of a million output tokens at a steady `tokens_per_s`."""
+    if usd_per_hour_total is None or tokens_per_s <= 0:
+        return None
+    return usd_per_hour_total / SECONDS_PER_HOUR / tokens_per_s * 1e6
+
+
+# -- the plan ------------------------------------------------------------------------------------
+
+def plan(model: ModelShape, dep: Deployment) -> Plan:
+    """All figures for one deployment (raises PlanError for impossible inputs)."""
+    validate(model, dep)
+    hw = dep.hardware
+    weights_per_gpu, reserve, budget, max_seqs = memory_fit(model, dep)
+    kv_tok = kv_bytes_per_token(model, dep.kv_dtype)
+    kv_tok_gpu = kv_bytes_per_token_per_gpu(model, dep.tp, dep.pp, dep.kv_dtype)
+    step_s, bound = decode_step_seconds(model, dep)
+    prefill_s, prefill_bound = prefill_seconds(model, dep)
+    nbytes, flops = decode_cost(model, dep)
+    bw, peak = _rates(model, dep)
+    tps = dep.batch / step_s
+    price = hw.usd_per_hour
+    result = Plan(
+        model=model.name, gpu=hw.key, gpu_name=hw.name, tp=dep.tp, pp=dep.pp, n_gpus=dep.n_devices,
+        dtype=model.dtype_label(dep.dtype), kv_dtype=dep.kv_dtype, context=dep.context, batch=dep.batch,
+        params=model.params, weights_bytes=model.weight_bytes(dep.dtype),
+        weights_bytes_per_gpu=weights_per_gpu,
+        memory_bytes_per_gpu=hw.memory_bytes, reserve_bytes_per_gpu=reserve,
+        kv_budget_bytes_per_gpu=max(budget, 0),
+        kv_bytes_per_token=kv_tok, kv_bytes_per_token_per_gpu=kv_tok_gpu,
+        kv_bytes_per_sequence=kv_tok * dep.context, kv_bytes_per_sequence_per_gpu=kv_tok_gpu * dep.context,
+        weights_fit=budget >= 0, fits=max_seqs >= 1, max_concurrent_sequences=int(max_seqs),
+        min_tp_to_fit=min_tp_to_fit(model, dep),
+        decode_step_ms=step_s * 1e3, decode_bound=bound,
+        decode_bytes_per_gpu=nbytes, decode_flops_per_gpu=flops,
+        prefill_ms=prefill_s * 1e3, prefill_bound=prefill_bound,
+        tokens_per_s=tps, tokens_per_s_per_gpu=tps / dep.n_devices,
+        usd_per_hour_per_gpu=price,
+        usd_per_million_tokens=usd_per_million(None if price is None else price * dep.n_devices, tps),
+        bandwidth_bytes_per_s=bw, peak_flops=peak,
+    )
+    result.warnings = _warnings(model, dep, result)
+    return result
+
+
+def _warnings(model: ModelShape, dep: Deployment, p: Plan) -> list[str]:
+    out = []
+    if not p.weights_fit:
+        out.append(f"the weights ({fmt_bytes(p.weights_bytes_per_gpu)} per device) do not fit in "
+                   f"{fmt_bytes(p.memory_bytes_per_gpu)} less the {dep.reserve_fraction:.0%} runtime reserve")
+    elif not p.fits:
+        out.append(f"the weights fit, but not one sequence of {dep.context} tokens "
+                   f"({fmt_bytes(p.kv_bytes_per_sequence_per_gpu)} of KV per device)")
+    if not p.fits:
+        if p.min_tp_to_fit:
+            out.append(f"does not fit at tp={dep.tp}; smallest TP that fits: {p.min_tp_to_fit}")
+        else:
+            out.append(f"no TP degree up to {TP_CANDIDATES[-1]} fits: add pipeline stages (--pp) "
+                       "or quantise (--dtype)")
+    elif dep.batch > p.max_concurrent_sequences:
+        out.append(f"--batch {dep.batch} exceeds the {p.max_concurrent_sequences} sequences of {dep.context} "
+                   "tokens whose KV fits; the figures assume it anyway")
+    if model.max_context and dep.context > model.max_context:
+        out.append(f"--context {dep.context} exceeds the model's {model.max_context}-token context window")
+    if dep.tp > model.num_kv_heads:
+        out.append(f"tp {dep.tp} > {model.num_kv_heads} KV heads: each KV head is replicated on "
+                   f"{dep.tp // model.num_kv_heads} devices")
+    if dep.dtype == "fp8" and dep.hardware.fp8_flops is None:
+        out.append(f"{dep.hardware.name} has no FP8 tensor cores: fp8 saves memory but computes "
+                   "at the BF16 rate")
+    return out
