@@ -22,9 +22,18 @@ from tokenmill.request import Request, RequestStatus
 
 log = logging.getLogger("tokenmill")
 
-# Measured on the 2-core AVX512-BF16 machine (benchmarks/dtype_choice.py, BENCHMARKS.md): bf16 is faster
-# for batched serving and matches float32's greedy output on the default model's test prompts.
-AUTO_DTYPE = "bfloat16"
+
+
+def auto_dtype(device: str) -> str:
+    """bfloat16 where the hardware computes it natively (GPUs; CPUs with AVX512-BF16/AMX), else float32.
+    On a CPU without native bf16, bf16 matmuls are emulated and run about 2x slower than float32
+    (measured: BENCHMARKS.md, "dtype")."""
+    if torch.device(device).type != "cpu":
+        return "bfloat16"
+    try:
+        return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
+    except (AttributeError, RuntimeError):
+        return "float32"
 
 
 @dataclass
@@ -72,7 +81,7 @@ class EngineCore:
         path = resolve_model_path(config.model)
         self.model_path = path
         self.model_config: ModelConfig = load_model_config(path)
-        self.dtype = DTYPES[AUTO_DTYPE if config.dtype == "auto" else config.dtype]
+        self.dtype = DTYPES[auto_dtype(config.device) if config.dtype == "auto" else config.dtype]
         weights = load_weights(path, self.model_config)
         mc, cc = self.model_config, config.cache
         per_token = kv_bytes_per_token(mc, self.dtype)

@@ -14,7 +14,7 @@ import torch
 from tokenmill.config import ModelConfig
 from tokenmill.engine.sampler import Sampler, SamplingRow
 from tokenmill.engine.scheduler import ScheduledRequest, SchedulerOutput
-from tokenmill.model.attention import AttentionMetadata, PrefillSpan
+from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.registry import model_class
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -31,7 +31,8 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str,
-                 num_blocks: int, block_size: int, seed: int = 0):
+                 num_blocks: int, block_size: int, seed: int = 0, use_kernel: bool = True):
+        self.use_kernel = use_kernel
         self.cfg, self.dtype, self.device, self.block_size = cfg, dtype, torch.device(device), block_size
         with torch.device("meta"):
             model = model_class(cfg)(cfg)
@@ -62,9 +63,10 @@ class ModelRunner:
     # ---- one step ----------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
-        decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
-        ordered = decodes + prefills
+        # Paged tokens (decodes, later prefill chunks) first, then fresh prefills: see model/attention.py.
+        paged = [s for s in out.scheduled if s.request.num_computed_tokens > 0 or s.num_new_tokens == 1]
+        fresh = [s for s in out.scheduled if s.request.num_computed_tokens == 0 and s.num_new_tokens > 1]
+        ordered = paged + fresh
         input_ids, positions, slots = [], [], []
         bs = self.block_size
         for s in ordered:
@@ -73,12 +75,12 @@ class ModelRunner:
             for p in range(start, start + s.num_new_tokens):
                 positions.append(p)
                 slots.append(req.block_ids[p // bs] * bs + p % bs)
-        meta = AttentionMetadata(slot_mapping=self._long(slots), num_decodes=len(decodes))
-        if decodes:
-            self._decode_metadata(meta, decodes)
-        row = len(decodes)
-        for s in prefills:
-            meta.prefills.append(self._prefill_span(s, row))
+        meta = AttentionMetadata(slot_mapping=self._long(slots), use_kernel=self.use_kernel)
+        if paged:
+            self._paged_metadata(meta, paged)
+        row = meta.num_paged_tokens
+        for s in fresh:
+            meta.fresh_spans.append((row, row + s.num_new_tokens))
             row += s.num_new_tokens
 
         hidden = self.model(self._long(input_ids), self._long(positions), meta, self.kv_caches)
@@ -99,24 +101,22 @@ class ModelRunner:
     def _long(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def _decode_metadata(self, meta: AttentionMetadata, decodes: list[ScheduledRequest]) -> None:
-        seq_lens = [s.request.num_computed_tokens + 1 for s in decodes]
-        max_blocks = -(-max(seq_lens) // self.block_size)
-        tables = [s.request.block_ids[:max_blocks] + [0] * (max_blocks - len(s.request.block_ids[:max_blocks]))
-                  for s in decodes]
-        meta.decode_block_tables = self._long([b for t in tables for b in t]).view(len(decodes), max_blocks)
-        key_pos = torch.arange(max_blocks * self.block_size, device=self.device)
-        meta.decode_mask = (key_pos.unsqueeze(0) < self._long(seq_lens).unsqueeze(1)).view(len(decodes), 1, 1, -1)
-
-    def _prefill_span(self, s: ScheduledRequest, row: int) -> PrefillSpan:
-        ctx, n = s.request.num_computed_tokens, s.num_new_tokens
-        span = PrefillSpan(start=row, end=row + n, context_len=ctx)
-        if ctx:
-            total = ctx + n
-            span.block_ids = self._long(s.request.block_ids[:-(-total // self.block_size)])
-            q_pos = torch.arange(ctx, total, device=self.device).unsqueeze(1)
-            span.mask = torch.arange(total, device=self.device).unsqueeze(0) <= q_pos
-        return span
+    def _paged_metadata(self, meta: AttentionMetadata, paged: list[ScheduledRequest]) -> None:
+        """Block tables (one row per request, padded with block 0, never read past kv_len) and, per token,
+        its row and how many keys it sees."""
+        ends = [s.request.num_computed_tokens + s.num_new_tokens for s in paged]
+        max_blocks = -(-max(ends) // self.block_size)
+        tables, q_rows, kv_lens = [], [], []
+        for i, (s, end) in enumerate(zip(paged, ends)):
+            blocks = s.request.block_ids[:max_blocks]
+            tables.extend(blocks + [0] * (max_blocks - len(blocks)))
+            first = s.request.num_computed_tokens + 1
+            q_rows.extend([i] * s.num_new_tokens)
+            kv_lens.extend(range(first, end + 1))
+        meta.num_paged_tokens = len(q_rows)
+        meta.block_tables = self._long(tables).view(len(paged), max_blocks)
+        meta.q_rows = self._long(q_rows)
+        meta.kv_lens = self._long(kv_lens)
 
     def _sampling_row(self, s: ScheduledRequest) -> SamplingRow:
         req, p = s.request, s.request.params
