@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import re
 import sys
@@ -18,9 +19,15 @@ def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)(i?B?)\s*", text, re.IGNORECASE)
     if not m:
         raise argparse.ArgumentTypeError(f"expected a byte count like 2GiB or 500M, got {text!r}")
-    value, unit = float(m.group(1)), m.group(2).upper()
-    base = 1024 if m.group(3).lower().startswith("i") or not m.group(3) else 1000
-    return int(value * base ** "_KMGT".index(unit or "_"))
+    try:
+        value, unit = float(m.group(1)), m.group(2).upper()
+        base = 1024 if m.group(3).lower().startswith("i") or not m.group(3) else 1000
+        result = value * base ** "_KMGT".index(unit or "_")
+        if not math.isfinite(result) or result < 0:
+            raise ValueError
+        return int(result)
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"expected a byte count like 2GiB or 500M, got {text!r}") from None
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -100,13 +107,15 @@ def stream(engine, prompt, params) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    params = sampling_params(args)  # bad flags fail before the model loads
     engine = _load_engine(args)
-    stream(engine, args.prompt, sampling_params(args))
+    stream(engine, args.prompt, params)
     sys.stdout.write("\n")
     return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    params = sampling_params(args)
     engine = _load_engine(args)
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     print("Chat with the model; an empty line or Ctrl-D ends, /reset clears the history.", file=sys.stderr)
@@ -123,7 +132,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "user", "content": line})
         ids = engine.tokenizer.apply_chat_template(history, add_generation_prompt=True)
         try:
-            reply = stream(engine, {"prompt_token_ids": ids}, sampling_params(args))
+            reply = stream(engine, {"prompt_token_ids": ids}, params)
         except KeyboardInterrupt:
             print("\n[interrupted]")
             history.pop()
@@ -171,7 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except TokenmillError as e:
-        print(f"error: {e}", file=sys.stderr)
+        message, param = str(e), getattr(e, "param", None)
+        if param and message.startswith(param):  # name the flag, not the field
+            message = "--" + param.replace("_", "-") + message[len(param):]
+        print(f"error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

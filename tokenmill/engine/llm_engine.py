@@ -96,7 +96,10 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ContextTooLong(f"the prompt has {len(ids)} tokens; the context window is {self.max_model_len}",
                                  param="prompt")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        if params.max_tokens is not None:
+            max_tokens = params.max_tokens
+        else:  # up to the context window, or what the whole KV pool can hold if that is less
+            max_tokens = min(self.max_model_len, self.core.cache_info.token_capacity) - len(ids)
         self.core.scheduler.check_admissible(len(ids), max_tokens)
         now = time.monotonic()
         parent = _Parent(request_id, text, ids, params, [], RequestMetrics(arrival_time=now), [])
@@ -156,12 +159,16 @@ class LLMEngine:
                 sample.cumulative_logprob += lp[tok]
         if parent.metrics.first_token_time is None:
             parent.metrics.first_token_time = time.monotonic()
-        stop = sample.detok.append(out.new_token_ids)
-        if out.finish_reason is not None:
-            sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
-        elif stop is not None:
-            self.core.finish(sample.core_id, stop)
+        text_ids = out.new_token_ids
+        if out.finish_reason == "stop" and not parent.params.include_stop_str_in_output:
+            text_ids = text_ids[:-1]  # the EOS / stop token ended it: its id is output, its text is not
+        stop = sample.detok.append(text_ids)
+        if stop is not None:  # a stop string wins, even over a length limit reached by the same token
+            if out.finish_reason is None:
+                self.core.finish(sample.core_id, stop)
             sample.finish_reason, sample.stop_reason = "stop", stop
+        elif out.finish_reason is not None:
+            sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
 
     def _output(self, parent: _Parent) -> RequestOutput:
         req0 = parent.core_requests[0]

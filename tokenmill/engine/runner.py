@@ -38,7 +38,7 @@ class ModelRunner:
             model = model_class(cfg)(cfg)
         model = model.to_empty(device=self.device)  # no random init: every parameter is loaded next
         model.load_hf_weights(weights)
-        self.model = model.to(dtype=dtype).eval()
+        self.model = model.to(dtype=dtype).eval().requires_grad_(False)
         self.model.init_rotary(self.device)  # float32 tables, cast per step
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeroed, not empty: masked-out slots are still multiplied by 0 and must not hold NaN bit patterns.

@@ -1,5 +1,6 @@
-"""The fast CPU attention kernel (C++, built on first use with torch's extension builder), with a plain
-PyTorch fallback when no compiler is available. Tested against the reference in tests/model/test_attention.py."""
+"""Fast CPU kernels (C++, built on first use with torch's extension builder): paged attention and the skinny
+linear layer. Each has a plain-PyTorch equivalent the engine falls back to when no compiler is available, and
+is tested against it (tests/model/test_attention.py, tests/model/test_linear.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ from pathlib import Path
 
 log = logging.getLogger("tokenmill")
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 
 
 @lru_cache(maxsize=1)
-def paged_attention_kernel():
-    """The compiled `paged_attention` op, or None (then callers use the torch reference)."""
+def _extension():
+    """The compiled module, or None (then callers use the torch reference)."""
     if os.environ.get("TOKENMILL_NO_KERNELS"):
         return None
     try:
@@ -23,9 +24,18 @@ def paged_attention_kernel():
 
         # fast-math lets the compiler vectorize exp (glibc's libmvec); infinities stay meaningful (masked scores).
         flags = ["-O3", "-fopenmp", "-march=native", "-ffast-math", "-fno-finite-math-only"]
-        module = load(name="tokenmill_paged_attention", sources=[str(_SOURCE)], extra_cflags=flags,
-                      extra_ldflags=["-fopenmp"], verbose=False)
-        return module.paged_attention
+        return load(name="tokenmill_cpu_kernels", sources=[str(_SOURCE)], extra_cflags=flags,
+                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, unsupported platform: stay correct, only slower
-        log.warning("fast CPU attention kernel unavailable (%s); using the PyTorch reference", e)
+        log.warning("fast CPU kernels unavailable (%s); using the PyTorch reference", e)
         return None
+
+
+def paged_attention_kernel():
+    ext = _extension()
+    return None if ext is None else ext.paged_attention
+
+
+def skinny_linear_kernel():
+    ext = _extension()
+    return None if ext is None else ext.skinny_linear

@@ -1,3 +1,5 @@
+// CPU kernels: paged attention and the skinny (decode-shaped) linear layer.
+//
 // Paged attention for query tokens that read their context straight from the block-structured KV cache.
 //
 // Each query token t belongs to a block-table row and sees kv_lens[t] keys (causal: a prefill chunk's
@@ -6,6 +8,7 @@
 // online, one block at a time, in float32 whatever the cache dtype.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 
 #include <algorithm>
 #include <cmath>
@@ -125,6 +128,28 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   return out;
 }
 
+// Skinny matmul (few rows, as in decode): y = x @ w.T + b with w [N, K]. A single-row product runs on one
+// core inside BLAS and cannot pull full memory bandwidth; here the output features are split across the
+// intra-op threads, each calling the (then single-threaded) BLAS on its slice of w.
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K], w [N, K]");
+  auto x_c = x.contiguous();
+  const int64_t N = w.size(0);
+  auto out_t = torch::empty({N, x.size(0)}, x.options());
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunk = std::max<int64_t>(64, (N + threads - 1) / threads);
+  const at::ThreadLocalState caller_state;  // inference mode, grad mode: worker threads must match the caller
+  at::parallel_for(0, N, chunk, [&](int64_t begin, int64_t end) {
+    at::ThreadLocalStateGuard guard(caller_state);
+    auto o = out_t.narrow(0, begin, end - begin);
+    at::mm_out(o, w.narrow(0, begin, end - begin), x_c.t());
+  });
+  auto out = out_t.t().contiguous();
+  if (bias.has_value()) out.add_(*bias);
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over block tables (CPU)");
+  m.def("skinny_linear", &skinny_linear, "x @ w.T (+ b) for few rows, output features split over threads");
 }
