@@ -91,11 +91,11 @@ def paging_capacity(args, reqs) -> dict:
     prompts, params = engine_prompts(reqs)
     for p, sp in zip(prompts, params):
         engine.add_request(engine.new_request_id(), p, sp)
-    peak, steps = 0, 0
+    peak, steps, running_sum = 0, 0, 0
     while engine.has_unfinished_requests() and steps < args.capacity_steps:
         engine.step()
-        peak = max(peak, len(engine.core.scheduler.running))
-        steps += 1
+        running = len(engine.core.scheduler.running)
+        peak, running_sum, steps = max(peak, running), running_sum + running, steps + 1
     for rid in list(engine._parents):
         engine.abort_request(rid)
     engine.core.check_idle_invariants()
@@ -103,6 +103,7 @@ def paging_capacity(args, reqs) -> dict:
     prealloc = info.token_capacity // worst
     return {"kv_cache_bytes": args.capacity_kv_memory, "token_capacity": info.token_capacity, "peak_running": peak,
             "preallocated_fit": prealloc, "ratio": peak / max(prealloc, 1),
+            "mean_running": running_sum / max(steps, 1), "mean_ratio": running_sum / max(steps, 1) / max(prealloc, 1),
             "preemptions": engine.core.scheduler.num_preemptions, "steps": steps}
 
 
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--kv-cache-memory", type=int, default=2 << 30)
     p.add_argument("--hf-num-prompts", type=int, default=48, help="requests for the transformers baseline (0: skip)")

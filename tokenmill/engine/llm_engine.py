@@ -82,40 +82,17 @@ class LLMEngine:
                              param="prompt")
 
     def validate_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        vocab = self.core.model_config.vocab_size
-        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+        validate_prompt(token_ids, self.core.model_config.vocab_size)
 
     def add_request(self, request_id: str, prompt: str | dict, params: SamplingParams) -> None:
         """Tokenize, validate and queue; raises InvalidRequest / ContextTooLong with nothing queued."""
         text, ids = self.tokenize_prompt(prompt)
         self.validate_prompt(ids)
-        if len(ids) >= self.max_model_len:
-            raise ContextTooLong(f"the prompt has {len(ids)} tokens; the context window is {self.max_model_len}",
-                                 param="prompt")
-        if params.max_tokens is not None:
-            max_tokens = params.max_tokens
-        else:  # up to the context window, or what the whole KV pool can hold if that is less
-            max_tokens = min(self.max_model_len, self.core.cache_info.token_capacity) - len(ids)
+        max_tokens = resolve_max_tokens(params, len(ids), self.max_model_len, self.core.cache_info.token_capacity)
         self.core.scheduler.check_admissible(len(ids), max_tokens)
-        now = time.monotonic()
-        parent = _Parent(request_id, text, ids, params, [], RequestMetrics(arrival_time=now), [])
-        for i in range(params.n):
-            core_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            child_params = params
-            if params.n > 1 and params.seed is not None:
-                child_params = replace(params, seed=params.seed + i)
-            req = Request(core_id, ids, child_params, max_tokens, self.eos_token_ids, arrival_time=now)
-            detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop_list, params.include_stop_str_in_output,
-                                           params.skip_special_tokens)
-            sample = _Sample(i, core_id, detok, logprobs=[] if params.logprobs is not None else None,
-                             cumulative_logprob=0.0 if params.logprobs is not None else None)
-            parent.samples.append(sample)
-            parent.core_requests.append(req)
-            self._by_core_id[core_id] = (parent, sample)
+        parent = new_parent(request_id, text, ids, params, max_tokens, self.tokenizer, self.eos_token_ids)
+        for sample in parent.samples:
+            self._by_core_id[sample.core_id] = (parent, sample)
         self._parents[request_id] = parent
         for req in parent.core_requests:
             self.core.add_request(req)
@@ -152,23 +129,9 @@ class LLMEngine:
         return results
 
     def _apply(self, parent: _Parent, sample: _Sample, out: EngineCoreOutput) -> None:
-        sample.token_ids.extend(out.new_token_ids)
-        if sample.logprobs is not None and out.new_logprobs:
-            for tok, lp in zip(out.new_token_ids, out.new_logprobs):
-                sample.logprobs.append(lp)
-                sample.cumulative_logprob += lp[tok]
-        if parent.metrics.first_token_time is None:
-            parent.metrics.first_token_time = time.monotonic()
-        text_ids = out.new_token_ids
-        if out.finish_reason == "stop" and not parent.params.include_stop_str_in_output:
-            text_ids = text_ids[:-1]  # the EOS / stop token ended it: its id is output, its text is not
-        stop = sample.detok.append(text_ids)
-        if stop is not None:  # a stop string wins, even over a length limit reached by the same token
-            if out.finish_reason is None:
-                self.core.finish(sample.core_id, stop)
-            sample.finish_reason, sample.stop_reason = "stop", stop
-        elif out.finish_reason is not None:
-            sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+        stop = apply_output(parent, sample, out)
+        if stop is not None:
+            self.core.finish(sample.core_id, stop)
 
     def _output(self, parent: _Parent) -> RequestOutput:
         req0 = parent.core_requests[0]
@@ -177,3 +140,69 @@ class LLMEngine:
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
                              [s.output() for s in parent.samples], parent.finished, parent.metrics)
 
+
+# ---- the text side, shared with the server's AsyncEngine (engine/async_engine.py) ------------------------------
+
+
+def validate_prompt(token_ids: list[int], vocab_size: int) -> None:
+    if not token_ids:
+        raise InvalidRequest("the prompt is empty", param="prompt")
+    bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab_size})", param="prompt")
+
+
+def resolve_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model_len: int, token_capacity: int) -> int:
+    """params.max_tokens, or (None) up to the context window or what the whole KV pool can hold if that is less.
+    Raises ContextTooLong when the prompt alone fills the context window."""
+    if num_prompt_tokens >= max_model_len:
+        raise ContextTooLong(f"the prompt has {num_prompt_tokens} tokens; the context window is {max_model_len}",
+                             param="prompt")
+    if params.max_tokens is not None:
+        return params.max_tokens
+    return min(max_model_len, token_capacity) - num_prompt_tokens
+
+
+def new_parent(request_id: str, text: str | None, ids: list[int], params: SamplingParams, max_tokens: int,
+               tokenizer: Tokenizer, eos_token_ids: frozenset[int], arrival_time: float | None = None) -> _Parent:
+    """The frontend state of one request and its n core requests (ids `request_id`, or `request_id#i` for n > 1;
+    seeded children get seed + i), each with its own incremental detokenizer."""
+    now = time.monotonic() if arrival_time is None else arrival_time
+    parent = _Parent(request_id, text, ids, params, [], RequestMetrics(arrival_time=now), [])
+    for i in range(params.n):
+        core_id = request_id if params.n == 1 else f"{request_id}#{i}"
+        child_params = params
+        if params.n > 1 and params.seed is not None:
+            child_params = replace(params, seed=params.seed + i)
+        req = Request(core_id, ids, child_params, max_tokens, eos_token_ids, arrival_time=now)
+        detok = IncrementalDetokenizer(tokenizer, ids, params.stop_list, params.include_stop_str_in_output,
+                                       params.skip_special_tokens)
+        parent.samples.append(_Sample(i, core_id, detok, logprobs=[] if params.logprobs is not None else None,
+                                      cumulative_logprob=0.0 if params.logprobs is not None else None))
+        parent.core_requests.append(req)
+    return parent
+
+
+def apply_output(parent: _Parent, sample: _Sample, out: EngineCoreOutput) -> str | None:
+    """Fold one core output into its sample. Returns a stop string that ended the sample while the core still
+    runs it, so the caller tells the core to finish it (`EngineCore.finish`). Outputs for a sample already
+    finished (a core in another process may run a step ahead of the frontend) are ignored."""
+    if sample.finish_reason is not None:
+        return None
+    sample.token_ids.extend(out.new_token_ids)
+    if sample.logprobs is not None and out.new_logprobs:
+        for tok, lp in zip(out.new_token_ids, out.new_logprobs):
+            sample.logprobs.append(lp)
+            sample.cumulative_logprob += lp[tok]
+    if parent.metrics.first_token_time is None:
+        parent.metrics.first_token_time = time.monotonic()
+    text_ids = out.new_token_ids
+    if out.finish_reason == "stop" and not parent.params.include_stop_str_in_output:
+        text_ids = text_ids[:-1]  # the EOS / stop token ended it: its id is output, its text is not
+    stop = sample.detok.append(text_ids)
+    if stop is not None:  # a stop string wins, even over a length limit reached by the same token
+        sample.finish_reason, sample.stop_reason = "stop", stop
+        return stop if out.finish_reason is None else None
+    if out.finish_reason is not None:
+        sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+    return None

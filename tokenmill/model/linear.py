@@ -12,7 +12,7 @@ from torch import nn
 
 from tokenmill.model.cpu_kernels import skinny_linear_kernel
 
-SKINNY_MAX_ROWS = 8  # measured: above this BLAS's own threading wins (benchmarks/kernels.py)
+SKINNY_MAX_ROWS = 4  # measured on 2 AVX2 cores: at 8 rows BLAS gemm is already as fast (BENCHMARKS.md)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
