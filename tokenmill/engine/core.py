@@ -6,22 +6,17 @@ its own process.
 
 from __future__ import annotations
 
-import logging
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from tokenmill.config import EngineConfig, ModelConfig, default_kv_cache_memory
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.runner import DTYPES, ModelRunner, kv_bytes_per_token
-from tokenmill.engine.scheduler import Scheduler, SchedulerStats
+from tokenmill.engine.scheduler import Scheduler
 from tokenmill.errors import ConfigError
 from tokenmill.model.loader import load_model_config, load_weights, resolve_model_path
 from tokenmill.request import Request, RequestStatus
-
-log = logging.getLogger("tokenmill")
-
 
 
 def auto_dtype(device: str) -> str:
@@ -62,16 +57,6 @@ class CacheInfo:
         return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.token_capacity} tokens, "
                 f"{self.kv_bytes_per_token} bytes per token ({self.dtype}), "
                 f"{self.num_blocks * self.block_size * self.kv_bytes_per_token / 2**20:.0f} MiB")
-
-
-@dataclass
-class StepStats:
-    num_scheduled_tokens: int = 0
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    elapsed_s: float = 0.0
-    scheduler: SchedulerStats | None = None
-    totals: dict[str, int] = field(default_factory=dict)
 
 
 class EngineCore:
@@ -126,9 +111,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
-        t0 = time.perf_counter()
         result = self.runner.execute(sched)
-        self.last_step_s = time.perf_counter() - t0
         finished = self.scheduler.update(sched, result.sampled)
         self.totals["steps"] += 1
         self.totals["generation_tokens"] += len(result.sampled)
