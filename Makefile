@@ -23,7 +23,7 @@ run: setup
 	$(BIN)/tokenmill generate "The capital of France is" --max-tokens 32 --temperature 0
 
 serve: setup
-	$(BIN)/tokenmill serve
+	HF_HUB_OFFLINE=1 $(BIN)/tokenmill serve
 
 bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/engine_core.py

@@ -1,4 +1,4 @@
-"""`tokenmill` command line: generate, chat, plan (serve and bench come with their issues)."""
+"""`tokenmill` command line: serve, generate, chat, plan (bench comes with its issue)."""
 
 from __future__ import annotations
 
@@ -142,6 +142,33 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port, printed when ready)")
+    g.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
+                        "(default: $TOKENMILL_API_KEY, else no key)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) the API answers to (default: the --model argument, or the default model's "
+                        "file name)")
+    g.add_argument("--max-request-bytes", type=parse_bytes, default=16 << 20,
+                   help="largest request body; a larger one gets HTTP 413 (default 16MiB)")
+    g.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="requests waiting to run beyond which new ones get HTTP 429")
+    g.add_argument("--max-waiting-tokens", type=int, default=65536,
+                   help="prompt tokens waiting to run beyond which new requests get HTTP 429")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds requests in flight get to finish on SIGTERM before they are aborted")
+    g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tokenmill.server.launch import serve
+
+    return serve(args)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from tokenmill.plan import run_plan
 
@@ -152,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="tokenmill: an LLM serving engine")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, models, metrics)")
+    add_engine_args(p)
+    add_server_args(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="generate from one prompt, streaming to stdout")
     p.add_argument("prompt")

@@ -1,0 +1,77 @@
+"""Every failure a client can see, mapped to an HTTP status and an OpenAI-style body in one place:
+    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+"""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+from tokenmill.engine.async_engine import EngineDeadError
+from tokenmill.errors import ContextTooLong, InvalidRequest, ServerOverloaded
+
+
+class APIError(Exception):
+    """An error raised by the HTTP layer itself (not the engine)."""
+
+    status = 400
+    type = "invalid_request_error"
+    code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class BadRequest(APIError):
+    """Malformed JSON, a wrong content type, a field of the wrong type."""
+
+
+class Unauthorized(APIError):
+    status, type, code = 401, "authentication_error", "invalid_api_key"
+
+
+class ModelNotFound(APIError):
+    status, type, code = 404, "not_found_error", "model_not_found"
+
+
+class NotFound(APIError):
+    status, type, code = 404, "not_found_error", None
+
+
+class MethodNotAllowed(APIError):
+    status, type, code = 405, "invalid_request_error", "method_not_allowed"
+
+
+class RequestTooLarge(APIError):
+    status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
+# exception class -> (status, type, code), first match wins; APIError subclasses carry their own.
+_MAPPING: list[tuple[type[BaseException], int, str, str | None]] = [
+    (ContextTooLong, 400, "invalid_request_error", "context_length_exceeded"),
+    (InvalidRequest, 400, "invalid_request_error", "invalid_value"),
+    (ServerOverloaded, 429, "server_overloaded", "server_overloaded"),
+    (EngineDeadError, 503, "service_unavailable", "engine_dead"),
+]
+
+
+def classify(exc: BaseException) -> tuple[int, dict]:
+    """(status, body) for any exception; anything unexpected is a 500 that says so, without internals."""
+    if isinstance(exc, APIError):
+        return exc.status, error_body(str(exc), exc.type, exc.param, exc.code)
+    for cls, status, kind, code in _MAPPING:
+        if isinstance(exc, cls):
+            return status, error_body(str(exc), kind, getattr(exc, "param", None), code)
+    return 500, error_body(f"internal error: {type(exc).__name__}", "internal_error", None, "internal_error")
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    status, body = classify(exc)
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    if status == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
+    return JSONResponse(body, status_code=status, headers=headers)

@@ -1,0 +1,118 @@
+"""`tokenmill serve`: start the engine process, then uvicorn; print one ready line; stop cleanly.
+
+SIGTERM / Ctrl-C: uvicorn stops accepting, lets requests in flight finish for up to --shutdown-timeout seconds,
+cancels (aborts) the rest, then the engine process is stopped and we exit 0. If the engine process dies, every
+request in flight fails, the server says so on stderr and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+
+log = logging.getLogger("tokenmill")
+
+
+def engine_config(kwargs: dict) -> EngineConfig:
+    """EngineConfig from the engine flags (cli.engine_kwargs), each key to the dataclass that has it."""
+    groups: dict[str, dict] = {"cache": {}, "scheduler": {}, "engine": {}}
+    fields = {name: {f.name for f in dataclasses.fields(cls)}
+              for name, cls in (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("engine", EngineConfig))}
+    for key, value in kwargs.items():
+        key = "policy" if key == "scheduling_policy" else key
+        where = next((g for g in ("cache", "scheduler", "engine") if key in fields[g]), None)
+        if where is None:
+            log.warning("engine flag %s has no effect on the server", key)
+            continue
+        groups[where][key] = value
+    return EngineConfig(**groups["engine"], cache=CacheConfig(**groups["cache"]),
+                        scheduler=SchedulerConfig(**groups["scheduler"]))
+
+
+def default_served_name(model: str | None) -> str:
+    if model:
+        return model
+    from tokenmill.model.loader import default_model_path
+
+    return Path(default_model_path()).stem
+
+
+def serve(args: argparse.Namespace) -> int:
+    from tokenmill.cli import engine_kwargs
+    from tokenmill.errors import ConfigError
+
+    for flag in ("max_waiting_requests", "max_waiting_tokens"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1")
+    if not 0 <= args.port < 65536:
+        raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
+    config = engine_config(engine_kwargs(args))
+    names = args.served_model_name or [default_served_name(args.model)]
+
+    state = {"exit_code": 0, "server": None}
+
+    def on_signal(sig, frame):  # before uvicorn runs and after it returns (it re-raises what it caught)
+        raise SystemExit(state["exit_code"])
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.server.app import ServerSettings, create_app
+    from tokenmill.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics(names[0])
+    engine = AsyncEngine(config, max_waiting_requests=args.max_waiting_requests,
+                         max_waiting_tokens=args.max_waiting_tokens, observer=metrics)
+    try:
+        info = engine.start()
+        print(info.cache_description, file=sys.stderr, flush=True)
+        settings = ServerSettings(names, model_path=str(args.model or default_served_name(None)),
+                                  api_key=args.api_key or None, max_request_bytes=args.max_request_bytes)
+        app = create_app(engine, settings, metrics)
+        uconfig = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on",
+                                 access_log=args.access_log, timeout_graceful_shutdown=args.shutdown_timeout,
+                                 timeout_keep_alive=5)
+        server = _Server(uconfig, names[0])
+        state["server"] = server
+
+        def on_dead(reason: str) -> None:
+            print(f"error: {reason}; the server is stopping", file=sys.stderr, flush=True)
+            state["exit_code"] = 1
+            server.should_exit = True
+
+        engine.on_dead = on_dead
+        asyncio.run(server.serve())
+        if not server.started and state["exit_code"] == 0:
+            state["exit_code"] = 1  # uvicorn could not start (port in use, ...): it said why
+    finally:
+        engine.shutdown()
+        for s, h in old.items():
+            signal.signal(s, h)
+    return state["exit_code"]
+
+
+class _Server(uvicorn.Server):
+    """uvicorn.Server that prints one ready line, with the port it really bound, once it listens."""
+
+    def __init__(self, config: uvicorn.Config, model_name: str):
+        super().__init__(config)
+        self.model_name = model_name
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            host, port = self.config.host, self.config.port
+            for srv in self.servers:
+                for sock in srv.sockets:
+                    port = sock.getsockname()[1]
+            shown = f"[{host}]" if ":" in host else host
+            print(f"tokenmill serving {self.model_name} at http://{shown}:{port}", flush=True)

@@ -1,0 +1,111 @@
+"""Prometheus metrics, one registry per app. The AsyncEngine calls the `on_*` hooks (from its reader thread or the
+event loop; prometheus-client is thread-safe); /metrics renders the registry."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                    40.0, 80.0, 160.0, 640.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                10.0)
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        labels = ["model_name"]
+        self._model = model_name
+        self.requests = Counter("tokenmill_requests", "Finished requests (each of n samples counts) by outcome: "
+                                "stop, length, abort, error", ["model_name", "outcome"], registry=r)
+        self.rejected = Counter("tokenmill_requests_rejected", "Requests refused before reaching the engine, "
+                                "by HTTP status", ["model_name", "status"], registry=r)
+        self.prompt_tokens = Counter("tokenmill_prompt_tokens", "Prompt tokens of accepted requests", labels,
+                                     registry=r)
+        self.generation_tokens = Counter("tokenmill_generation_tokens", "Generated tokens", labels, registry=r)
+        self.ttft = Histogram("tokenmill_time_to_first_token_seconds", "Arrival to first token", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tokenmill_inter_token_latency_seconds", "Between consecutive tokens of a sample",
+                             labels, buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("tokenmill_e2e_request_latency_seconds", "Arrival to the last token", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("tokenmill_request_queue_time_seconds", "Arrival to first scheduled", labels,
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("tokenmill_num_requests_running", "Requests the engine is running", labels, registry=r)
+        self.waiting = Gauge("tokenmill_num_requests_waiting", "Requests waiting in the engine (incl. preempted)",
+                             labels, registry=r)
+        self.waiting_tokens = Gauge("tokenmill_num_waiting_tokens", "Tokens still to compute of waiting requests",
+                                    labels, registry=r)
+        self.kv_usage = Gauge("tokenmill_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0 to 1)",
+                              labels, registry=r)
+        self.preemptions = Counter("tokenmill_num_preemptions", "Requests preempted (recomputed later)", labels,
+                                   registry=r)
+        self.aborts = Counter("tokenmill_request_aborts", "Requests aborted (client gone, shutdown)", labels,
+                              registry=r)
+        self.engine_alive = Gauge("tokenmill_engine_alive", "1 while the engine loop is alive", labels, registry=r)
+        self.engine_alive.labels(model_name).set(1)
+        self._preemptions_seen = 0
+        # children bound once: .labels() per observation would cost a dict lookup and a lock each time
+        m = model_name
+        self._gen, self._ttft, self._itl = self.generation_tokens.labels(m), self.ttft.labels(m), self.itl.labels(m)
+        self._e2e, self._queue = self.e2e.labels(m), self.queue_time.labels(m)
+        self._running, self._waiting = self.running.labels(m), self.waiting.labels(m)
+        self._waiting_tokens, self._kv = self.waiting_tokens.labels(m), self.kv_usage.labels(m)
+        # every series exists (at 0) from the start, so dashboards and rate() see the first event
+        self._prompt, self._aborts = self.prompt_tokens.labels(m), self.aborts.labels(m)
+        self._preempt = self.preemptions.labels(m)
+        for outcome in ("stop", "length", "abort", "error"):
+            self.requests.labels(m, outcome)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # ---- hooks ----------------------------------------------------------------------------------------------
+    def on_added(self, prompt_tokens: int) -> None:
+        self._prompt.inc(prompt_tokens)
+
+    def on_started(self, queue_time: float) -> None:
+        self._queue.observe(max(queue_time, 0.0))
+
+    def on_first_token(self, ttft: float) -> None:
+        self._ttft.observe(ttft)
+
+    def on_inter_token(self, itl: float) -> None:
+        self._itl.observe(itl)
+
+    def on_finished(self, parent, e2e: float) -> None:
+        for s in parent.samples:
+            self.requests.labels(self._model, s.finish_reason or "error").inc()
+        self._e2e.observe(e2e)
+
+    def on_aborted(self, count: int) -> None:
+        self._aborts.inc(count)
+        self.requests.labels(self._model, "abort").inc(count)
+
+    def on_rejected(self, status: int) -> None:
+        self.rejected.labels(self._model, str(status)).inc()
+
+    def on_engine_dead(self, failed: int) -> None:
+        self.engine_alive.labels(self._model).set(0)
+        if failed:
+            self.requests.labels(self._model, "error").inc(failed)
+
+    def on_stats(self, stats, generated_tokens: int) -> None:
+        if generated_tokens:
+            self._gen.inc(generated_tokens)
+        self._running.set(stats.num_running)
+        self._waiting.set(stats.num_waiting)
+        self._waiting_tokens.set(stats.num_waiting_tokens)
+        self._kv.set(stats.kv_usage)
+        if stats.num_preemptions_total > self._preemptions_seen:
+            self._preempt.inc(stats.num_preemptions_total - self._preemptions_seen)
+            self._preemptions_seen = stats.num_preemptions_total

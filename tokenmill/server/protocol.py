@@ -1,0 +1,257 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), and their translation to SamplingParams.
+
+Pydantic checks types and shapes; value ranges are SamplingParams' job (one set of rules for the offline and the
+HTTP API), plus a few limits that keep the sampler's arithmetic finite. Any failure is an InvalidRequest or a
+BadRequest naming the field: always HTTP 400, never FastAPI's 422.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tokenmill.errors import InvalidRequest
+from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
+from tokenmill.server.errors import BadRequest
+
+# Below this a temperature is greedy (as vLLM does): dividing float32 logits by less overflows to inf.
+MIN_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 100.0
+MIN_REPETITION_PENALTY = 0.01  # logits are divided by it; much less overflows float32 after temperature
+MAX_STOP_STRINGS = 64
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class _Body(BaseModel):
+    # Unknown fields are ignored (clients send vendor extras); NaN and infinities are refused.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """The fields completions and chat share."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int) -> SamplingParams:
+        if self.logit_bias:
+            raise InvalidRequest("logit_bias is not supported", param="logit_bias")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequest("best_of is not supported (only best_of == n)", param="best_of")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"stop takes at most {MAX_STOP_STRINGS} strings", param="stop")
+        bad = next((t for t in self.stop_token_ids or [] if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"stop_token_ids: {bad} is outside the vocabulary [0, {vocab_size})",
+                                 param="stop_token_ids")
+        temperature = 1.0 if self.temperature is None else self.temperature
+        if temperature > MAX_TEMPERATURE:
+            raise InvalidRequest(f"temperature must be in [0, {MAX_TEMPERATURE:g}]", param="temperature")
+        if 0 < temperature < MIN_TEMPERATURE:
+            temperature = 0.0
+        rep = 1.0 if self.repetition_penalty is None else self.repetition_penalty
+        if rep < MIN_REPETITION_PENALTY:
+            raise InvalidRequest(f"repetition_penalty must be >= {MIN_REPETITION_PENALTY} (1 = off)",
+                                 param="repetition_penalty")
+        top_k = 0 if self.top_k is None else self.top_k
+        if top_k >= vocab_size:
+            top_k = 0  # as good as off, and keeps huge values away from torch
+        stream_options = self.stream_options
+        if stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed with stream: true", param="stream_options")
+        return SamplingParams(
+            n=self.n, temperature=temperature, top_p=1.0 if self.top_p is None else self.top_p, top_k=top_k,
+            min_p=self.min_p or 0.0, repetition_penalty=rep, presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0, seed=self.seed, max_tokens=max_tokens,
+            min_tokens=self.min_tokens, stop=stops or None, stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
+            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def to_params(self, vocab_size: int) -> SamplingParams:
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported", param="suffix")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be an integer in [0, {MAX_LOGPROBS}]", param="logprobs")
+        return self.sampling_params(self.max_tokens, self.logprobs, vocab_size)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of prompts, each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+        if isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def to_template(self, index: int) -> dict[str, Any]:
+        """{"role", "content": str} for the chat template; list content keeps its text parts, joined by newlines."""
+        param = f"messages.{index}"
+        if self.role not in CHAT_ROLES:
+            raise InvalidRequest(f"{param}.role: unknown role {self.role!r}; expected one of {', '.join(CHAT_ROLES)}",
+                                 param=f"{param}.role")
+        content = self.content
+        if content is None:
+            if self.role != "assistant":
+                raise InvalidRequest(f"{param}.content is required for role {self.role!r}", param=f"{param}.content")
+            content = ""
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                kind = part.get("type")
+                if kind != "text":
+                    raise InvalidRequest(f"{param}.content.{j}: content part type {kind!r} is not supported "
+                                         "(only 'text')", param=f"{param}.content")
+                try:
+                    texts.append(TextPart.model_validate(part).text)
+                except ValidationError as e:
+                    raise InvalidRequest(f"{param}.content.{j}: {_first_error(e)}", param=f"{param}.content") from e
+            content = "\n".join(texts)
+        out: dict[str, Any] = {"role": self.role, "content": content}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+    def to_params(self, vocab_size: int) -> SamplingParams:
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise InvalidRequest(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]", param="top_logprobs")
+            if self.top_logprobs and not self.logprobs:
+                raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.tools:
+            raise InvalidRequest("tools are not supported", param="tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise InvalidRequest("response_format: only {'type': 'text'} is supported", param="response_format")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        params = self.sampling_params(max_tokens, logprobs, vocab_size)
+        return params
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        if not self.messages:
+            raise InvalidRequest("messages must not be empty", param="messages")
+        return [m.to_template(i) for i, m in enumerate(self.messages)]
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int] = Field(default_factory=list)
+
+
+# ---- parsing ----------------------------------------------------------------------------------------------------
+
+
+def parse_json(raw: bytes, content_type: str | None) -> dict:
+    ctype = (content_type or "").split(";")[0].strip().lower()
+    if ctype != "application/json" and not ctype.endswith("+json"):
+        raise BadRequest(f"Content-Type must be application/json, got {content_type or 'none'!r}")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise BadRequest("the body is not valid JSON: nested too deeply") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
+
+
+def validate(model: type[BaseModel], body: dict) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        param = _loc(err["loc"]) or None
+        if param == "prompt" and len(e.errors()) > 1:  # every member of the union failed: say what fits
+            raise BadRequest("prompt must be a string, a list of strings, a list of token ids or a list of "
+                             "lists of token ids", param="prompt") from None
+        raise BadRequest(_first_error(e), param=param) from None
+
+
+def _loc(loc: tuple) -> str:
+    # unions add their member type names to the location ('prompt.list[int].0'): keep only field names and indices
+    parts = [str(p) for p in loc if isinstance(p, int) or ("[" not in str(p) and str(p) not in ("str", "int"))]
+    return ".".join(parts)
+
+
+def _first_error(e: ValidationError) -> str:
+    errors = e.errors(include_url=False)
+    err = errors[0]
+    where = _loc(err["loc"])
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return f"{where}: {err['msg']}{more}" if where else f"{err['msg']}{more}"
