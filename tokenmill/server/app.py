@@ -439,7 +439,24 @@ class _TokenText:
         return b
 
 
-class _CompletionWriter:
+class _StreamWriter:
+    """What completion and chat responses share: the chunk envelope and the closing usage chunk."""
+
+    chunk_object = ""
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def _usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        chunk = self._chunk([])
+        chunk["usage"] = _usage(prompt_tokens, completion_tokens)
+        return chunk
+
+
+class _CompletionWriter(_StreamWriter):
+    chunk_object = "text_completion"
+
     def __init__(self, request_id: str, model: str, n: int, logprobs: int | None, echo: list[str] | None,
                  token_text: _TokenText):
         self.id, self.model, self.n, self.logprobs, self.echo, self.tt = request_id, model, n, logprobs, echo, token_text
@@ -494,16 +511,12 @@ class _CompletionWriter:
             if choices:
                 yield self._chunk(choices)
         if usage_prompt is not None:
-            chunk = self._chunk([])
-            chunk["usage"] = _usage(usage_prompt, completion_tokens)
-            yield chunk
-
-    def _chunk(self, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": choices}
+            yield self._usage_chunk(usage_prompt, completion_tokens)
 
 
-class _ChatWriter:
+class _ChatWriter(_StreamWriter):
+    chunk_object = "chat.completion.chunk"
+
     def __init__(self, request_id: str, model: str, n: int, top_logprobs: int | None, token_text: _TokenText):
         self.id, self.model, self.n, self.top, self.tt = request_id, model, n, top_logprobs, token_text
         self.created = int(time.time())
@@ -544,10 +557,4 @@ class _ChatWriter:
                 if choices:
                     yield self._chunk(choices)
         if usage_prompt is not None:
-            chunk = self._chunk([])
-            chunk["usage"] = _usage(usage_prompt, completion_tokens)
-            yield chunk
-
-    def _chunk(self, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": choices}
+            yield self._usage_chunk(usage_prompt, completion_tokens)
