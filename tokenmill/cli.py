@@ -1,4 +1,4 @@
-"""`tokenmill` command line: serve, generate, chat, plan (bench comes with its issue)."""
+"""`tokenmill` command line: serve, generate, chat, bench, plan."""
 
 from __future__ import annotations
 
@@ -196,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     add_sampling_args(p, max_tokens=512)
     p.set_defaults(func=cmd_chat)
+
+    from tokenmill.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
 
     from tokenmill.plan import add_plan_arguments
 

@@ -139,7 +139,8 @@ def load_sharegpt(
     ~17k would take far longer than the benchmark needs). A pair is dropped when the prompt or the reply
     has fewer than `min_len` tokens, the prompt exceeds `max_prompt_len`, or prompt + *uncapped* reply
     exceeds `max_total_len` (vLLM's rule); kept replies are then capped at `max_output_len`.
-    `fixed_output_len` replaces the reply length outright (no reply tokenisation, no cap, no min check).
+    `fixed_output_len` replaces the reply length outright (no reply tokenisation, no cap, no min check;
+    prompt + fixed length must still fit `max_total_len`, as in vLLM).
     `chat=True` renders the prompt through the chat template; lengths are then those of templated ids.
     Returns fewer than `num_requests` only when the dataset runs out (logged as a warning).
     """
@@ -169,7 +170,9 @@ def _sharegpt_request(tokenizer: Any, prompt: str, reply: str, max_prompt_len: i
         ids = encode(tokenizer, prompt, add_special_tokens=True)
     if len(ids) < min_len or len(ids) > max_prompt_len:
         return None
-    if fixed_output_len is not None:
+    if fixed_output_len is not None:  # vLLM skips the reply's min-length check here, not the total check
+        if len(ids) + fixed_output_len > max_total_len:
+            return None
         return BenchRequest(prompt, ids, len(ids), fixed_output_len)
     reply_len = len(encode(tokenizer, reply, add_special_tokens=False))
     if reply_len < min_len or len(ids) + reply_len > max_total_len:
@@ -296,3 +299,51 @@ def prefix_sharing_requests(
         ids = prefixes[group] + [firsts[group][slot]] + rng.choices(allowed, k=question_len - 1)
         requests.append(BenchRequest(tokenizer.decode(ids), ids, len(ids), output_len, group=group))
     return requests
+
+
+# ------------------------------------------------------------------------------------------ by name
+
+DATASETS = ("sharegpt", "random", "prefix-sharing")
+
+
+@dataclass
+class DatasetOptions:
+    """A workload by name plus its shape, as the `bench` flags give it (defaults follow vLLM's benchmark
+    where it has the same knob)."""
+
+    name: str = "sharegpt"
+    num_prompts: int = 100
+    seed: int = 0
+    random_input_len: int = 1024
+    random_output_len: int = 128
+    random_range_ratio: float = 0.0
+    prefix_num_groups: int = 4
+    prefix_len: int = 256
+    prefix_question_len: int = 64
+    prefix_output_len: int = 64
+    sharegpt_max_prompt_len: int = 1024
+    sharegpt_max_output_len: int = 256
+    sharegpt_output_len: int | None = None
+    sharegpt_path: str | None = None
+
+    def describe(self) -> dict[str, Any]:
+        """The options that matter for this dataset (for result files)."""
+        prefix = {"sharegpt": "sharegpt_", "random": "random_", "prefix-sharing": "prefix_"}[self.name]
+        return {"name": self.name, "num_prompts": self.num_prompts, "seed": self.seed,
+                **{k: v for k, v in self.__dict__.items() if k.startswith(prefix)}}
+
+
+def sample_requests(opts: DatasetOptions, tokenizer: Any) -> list[BenchRequest]:
+    """The seeded requests of the named workload."""
+    if opts.name == "sharegpt":
+        return load_sharegpt(tokenizer, opts.num_prompts, seed=opts.seed,
+                             max_prompt_len=opts.sharegpt_max_prompt_len,
+                             max_output_len=opts.sharegpt_max_output_len,
+                             fixed_output_len=opts.sharegpt_output_len, path=opts.sharegpt_path)
+    if opts.name == "random":
+        return random_requests(tokenizer, opts.num_prompts, opts.random_input_len, opts.random_output_len,
+                               range_ratio=opts.random_range_ratio, seed=opts.seed)
+    if opts.name == "prefix-sharing":
+        return prefix_sharing_requests(tokenizer, opts.prefix_num_groups, opts.prefix_len, opts.num_prompts,
+                                       opts.prefix_question_len, opts.prefix_output_len, seed=opts.seed)
+    raise ValueError(f"unknown dataset {opts.name!r}; choose from {', '.join(DATASETS)}")

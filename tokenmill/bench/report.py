@@ -1,0 +1,133 @@
+"""Result files and the printed summary of a benchmark run.
+
+A result is one flat JSON object: the run's configuration (label, base_url, model, dataset, request_rate, ...),
+the metrics under vLLM's key names (request_throughput, mean_ttft_ms, p99_itl_ms, ...), and the per-request
+samples (ttfts, itls, e2els, input_lens, output_lens, errors) so plots and later analyses need no re-run.
+Infinite request rates are written as the string "inf" (JSON has no infinity).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenmill.bench.metrics import PERCENTILES, BenchmarkMetrics, RequestResult
+
+WIDTH = 50
+
+
+def rate_to_json(rate: float) -> float | str:
+    return "inf" if math.isinf(rate) else rate
+
+
+def rate_from_json(value: Any) -> float:
+    return math.inf if value in ("inf", "Infinity", None) else float(value)
+
+
+def serve_result(config: dict[str, Any], metrics: BenchmarkMetrics, results: Sequence[RequestResult],
+                 output_lens: Sequence[int]) -> dict[str, Any]:
+    """The JSON-ready record of one `bench serve` run (failed requests keep their slot, with nulls)."""
+    out = {"kind": "serve", **config, **metrics.flat()}
+    out["request_rate"] = rate_to_json(float(config.get("request_rate", math.inf)))
+    out["input_lens"] = [r.prompt_len for r in results]
+    out["output_lens"] = list(output_lens)
+    out["ttfts"] = [r.ttft if r.success else None for r in results]
+    out["itls"] = [list(r.itl) if r.success else None for r in results]
+    out["e2els"] = [r.latency if r.success else None for r in results]
+    out["start_times"] = [r.start_time for r in results]
+    out["errors"] = [r.error for r in results]
+    return out
+
+
+def save_result(result: dict[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+    return path
+
+
+def load_result(path: str | Path) -> dict[str, Any]:
+    """Read a result file; raises ValueError naming the file when it is not one."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read result file {path}: {e}") from None
+    if not isinstance(data, dict) or data.get("kind") not in ("serve", "offline"):
+        raise ValueError(f"{path} is not a tokenmill bench result (no 'kind': serve or offline)")
+    return data
+
+
+# -------------------------------------------------------------------------------------------- the table
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return "inf" if math.isinf(value) else f"{value:.{digits}f}"
+    return str(value)
+
+
+def _line(name: str, value: Any, digits: int = 2) -> str:
+    return f"{name:<40} {_fmt(value, digits)}"
+
+
+def format_serve(result: dict[str, Any], percentiles: Sequence[int] = PERCENTILES) -> str:
+    """The summary vLLM's benchmark prints, plus p90s and the failures' first error."""
+    lines = [" Serving Benchmark Result ".center(WIDTH, "=")]
+    lines.append(_line("Label:", result.get("label")))
+    lines.append(_line("Successful requests:", result["completed"]))
+    lines.append(_line("Failed requests:", result["failed"]))
+    lines.append(_line("Request rate configured (RPS):", rate_from_json(result.get("request_rate"))))
+    if result.get("burstiness", 1.0) != 1.0:
+        lines.append(_line("Burstiness:", result["burstiness"]))
+    if result.get("max_concurrency"):
+        lines.append(_line("Maximum request concurrency:", result["max_concurrency"]))
+    lines.append(_line("Benchmark duration (s):", result["duration"]))
+    lines.append(_line("Total input tokens:", result["total_input_tokens"]))
+    lines.append(_line("Total generated tokens:", result["total_output_tokens"]))
+    lines.append(_line("Request throughput (req/s):", result["request_throughput"]))
+    if result.get("request_goodput") is not None:
+        slo = ", ".join(f"{k} <= {v:g} ms" for k, v in (result.get("slo_ms") or {}).items() if v is not None)
+        lines.append(_line(f"Request goodput (req/s){' [' + slo + ']' if slo else ''}:",
+                           result["request_goodput"]))
+    lines.append(_line("Input token throughput (tok/s):", result["total_input_tokens"] / result["duration"]))
+    lines.append(_line("Output token throughput (tok/s):", result["output_throughput"]))
+    lines.append(_line("Total token throughput (tok/s):", result["total_token_throughput"]))
+    for key, title, short in (("ttft", "Time to First Token", "TTFT"),
+                              ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
+                              ("itl", "Inter-token Latency", "ITL"),
+                              ("e2el", "End-to-end Latency", "E2EL")):
+        lines.append(title.center(WIDTH, "-"))
+        lines.append(_line(f"Mean {short} (ms):", result.get(f"mean_{key}_ms")))
+        lines.append(_line(f"Median {short} (ms):", result.get(f"median_{key}_ms")))
+        for p in percentiles:
+            if p != 50:
+                lines.append(_line(f"P{p} {short} (ms):", result.get(f"p{p}_{key}_ms")))
+    errors = [e for e in result.get("errors", []) if e]
+    if errors:
+        lines.append("-" * WIDTH)
+        lines.append(f"First error ({len(errors)} failed): {errors[0].splitlines()[0][:200]}")
+    lines.append("=" * WIDTH)
+    return "\n".join(lines)
+
+
+def format_offline(result: dict[str, Any]) -> str:
+    lines = [" Offline Benchmark Result ".center(WIDTH, "=")]
+    lines.append(_line("Label:", result.get("label")))
+    lines.append(_line("Requests:", result["num_prompts"]))
+    lines.append(_line("Elapsed (s):", result["duration"]))
+    lines.append(_line("Total input tokens:", result["total_input_tokens"]))
+    lines.append(_line("Total generated tokens:", result["total_output_tokens"]))
+    lines.append(_line("Request throughput (req/s):", result["request_throughput"]))
+    lines.append(_line("Output token throughput (tok/s):", result["output_throughput"]))
+    lines.append(_line("Total token throughput (tok/s):", result["total_token_throughput"]))
+    lines.append("=" * WIDTH)
+    return "\n".join(lines)
+
+
+def format_result(result: dict[str, Any]) -> str:
+    return format_serve(result) if result.get("kind") == "serve" else format_offline(result)
