@@ -46,13 +46,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
     g.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     g.add_argument("--scheduling-policy", default="continuous", choices=["continuous", "static"])
+    g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share the KV blocks of common prompt prefixes between requests (default: on; "
+                        "--no-prefix-caching turns it off)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, seed=args.seed,
                 kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                scheduling_policy=args.scheduling_policy)
+                scheduling_policy=args.scheduling_policy, enable_prefix_caching=args.prefix_caching)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -100,7 +100,7 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None = default_kv_cache_memory()
     num_blocks: int | None = None  # set by the engine once the pool is sized
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True  # share KV blocks of common prefixes (engine/prefix_cache.py)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:

@@ -28,7 +28,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
                  device: str = "cpu", seed: int = 0, block_size: int = 16, kv_cache_memory: int | None = None,
                  max_num_seqs: int = 128, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
-                 scheduling_policy: str = "continuous", enable_prefix_caching: bool = False, **kwargs: Any):
+                 scheduling_policy: str = "continuous", enable_prefix_caching: bool = True, **kwargs: Any):
         unknown = set(kwargs) - _IGNORED_VLLM_ARGS
         if unknown:
             raise TypeError(f"LLM() got unexpected arguments: {', '.join(sorted(unknown))}")

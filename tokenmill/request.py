@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.sampling_params import SamplingParams
 
@@ -42,6 +44,13 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     stop_reason: int | str | None = None
+    cache_salt: str | None = None  # requests with different salts never share cached KV blocks
+    # prefix-cache state, kept by the KV cache manager: the deepest radix-tree node this request holds locked,
+    # how many of its leading blocks that path covers, and the tokens found cached when it was first admitted
+    cache_node: Any = None
+    num_cached_blocks: int = 0
+    num_cached_tokens: int | None = None
+    num_skips: int = 0  # times a later arrival was admitted before it (the scheduler's starvation bound)
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +63,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def cache_namespace(self) -> Hashable:
+        """What besides tokens must be equal for two requests to share cached blocks."""
+        return (self.cache_salt,) if self.cache_salt is not None else None
 
     @property
     def max_total_tokens(self) -> int:

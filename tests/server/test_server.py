@@ -294,6 +294,7 @@ BAD = [  # (path, body, status, param or None, fragment of the message)
     (C, {**OK_C, "temperature": "hot"}, 400, "temperature", "valid number"),
     (C, {**OK_C, "seed": -1}, 400, "seed", ""),
     (C, {**OK_C, "stop": [""]}, 400, "stop", "non-empty"),
+    (C, {**OK_C, "cache_salt": ""}, 400, "cache_salt", "non-empty"),
     (C, {**OK_C, "stop_token_ids": [10**7]}, 400, "stop_token_ids", "vocabulary"),
     (C, {**OK_C, "repetition_penalty": 1e-300}, 400, "repetition_penalty", ""),
     (C, {**OK_C, "presence_penalty": 3}, 400, "presence_penalty", ""),
@@ -381,10 +382,39 @@ def test_metrics_names(http):
                  "tokenmill_e2e_request_latency_seconds_bucket", "tokenmill_request_queue_time_seconds_bucket",
                  "tokenmill_num_requests_running", "tokenmill_num_requests_waiting", "tokenmill_num_waiting_tokens",
                  "tokenmill_kv_cache_usage_ratio", "tokenmill_num_preemptions_total",
-                 "tokenmill_request_aborts_total"):
+                 "tokenmill_request_aborts_total", "tokenmill_prefix_cache_queries_total",
+                 "tokenmill_prefix_cache_hits_total", "tokenmill_prefix_cache_hit_ratio", "tokenmill_prefix_cache_blocks",
+                 "tokenmill_prefix_cache_evicted_blocks_total"):
         assert name in text, name
     m = metrics(http)
     assert m["tokenmill_generation_tokens_total"] > 0 and m["tokenmill_prompt_tokens_total"] > 0
+
+
+def test_prefix_cache_shares_a_system_prompt_but_not_across_salts(server, http):
+    assert "prefix caching on" in server.stderr()
+    system = {"role": "system", "content": "You are a terse assistant for a shipping company. " * 12}
+    ask = [system, {"role": "user", "content": "Where is my parcel?"}]
+
+    def chat(messages, **extra):
+        r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 12, "temperature": 0,
+                                                     **extra})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    wait_idle(http)
+    first = chat([system, {"role": "user", "content": "Hello."}])
+    m0 = metrics(http)
+    prompt_tokens = first["usage"]["prompt_tokens"]
+    shared = chat(ask)
+    m1 = metrics(http)
+    assert m1["tokenmill_prefix_cache_hits_total"] - m0["tokenmill_prefix_cache_hits_total"] >= prompt_tokens - 32
+    salted = chat(ask, cache_salt=f"tenant-{time.monotonic_ns()}")  # a fresh namespace: nothing to share
+    m2 = metrics(http)
+    assert m2["tokenmill_prefix_cache_hits_total"] == m1["tokenmill_prefix_cache_hits_total"]
+    assert m2["tokenmill_prefix_cache_queries_total"] > m1["tokenmill_prefix_cache_queries_total"]
+    assert shared["choices"][0]["message"] == salted["choices"][0]["message"]  # same greedy answer either way
+    assert 0 < m2["tokenmill_prefix_cache_hit_ratio"] < 1 and m2["tokenmill_prefix_cache_blocks"] > 0
+    wait_idle(http)
 
 
 # ---- shutdown, engine death (last: they end their servers) ------------------------------------------------------------

@@ -395,7 +395,7 @@ class AsyncEngine:
         return max_tokens
 
     def add_requests(self, request_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
-                     arrival_time: float | None = None) -> RequestGroup:
+                     arrival_time: float | None = None, cache_salt: str | None = None) -> RequestGroup:
         """Queue one request per prompt (each with params.n samples); ids `request_id-i`. Validates everything
         first; raises InvalidRequest / ContextTooLong / ServerOverloaded / EngineDeadError with nothing queued."""
         if self.dead is not None:
@@ -405,7 +405,8 @@ class AsyncEngine:
         group = RequestGroup(self)
         for i, ((text, ids), mt) in enumerate(zip(prompts, max_tokens)):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            parent = new_parent(rid, text, ids, params, mt, self.tokenizer, self.info.eos_token_ids, arrival)
+            parent = new_parent(rid, text, ids, params, mt, self.tokenizer, self.info.eos_token_ids, arrival,
+                                cache_salt)
             n = len(parent.samples)
             group.tracked.append(_Tracked(parent, group, i, [0] * n, [0] * n, [False] * n, [None] * n))
         new_requests = len(prompts) * params.n

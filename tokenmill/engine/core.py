@@ -48,6 +48,7 @@ class CacheInfo:
     block_size: int
     kv_bytes_per_token: int
     dtype: str
+    prefix_caching: bool = False
 
     @property
     def token_capacity(self) -> int:
@@ -56,7 +57,8 @@ class CacheInfo:
     def describe(self) -> str:
         return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.token_capacity} tokens, "
                 f"{self.kv_bytes_per_token} bytes per token ({self.dtype}), "
-                f"{self.num_blocks * self.block_size * self.kv_bytes_per_token / 2**20:.0f} MiB")
+                f"{self.num_blocks * self.block_size * self.kv_bytes_per_token / 2**20:.0f} MiB; prefix caching "
+                f"{'on' if self.prefix_caching else 'off (--no-prefix-caching)'}")
 
 
 class EngineCore:
@@ -75,12 +77,13 @@ class EngineCore:
         if num_blocks < 1:
             raise ConfigError(f"--kv-cache-memory {budget} bytes holds no block of {cc.block_size} tokens "
                               f"({per_token * cc.block_size} bytes); raise it")
-        self.cache_info = CacheInfo(num_blocks, cc.block_size, per_token, str(self.dtype).removeprefix("torch."))
+        self.cache_info = CacheInfo(num_blocks, cc.block_size, per_token, str(self.dtype).removeprefix("torch."),
+                                    cc.enable_prefix_caching)
         max_len = config.scheduler.max_model_len or mc.max_position_embeddings
         if max_len > mc.max_position_embeddings:
             raise ConfigError(f"--max-model-len {max_len} exceeds the model's {mc.max_position_embeddings} positions")
         self.max_model_len = max_len
-        self.kv = KVCacheManager(num_blocks, cc.block_size)
+        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, max_len)
         self.runner = ModelRunner(mc, weights, self.dtype, config.device, num_blocks, cc.block_size, config.seed)
         del weights
@@ -132,4 +135,4 @@ class EngineCore:
     def check_idle_invariants(self) -> None:
         """With nothing in flight every block must be free: a leak is a bug."""
         assert not self.scheduler.has_unfinished
-        self.kv.pool.check_whole()
+        self.kv.check_idle()

@@ -1,4 +1,5 @@
-"""BlockPool (ref-counted block ids, a free list) and KVCacheManager (which blocks each request holds).
+"""BlockPool (ref-counted block ids, a free list) and KVCacheManager (which blocks each request holds, and the
+prefix cache that lets requests share them).
 
 Plain Python: the tensors that hold K/V live in the model runner; here a block is only an id.
 """
@@ -6,16 +7,21 @@ Plain Python: the tensors that hold K/V live in the model runner; here a block i
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
+from tokenmill.engine.prefix_cache import PrefixMatch, RadixCache
 from tokenmill.request import Request
 
 
 class BlockPool:
-    """Owns block ids 0..num_blocks-1. A block is free exactly when its ref count is 0."""
+    """Owns block ids 0..num_blocks-1. A block is in use while its ref count is above 0 (one count per request
+    holding it). At 0 it is free, unless the prefix cache holds it: then it stays out of the free list, reusable by
+    a later request with the same prefix, until the cache evicts it (`uncache`)."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
+        self.cached = [False] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
 
     @property
@@ -30,54 +36,190 @@ class BlockPool:
             self.ref_counts[b] = 1
         return blocks
 
+    def share(self, blocks: list[int]) -> None:
+        """One more holder for each of these cached blocks (a prefix-cache hit)."""
+        for b in blocks:
+            assert self.cached[b], f"block {b} shared but not cached"
+            self.ref_counts[b] += 1
+
     def release(self, blocks: list[int]) -> None:
-        """Drop one reference from each block; blocks reaching 0 go back to the free list (tail-first, so
-        the blocks at the end of a sequence are reused first)."""
+        """Drop one reference from each block; uncached blocks reaching 0 go back to the free list (tail-first,
+        so the blocks at the end of a sequence are reused first)."""
         for b in reversed(blocks):
             if self.ref_counts[b] <= 0:
                 raise RuntimeError(f"block {b} released while free (double free)")
             self.ref_counts[b] -= 1
-            if self.ref_counts[b] == 0:
+            if self.ref_counts[b] == 0 and not self.cached[b]:
                 self._free.append(b)
 
+    def mark_cached(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.cached[b] = True
+
+    def uncache(self, blocks: list[int]) -> None:
+        """Blocks the prefix cache evicted: unreferenced, so they are free now."""
+        for b in blocks:
+            assert self.cached[b] and self.ref_counts[b] == 0, f"evicted block {b} is in use"
+            self.cached[b] = False
+            self._free.append(b)
+
     def check_whole(self) -> None:
-        """Invariant when idle: every block free, none counted twice."""
-        assert len(self._free) == len(set(self._free)) == self.num_blocks, (
-            f"{self.num_blocks - len(set(self._free))} blocks leaked or double-listed")
-        assert not any(self.ref_counts)
+        """Invariant when idle: every block free or cached, none counted twice, no references left."""
+        cached = [b for b in range(self.num_blocks) if self.cached[b]]
+        assert len(self._free) == len(set(self._free)), "a block listed free twice"
+        assert not set(self._free) & set(cached), "a block both free and cached"
+        assert len(self._free) + len(cached) == self.num_blocks, (
+            f"{self.num_blocks - len(self._free) - len(cached)} blocks leaked")
+        assert not any(self.ref_counts), "references left with nothing running"
+
+
+@dataclass
+class PrefixCacheStats:
+    """Cumulative since start-up (counters) except `cached_blocks` (a gauge)."""
+
+    queries: int = 0  # tokens looked up when requests were admitted
+    hits: int = 0  # of those, tokens found cached
+    evicted_blocks: int = 0
+    cached_blocks: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
 
 
 class KVCacheManager:
-    """Gives each request the blocks its tokens need, one block at a time, and takes them back through
-    `free`, the only way blocks return (finish, abort, preemption, error)."""
+    """Gives each request the blocks its tokens need, one block at a time, and takes them back through `free`,
+    the only way blocks return (finish, abort, preemption, error).
 
-    def __init__(self, num_blocks: int, block_size: int):
+    With prefix caching, a request first takes the longest cached prefix of its tokens (`match` + `admit`: the
+    blocks are shared, ref count +1, and its computed tokens start there); its own blocks join the radix tree as
+    they fill (`cache_blocks`, after each step) and when it ends, so later requests can share them. Cached blocks
+    no one holds stay until the pool runs short, then leave in LRU order.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.tree = RadixCache(block_size) if enable_prefix_caching else None
+        self.prefix_stats = PrefixCacheStats()
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.tree is not None
 
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
+        """Blocks a new allocation can get: free ones plus cached ones no request holds (evictable)."""
+        return self.pool.num_free_blocks + (self.tree.evictable_blocks if self.tree else 0)
 
     @property
     def usage(self) -> float:
-        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+        """Fraction of blocks held by requests (idle cached blocks count as free: they are reclaimable)."""
+        return 1.0 - self.num_free_blocks / self.pool.num_blocks
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        s = self.prefix_stats
+        return PrefixCacheStats(s.queries, s.hits, s.evicted_blocks, self.tree.cached_blocks if self.tree else 0)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    # ---- prefix hits ---------------------------------------------------------------------------------------
+    def _matchable(self, request: Request) -> list[int]:
+        """The tokens a cache hit may cover: whole blocks, always leaving the last token to compute (its logits
+        are needed), so a hit never ends in a block this request will write."""
+        n = (request.num_tokens - 1) // self.block_size * self.block_size
+        return request.tokens_slice(0, n)
+
+    def cached_prefix_len(self, request: Request) -> int:
+        """Tokens of `request` the cache holds now (no side effects; for ranking the waiting queue)."""
+        if self.tree is None or request.num_computed_tokens:
+            return 0
+        return self.tree.match_length(self._matchable(request), request.cache_namespace)
+
+    def match(self, request: Request) -> PrefixMatch | None:
+        if self.tree is None or request.num_computed_tokens:
+            return None
+        return self.tree.match(self._matchable(request), request.cache_namespace)
+
+    def admit(self, request: Request, match: PrefixMatch | None, num_new_tokens: int) -> bool:
+        """Give a waiting request its cached prefix and room for `num_new_tokens` more; False (nothing changed)
+        if the pool cannot hold them."""
+        hit = match.blocks if match else []
+        need = self.blocks_needed(len(hit) * self.block_size + num_new_tokens) - len(hit)
+        if need > self.num_free_blocks - (match.num_evictable if match else 0):
+            return False
+        if self.tree is not None:
+            self.prefix_stats.queries += request.num_tokens
+            self.prefix_stats.hits += len(hit) * self.block_size
+        if hit:
+            self.tree.lock(match.node)
+            self.pool.share(hit)
+            request.block_ids = list(hit)
+            request.cache_node, request.num_cached_blocks = match.node, len(hit)
+            request.num_computed_tokens = len(hit) * self.block_size
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = len(hit) * self.block_size
+        ok = self.allocate_slots(request, num_new_tokens)
+        assert ok, "admit checked the room"
+        return True
+
+    # ---- allocation ------------------------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Make room for `num_new_tokens` more computed tokens; False (and nothing changed) if the pool is short."""
+        """Make room for `num_new_tokens` more computed tokens; False (and nothing changed) if the pool is short.
+        Evicts idle cached blocks when the free list alone is short."""
         need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
         if need <= 0:
             return True
-        if need > self.pool.num_free_blocks:
+        if need > self.num_free_blocks:
             return False
+        short = need - self.pool.num_free_blocks
+        if short > 0:
+            evicted = self.tree.evict(short)
+            self.pool.uncache(evicted)
+            self.prefix_stats.evicted_blocks += len(evicted)
         request.block_ids.extend(self.pool.allocate(need))
         return True
 
+    def cache_blocks(self, request: Request) -> None:
+        """Put the request's newly filled (computed) blocks in the tree. Where another request cached the same
+        tokens first, switch to its block and free the duplicate."""
+        if self.tree is None:
+            return
+        full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        start = request.num_cached_blocks
+        if full <= start:
+            return
+        bs = self.block_size
+        tokens = request.tokens_slice(start * bs, full * bs)
+        mine = request.block_ids[start:full]
+        node, kept = self.tree.insert(request.cache_namespace, request.cache_node, tokens, mine)
+        self.tree.lock(node)
+        self.tree.unlock(request.cache_node)
+        self.pool.mark_cached(kept)
+        for i, (own, tree_block) in enumerate(zip(mine, kept)):
+            if own != tree_block:
+                self.pool.share([tree_block])
+                self.pool.release([own])
+                request.block_ids[start + i] = tree_block
+        request.cache_node, request.num_cached_blocks = node, full
+
     def free(self, request: Request) -> None:
-        """Idempotent: a second call finds no blocks and does nothing."""
+        """Idempotent: a second call finds no blocks and does nothing. With prefix caching, the request's computed
+        full blocks stay cached (unlocked) for later requests."""
+        if request.block_ids:
+            self.cache_blocks(request)
+        if request.cache_node is not None:
+            self.tree.unlock(request.cache_node)
+        request.cache_node, request.num_cached_blocks = None, 0
         blocks, request.block_ids = request.block_ids, []
         if blocks:
             self.pool.release(blocks)
+
+    def check_idle(self) -> None:
+        """With no request holding anything: the pool is whole and the tree has no locks."""
+        self.pool.check_whole()
+        if self.tree is not None:
+            self.tree.check()
+            assert self.tree.evictable_blocks == self.tree.cached_blocks, "a lock outlived its request"
+            assert sorted(self.tree.block_ids()) == [b for b in range(self.pool.num_blocks) if self.pool.cached[b]]

@@ -88,9 +88,11 @@ class LLMEngine:
         """Tokenize, validate and queue; raises InvalidRequest / ContextTooLong with nothing queued."""
         text, ids = self.tokenize_prompt(prompt)
         self.validate_prompt(ids)
+        salt = validate_cache_salt(prompt.get("cache_salt") if isinstance(prompt, dict) else None)
         max_tokens = resolve_max_tokens(params, len(ids), self.max_model_len, self.core.cache_info.token_capacity)
         self.core.scheduler.check_admissible(len(ids), max_tokens)
-        parent = new_parent(request_id, text, ids, params, max_tokens, self.tokenizer, self.eos_token_ids)
+        parent = new_parent(request_id, text, ids, params, max_tokens, self.tokenizer, self.eos_token_ids,
+                            cache_salt=salt)
         for sample in parent.samples:
             self._by_core_id[sample.core_id] = (parent, sample)
         self._parents[request_id] = parent
@@ -152,6 +154,13 @@ def validate_prompt(token_ids: list[int], vocab_size: int) -> None:
         raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab_size})", param="prompt")
 
 
+def validate_cache_salt(salt: object) -> str | None:
+    """A cache salt is a non-empty string (or absent): requests with different salts never share cached KV."""
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise InvalidRequest("cache_salt must be a non-empty string", param="cache_salt")
+    return salt
+
+
 def resolve_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model_len: int, token_capacity: int) -> int:
     """params.max_tokens, or (None) up to the context window or what the whole KV pool can hold if that is less.
     Raises ContextTooLong when the prompt alone fills the context window."""
@@ -164,9 +173,11 @@ def resolve_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model
 
 
 def new_parent(request_id: str, text: str | None, ids: list[int], params: SamplingParams, max_tokens: int,
-               tokenizer: Tokenizer, eos_token_ids: frozenset[int], arrival_time: float | None = None) -> _Parent:
+               tokenizer: Tokenizer, eos_token_ids: frozenset[int], arrival_time: float | None = None,
+               cache_salt: str | None = None) -> _Parent:
     """The frontend state of one request and its n core requests (ids `request_id`, or `request_id#i` for n > 1;
-    seeded children get seed + i), each with its own incremental detokenizer."""
+    seeded children get seed + i), each with its own incremental detokenizer. The n core requests share the
+    prompt's KV blocks through the prefix cache."""
     now = time.monotonic() if arrival_time is None else arrival_time
     parent = _Parent(request_id, text, ids, params, [], RequestMetrics(arrival_time=now), [])
     for i in range(params.n):
@@ -174,7 +185,7 @@ def new_parent(request_id: str, text: str | None, ids: list[int], params: Sampli
         child_params = params
         if params.n > 1 and params.seed is not None:
             child_params = replace(params, seed=params.seed + i)
-        req = Request(core_id, ids, child_params, max_tokens, eos_token_ids, arrival_time=now)
+        req = Request(core_id, ids, child_params, max_tokens, eos_token_ids, arrival_time=now, cache_salt=cache_salt)
         detok = IncrementalDetokenizer(tokenizer, ids, params.stop_list, params.include_stop_str_in_output,
                                        params.skip_special_tokens)
         parent.samples.append(_Sample(i, core_id, detok, logprobs=[] if params.logprobs is not None else None,

@@ -4,6 +4,8 @@ Each step hands out a token budget: running requests first (a decode takes one t
 chunk of what is left), then waiting ones in arrival order. A request whose computed tokens reach its known
 tokens gets a new token sampled. When blocks run out, the most recent arrival is preempted (blocks freed, to be
 recomputed later). The `static` policy admits a fixed batch only when the previous one has fully finished.
+With prefix caching a request's computed tokens start at its cached prefix, and the waiting queue is ranked by
+cached prefix length (bounded so no one starves).
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tokenmill.config import SchedulerConfig
-from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.kv_cache import KVCacheManager, PrefixCacheStats
 from tokenmill.errors import ContextTooLong
 from tokenmill.request import Request, RequestStatus
+
+LPM_MAX_QUEUE = 128  # longest waiting queue ranked by cached prefix; longer ones are served first come first
+LPM_MAX_SKIPS = 16  # a waiting request overtaken this many times is tried first
 
 
 @dataclass
@@ -50,6 +55,7 @@ class SchedulerStats:
     num_waiting_tokens: int
     kv_usage: float
     num_preemptions_total: int
+    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
 
 class Scheduler:
@@ -118,23 +124,70 @@ class Scheduler:
                 i += 1
 
         if not out.preempted and self.config.policy == "continuous":
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                req = self.waiting[0]
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
-                if not self.kv.allocate_slots(req, n):
-                    break
-                self.waiting.popleft()
-                req.status = RequestStatus.RUNNING
-                req.first_scheduled_time = req.first_scheduled_time or now
-                self.running.append(req)
-                out.scheduled.append(ScheduledRequest(req, n))
-                budget -= n
+            self._admit_waiting(out, budget, now)
         return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        """Admit waiting requests while the budget, the sequence limit and the pool allow. A request whose next
+        uncached block a running prefill is computing right now waits a step, then shares it instead."""
+        order = self._admission_order()
+        prefilling = ([r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+                      if self.kv.prefix_caching else [])
+        last_admitted = -1
+        for position, req in order:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            match = self.kv.match(req)
+            cached = len(match.blocks) * self.kv.block_size if match else 0
+            if prefilling and self._computed_by_others(req, cached, prefilling):
+                continue
+            n = min(req.num_tokens - cached, budget)
+            if not self.kv.admit(req, match, n):
+                break
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            req.first_scheduled_time = req.first_scheduled_time or now
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+            last_admitted = max(last_admitted, position)
+            if self.kv.prefix_caching and req.num_tokens - req.num_computed_tokens > 1:
+                prefilling.append(req)
+        for position, req in order:
+            if position < last_admitted and req.status is not RequestStatus.RUNNING:
+                req.num_skips += 1  # someone who came later went first
+
+    def _admission_order(self) -> list[tuple[int, Request]]:
+        """Waiting requests with their queue positions, in the order to try them: first come, first served, or
+        with prefix caching and a short queue, longest cached prefix first (SGLang's LPM) except that a request
+        passed over LPM_MAX_SKIPS times goes first; on a long queue ranking costs more than it saves: FCFS."""
+        order = list(enumerate(self.waiting))
+        if not self.kv.prefix_caching or len(order) < 2 or len(order) > LPM_MAX_QUEUE:
+            return order
+        cached = {id(r): self.kv.cached_prefix_len(r) for _, r in order}
+        return sorted(order, key=lambda e: (e[1].num_skips < LPM_MAX_SKIPS, -cached[id(e[1])], e[0]))
+
+    def _computed_by_others(self, request: Request, cached_tokens: int, prefilling: list[Request]) -> bool:
+        """True when a running prefill is about to compute the block that follows `request`'s cached prefix,
+        with the same tokens before it: waiting for it beats computing the same KV twice (the n samples of one
+        request, a burst of requests with one system prompt)."""
+        bs = self.kv.block_size
+        end = cached_tokens + bs  # the next block, if this request could take it from the cache
+        if end >= request.num_tokens:
+            return False
+        block = request.tokens_slice(end - bs, end)
+        for other in prefilling:
+            if (other.num_computed_tokens < end <= other.num_tokens and other.cache_namespace == request.cache_namespace
+                    and other.tokens_slice(end - bs, end) == block
+                    and other.tokens_slice(0, end - bs) == request.tokens_slice(0, end - bs)):
+                return True
+        return False
 
     def _form_static_batch(self, now: float) -> None:
         """Static batching: a fixed batch joins together and no one else joins until all of it has ended."""
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.popleft()
+            self.kv.admit(req, self.kv.match(req), 0)  # takes only its cached prefix: always fits
             req.status = RequestStatus.RUNNING
             req.first_scheduled_time = req.first_scheduled_time or now
             self.running.append(req)
@@ -158,6 +211,7 @@ class Scheduler:
             if req.status.finished:  # aborted while its step ran
                 continue
             req.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_blocks(req)
             if req.request_id not in sampled:
                 continue
             token, logprobs = sampled[req.request_id]
@@ -194,4 +248,5 @@ class Scheduler:
             num_waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in self.waiting),
             kv_usage=self.kv.usage,
             num_preemptions_total=self.num_preemptions,
+            prefix_cache=self.kv.prefix_cache_stats(),
         )

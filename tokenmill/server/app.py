@@ -261,7 +261,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
             encoded = iter([tok.encode(t) for t in texts])
         prompts = [(p, next(encoded)) if isinstance(p, str) else (None, p) for p in raw]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        group = engine.add_requests(request_id, prompts, params, arrival)
+        group = engine.add_requests(request_id, prompts, params, arrival, req.cache_salt)
         echo = [text if text is not None else tok.decode(ids, skip_special_tokens=False) for text, ids in prompts] \
             if req.echo else None
         writer = _CompletionWriter(request_id, model, params.n, req.logprobs, echo, token_text)
@@ -281,7 +281,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         params = req.to_params(info.vocab_size)
         text, ids = await render_chat(req.template_messages(), req.add_generation_prompt)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        group = engine.add_requests(request_id, [(text, ids)], params, arrival)
+        group = engine.add_requests(request_id, [(text, ids)], params, arrival, req.cache_salt)
         writer = _ChatWriter(request_id, model, params.n, (req.top_logprobs or 0) if req.logprobs else None,
                              token_text)
         if req.stream:

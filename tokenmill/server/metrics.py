@@ -51,9 +51,20 @@ class ServerMetrics:
                                    registry=r)
         self.aborts = Counter("tokenmill_request_aborts", "Requests aborted (client gone, shutdown)", labels,
                               registry=r)
+        self.prefix_queries = Counter("tokenmill_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                                      "when requests were admitted", labels, registry=r)
+        self.prefix_hits = Counter("tokenmill_prefix_cache_hits", "Of those, tokens found cached (not recomputed)",
+                                   labels, registry=r)
+        self.prefix_hit_rate = Gauge("tokenmill_prefix_cache_hit_ratio", "Prefix cache hits / queries since start",
+                                     labels, registry=r)
+        self.prefix_blocks = Gauge("tokenmill_prefix_cache_blocks", "KV blocks held by the prefix cache", labels,
+                                   registry=r)
+        self.prefix_evictions = Counter("tokenmill_prefix_cache_evicted_blocks", "Cached KV blocks evicted to make "
+                                        "room", labels, registry=r)
         self.engine_alive = Gauge("tokenmill_engine_alive", "1 while the engine loop is alive", labels, registry=r)
         self.engine_alive.labels(model_name).set(1)
         self._preemptions_seen = 0
+        self._prefix_seen = (0, 0, 0)  # queries, hits, evicted blocks already counted
         # children bound once: .labels() per observation would cost a dict lookup and a lock each time
         m = model_name
         self._gen, self._ttft, self._itl = self.generation_tokens.labels(m), self.ttft.labels(m), self.itl.labels(m)
@@ -63,6 +74,9 @@ class ServerMetrics:
         # every series exists (at 0) from the start, so dashboards and rate() see the first event
         self._prompt, self._aborts = self.prompt_tokens.labels(m), self.aborts.labels(m)
         self._preempt = self.preemptions.labels(m)
+        self._pq, self._ph = self.prefix_queries.labels(m), self.prefix_hits.labels(m)
+        self._prate, self._pblocks = self.prefix_hit_rate.labels(m), self.prefix_blocks.labels(m)
+        self._pevict = self.prefix_evictions.labels(m)
         for outcome in ("stop", "length", "abort", "error"):
             self.requests.labels(m, outcome)
 
@@ -109,3 +123,12 @@ class ServerMetrics:
         if stats.num_preemptions_total > self._preemptions_seen:
             self._preempt.inc(stats.num_preemptions_total - self._preemptions_seen)
             self._preemptions_seen = stats.num_preemptions_total
+        pc = stats.prefix_cache
+        now = (pc.queries, pc.hits, pc.evicted_blocks)
+        if now != self._prefix_seen:  # the engine reports totals; counters take the increase
+            for counter, new, old in zip((self._pq, self._ph, self._pevict), now, self._prefix_seen):
+                if new > old:
+                    counter.inc(new - old)
+            self._prefix_seen = now
+            self._prate.set(pc.hit_rate)
+        self._pblocks.set(pc.cached_blocks)

@@ -57,12 +57,15 @@ class _Sampling(_Body):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+    cache_salt: str | None = None  # tenants with different salts never share cached KV blocks
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int) -> SamplingParams:
         if self.logit_bias:
             raise InvalidRequest("logit_bias is not supported", param="logit_bias")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequest("best_of is not supported (only best_of == n)", param="best_of")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise InvalidRequest("cache_salt must be a non-empty string", param="cache_salt")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > MAX_STOP_STRINGS:
             raise InvalidRequest(f"stop takes at most {MAX_STOP_STRINGS} strings", param="stop")
