@@ -216,3 +216,57 @@ def test_duck_typed_tokenizer(tmp_path):
     reqs = load_sharegpt(tok, 3, chat=True, min_len=2, path=path)
     assert len(reqs) == 3 and all(r.prompt_token_ids[0] == 1 for r in reqs)
     assert all(t not in (0, 1) for r in random_requests(tok, 4, 30, 5) for t in r.prompt_token_ids)
+
+
+# ------------------------------------------------------------------------- vLLM's filter, by name
+
+
+def _pair(i: int, prompt_tokens: int, reply_tokens: int) -> dict:
+    """A record whose prompt is `prompt_tokens` long and reply `reply_tokens` long for the duck tokenizer
+    (its encode adds one special token to the prompt and none to the reply)."""
+    return {"id": f"p{i}", "conversations": [{"from": "human", "value": " ".join(["w"] * (prompt_tokens - 1))},
+                                             {"from": "gpt", "value": " ".join(["w"] * reply_tokens)}]}
+
+
+def test_sharegpt_filter_boundaries_match_vllm(tmp_path):
+    cases = {  # (prompt, reply) -> kept?
+        (3, 100): False, (4, 100): True,          # prompt shorter than 4
+        (100, 3): False, (100, 4): True,          # reply shorter than 4
+        (1025, 10): False, (1024, 10): True,      # prompt longer than 1024
+        (1000, 1049): False, (1000, 1048): True,  # prompt + uncapped reply over 2048
+    }
+    path = tmp_path / "cases.json"
+    path.write_text(json.dumps([_pair(i, p, r) for i, (p, r) in enumerate(cases)]), encoding="utf-8")
+    reqs = load_sharegpt(_WrapperLikeTokenizer(), 100, max_output_len=256, path=path)
+    kept = {(r.prompt_len, r.output_len) for r in reqs}
+    assert kept == {(4, 100), (100, 4), (1024, 10), (1000, 256)}, kept
+    assert len(reqs) == sum(cases.values())
+
+
+def test_sharegpt_fixed_output_len_keeps_the_total_check(tmp_path):
+    path = tmp_path / "fixed.json"
+    path.write_text(json.dumps([_pair(0, 1000, 2), _pair(1, 1024, 2), _pair(2, 2, 50)]), encoding="utf-8")
+    reqs = load_sharegpt(_WrapperLikeTokenizer(), 10, fixed_output_len=1040, path=path)
+    # a short reply is fine with a fixed length; 1024 + 1040 > 2048 is not; a 2-token prompt never is
+    assert [(r.prompt_len, r.output_len) for r in reqs] == [(1000, 1040)]
+
+
+@pytest.mark.parametrize("name", ["random", "prefix-sharing"])
+def test_sample_requests_by_name_is_seeded(name):
+    from tokenmill.bench.datasets import DatasetOptions, sample_requests
+
+    tok = _WrapperLikeTokenizer()
+    opts = dict(name=name, num_prompts=6, random_input_len=12, random_output_len=3, prefix_num_groups=2,
+                prefix_len=8, prefix_question_len=4, prefix_output_len=3)
+    a = sample_requests(DatasetOptions(seed=1, **opts), tok)
+    b = sample_requests(DatasetOptions(seed=1, **opts), tok)
+    c = sample_requests(DatasetOptions(seed=2, **opts), tok)
+    assert len(a) == 6 and a == b and a != c
+    assert DatasetOptions(seed=1, **opts).describe()["name"] == name
+
+
+def test_sample_requests_unknown_name():
+    from tokenmill.bench.datasets import DatasetOptions, sample_requests
+
+    with pytest.raises(ValueError, match="unknown dataset 'nope'"):
+        sample_requests(DatasetOptions(name="nope"), _WrapperLikeTokenizer())

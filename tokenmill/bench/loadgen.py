@@ -160,7 +160,7 @@ async def send_request(client: httpx.AsyncClient, cfg: LoadConfig, req: BenchReq
                 body = (await resp.aread()).decode(errors="replace")
                 rec.result.error = f"HTTP {resp.status_code}: {body[:300]}"
                 return rec.finish()
-            async for chunk in resp.aiter_raw():
+            async for chunk in resp.aiter_bytes():
                 at = time.perf_counter()
                 for payload in parser.feed(chunk):
                     rec.on_event(payload, at)
