@@ -256,8 +256,8 @@ def test_sample_requests_by_name_is_seeded(name):
     from tokenmill.bench.datasets import DatasetOptions, sample_requests
 
     tok = _WrapperLikeTokenizer()
-    opts = dict(name=name, num_prompts=6, random_input_len=12, random_output_len=3, prefix_num_groups=2,
-                prefix_len=8, prefix_question_len=4, prefix_output_len=3)
+    opts = {"name": name, "num_prompts": 6, "random_input_len": 12, "random_output_len": 3,
+            "prefix_num_groups": 2, "prefix_len": 8, "prefix_question_len": 4, "prefix_output_len": 3}
     a = sample_requests(DatasetOptions(seed=1, **opts), tok)
     b = sample_requests(DatasetOptions(seed=1, **opts), tok)
     c = sample_requests(DatasetOptions(seed=2, **opts), tok)

@@ -13,7 +13,7 @@ import logging
 import math
 import os
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -231,10 +231,9 @@ def _sample(opts: DatasetOptions, tokenizer: Any) -> list:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from tokenmill.bench.loadgen import LoadConfig, run_load, send_request
+    from tokenmill.bench.loadgen import LoadConfig, ServerUnreachable, first_model, run_load, send_request
     from tokenmill.bench.metrics import calculate_metrics
     from tokenmill.bench.report import format_serve, save_result, serve_result
-    from tokenmill.bench.loadgen import ServerUnreachable, first_model
 
     extra_body = _check_serve_flags(args)
     opts = dataset_options(args)
@@ -320,4 +319,4 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")

@@ -151,6 +151,4 @@ def calculate_metrics(
 def _meets_slo(r: RequestResult, output_len: int, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
     if slo_ttft_ms is not None and r.ttft * 1000.0 > slo_ttft_ms:
         return False
-    if slo_tpot_ms is not None and (tpot(r, output_len) or 0.0) * 1000.0 > slo_tpot_ms:
-        return False
-    return True
+    return slo_tpot_ms is None or (tpot(r, output_len) or 0.0) * 1000.0 <= slo_tpot_ms

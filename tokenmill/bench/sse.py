@@ -52,5 +52,5 @@ class SSEParser:
             return None
         field, _, value = line.partition(":")
         if field == "data":
-            self._data.append(value[1:] if value.startswith(" ") else value)
+            self._data.append(value.removeprefix(" "))
         return None
