@@ -1,0 +1,55 @@
+"""benchmarks/compare.py without running any server: peer selection, skipping, and the markdown table."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def compare():
+    spec = importlib.util.spec_from_file_location("bench_compare", ROOT / "benchmarks" / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_compare"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_missing_peers_are_skipped_with_a_reason(compare, tmp_path):
+    args = compare.parse_args(["--peers", "tokenmill,llamacpp,vllm", "--llamacpp-python", "/nonexistent/python",
+                               "--request-rates", "2,inf"])
+    assert args.rates == [2.0, float("inf")]
+    peers, skipped = compare.make_peers(args, tmp_path)
+    assert [p.name for p in peers] == ["tokenmill"]
+    assert "{port}" in peers[0].command and "--served-model-name" in peers[0].command
+    assert any(s.startswith("llama.cpp: not installed") for s in skipped)
+    assert any(s.startswith("vLLM: no --vllm-venv") for s in skipped)
+
+
+def test_unknown_peer_and_bad_rates_are_refused(compare, tmp_path):
+    with pytest.raises(SystemExit, match="unknown peer 'sglang'"):
+        compare.make_peers(compare.parse_args(["--peers", "sglang"]), tmp_path)
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--request-rates", "0,1"])
+
+
+def test_markdown_table_rows(compare):
+    serve = {"kind": "serve", "label": "tokenmill", "request_rate": "inf", "completed": 8, "failed": 0,
+             "duration": 2.5, "request_throughput": 3.2, "output_throughput": 25.6, "median_ttft_ms": 812.4,
+             "p99_ttft_ms": 1500.0, "median_tpot_ms": 50.0, "median_itl_ms": 49.0, "p99_itl_ms": 120.0,
+             "median_e2el_ms": 1200.0}
+    slow = dict(serve, label="llama.cpp", request_rate=1.0, failed=1, median_tpot_ms=None)
+    offline = {"kind": "offline", "label": "transformers (offline, batches of 16)", "completed": 8, "duration": 9.0,
+               "request_throughput": 0.9, "output_throughput": 7.1}
+    table = compare.markdown_table([offline, slow, serve]).splitlines()
+    assert table[0].startswith("| system | rate") and set(table[1]) == {"|", "-"}
+    assert table[1].count("|") == table[0].count("|")
+    assert all(row.count("|") == table[0].count("|") for row in table[2:])
+    assert table[2].startswith("| tokenmill | inf | 8 / 0 | 2.5 | 3.20 | 25.6 | 812 / 1,500 | 50 |")
+    assert table[3].startswith("| llama.cpp | 1 | 8 / 1 |") and "| – |" in table[3]
+    assert table[4].startswith("| transformers (offline, batches of 16) | offline |")
