@@ -244,16 +244,26 @@ def bench_serve(args: argparse.Namespace, peer: Peer, url: str, rate: float, out
     return path
 
 
+def dataset_options(args: argparse.Namespace):
+    """The workload `bench serve` builds from the same flags (unset ones take the bench defaults)."""
+    from tokenmill.bench.datasets import DatasetOptions
+
+    defaults = DatasetOptions()
+    chosen = {f: getattr(args, f) for f in DATASET_FLAGS[2:] if getattr(args, f) is not None}
+    return DatasetOptions(**{**defaults.__dict__, **chosen, "name": args.dataset, "seed": args.seed,
+                             "num_prompts": args.num_prompts})
+
+
 def run_hf(args: argparse.Namespace, out: Path) -> Path:
     """transformers `generate` over the same requests in static batches, as an offline result file."""
     from hf_baseline import run_hf_generate
 
-    from tokenmill.bench.cli import dataset_options
     from tokenmill.bench.datasets import sample_requests
     from tokenmill.tokenizer import Tokenizer
 
-    opts = dataset_options(argparse.Namespace(**{**vars(args), "sharegpt_path": None}))
-    requests = sample_requests(opts, Tokenizer.load(gguf_path()))
+    requests = sample_requests(dataset_options(args), Tokenizer.load(gguf_path()))
+    if args.hf_max_prompts:
+        requests = requests[: args.hf_max_prompts]
     print(f"== transformers generate, static batches of {args.hf_batch_size} ({len(requests)} requests)",
           flush=True)
     numbers = run_hf_generate(str(gguf_path()), requests, batch_size=args.hf_batch_size, dtype="float32",
@@ -341,6 +351,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--vllm-flags", default="", help="extra vLLM server flags, one string")
     p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--hf-max-prompts", type=int, default=None,
+                   help="run transformers on only the first N requests (it is slow)")
     args = p.parse_args(argv)
     try:
         args.rates = [float(r) for r in args.request_rates.split(",") if r.strip()]

@@ -15,8 +15,13 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TIMEOUT = 240
 
 
+# One compute thread for the servers and engines these tests start: speed is not tested here, and on a busy
+# 2-core machine two threads per process oversubscribe the cores and make every step many times slower.
+QUIET_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+
+
 def tokenmill(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, **QUIET_ENV}
     return subprocess.run([sys.executable, "-m", "tokenmill.cli", *args], capture_output=True, text=True,
                           timeout=TIMEOUT, env=env, check=False)
 
@@ -73,7 +78,10 @@ def test_bad_offline_flag_fails_before_loading_a_model(capsys):
 def server():
     from tests.server.conftest import start_server
 
-    s = start_server("--max-num-seqs", "16")
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in QUIET_ENV.items():
+            mp.setenv(name, value)
+        s = start_server("--max-num-seqs", "16")
     try:
         yield s
     finally:

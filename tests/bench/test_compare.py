@@ -53,3 +53,12 @@ def test_markdown_table_rows(compare):
     assert table[2].startswith("| tokenmill | inf | 8 / 0 | 2.5 | 3.20 | 25.6 | 812 / 1,500 | 50 |")
     assert table[3].startswith("| llama.cpp | 1 | 8 / 1 |") and "| – |" in table[3]
     assert table[4].startswith("| transformers (offline, batches of 16) | offline |")
+
+
+def test_hf_row_uses_the_bench_workload(compare):
+    from tokenmill.bench.datasets import DatasetOptions
+
+    args = compare.parse_args(["--dataset", "random", "--random-input-len", "32", "--num-prompts", "3",
+                               "--seed", "4"])
+    opts = compare.dataset_options(args)
+    assert opts == DatasetOptions(name="random", num_prompts=3, seed=4, random_input_len=32)
