@@ -60,7 +60,7 @@ def test_shared_system_prompts_same_output_less_prefill(model_dir, reference, ch
     stats = core.kv.prefix_cache_stats()
     prompt_tokens = sum(map(len, shared_prompt_workload()))
     assert stats.hits >= 3 * (32 + 32 + 48)  # the other three questions of each system prompt hit its blocks
-    assert core.totals["prefill_tokens_computed"] <= prompt_tokens - stats.hits
+    assert core.scheduler.num_prefill_tokens_computed <= prompt_tokens - stats.hits
     core.check_idle_invariants()
     # a second round finds everything but the last partial block of each prompt in the cache
     again = [o.outputs[0] for o in generate(llm, shared_prompt_workload())]
@@ -100,7 +100,7 @@ def test_n_samples_share_the_prompt_blocks(model_dir):
         core = llm.engine.core
         if cache:
             assert core.kv.prefix_cache_stats().hits == 3 * 32  # samples 2-4 take the first's two whole blocks
-            assert core.totals["prefill_tokens_computed"] == 40 + 3 * 8
+            assert core.scheduler.num_prefill_tokens_computed == 40 + 3 * 8
         core.check_idle_invariants()
     assert results[True] == results[False]
     assert len({tuple(t) for t in results[True]}) > 1  # really n different samples
@@ -124,8 +124,8 @@ def test_different_cache_salts_never_share(model_dir):
     generate(llm, [{"prompt_token_ids": prompt, "cache_salt": "alice"}])
     generate(llm, [{"prompt_token_ids": prompt, "cache_salt": "bob"}, {"prompt_token_ids": prompt}])
     assert llm.engine.core.kv.prefix_cache_stats().hits == 0
-    generate(llm, [{"prompt_token_ids": prompt, "cache_salt": "alice"}])
-    assert llm.engine.core.kv.prefix_cache_stats().hits == 32
+    out = generate(llm, [{"prompt_token_ids": prompt, "cache_salt": "alice"}])[0]
+    assert llm.engine.core.kv.prefix_cache_stats().hits == 32 and out.num_cached_tokens == 32
     with pytest.raises(Exception, match="cache_salt"):
         generate(llm, [{"prompt_token_ids": prompt, "cache_salt": ""}])
     llm.engine.core.check_idle_invariants()

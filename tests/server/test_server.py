@@ -382,7 +382,8 @@ def test_metrics_names(http):
                  "tokenmill_e2e_request_latency_seconds_bucket", "tokenmill_request_queue_time_seconds_bucket",
                  "tokenmill_num_requests_running", "tokenmill_num_requests_waiting", "tokenmill_num_waiting_tokens",
                  "tokenmill_kv_cache_usage_ratio", "tokenmill_num_preemptions_total",
-                 "tokenmill_request_aborts_total", "tokenmill_prefix_cache_queries_total",
+                 "tokenmill_request_aborts_total", "tokenmill_prefill_tokens_computed_total",
+                 "tokenmill_prefix_cache_queries_total",
                  "tokenmill_prefix_cache_hits_total", "tokenmill_prefix_cache_hit_ratio", "tokenmill_prefix_cache_blocks",
                  "tokenmill_prefix_cache_evicted_blocks_total"):
         assert name in text, name
@@ -413,6 +414,12 @@ def test_prefix_cache_shares_a_system_prompt_but_not_across_salts(server, http):
     assert m2["tokenmill_prefix_cache_hits_total"] == m1["tokenmill_prefix_cache_hits_total"]
     assert m2["tokenmill_prefix_cache_queries_total"] > m1["tokenmill_prefix_cache_queries_total"]
     assert shared["choices"][0]["message"] == salted["choices"][0]["message"]  # same greedy answer either way
+    assert shared["usage"]["prompt_tokens_details"]["cached_tokens"] >= prompt_tokens - 32
+    assert salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    stream = http.post("/v1/chat/completions", json={"messages": ask, "max_tokens": 4, "stream": True,
+                                                      "stream_options": {"include_usage": True}})
+    usage = [e for e in sse_events(stream.text.splitlines()) if e != "[DONE]" and e.get("usage")][-1]["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= prompt_tokens - 32
     assert 0 < m2["tokenmill_prefix_cache_hit_ratio"] < 1 and m2["tokenmill_prefix_cache_blocks"] > 0
     wait_idle(http)
 

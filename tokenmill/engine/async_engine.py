@@ -96,7 +96,8 @@ class EngineFailed:
 @dataclass
 class EngineOutputs:
     outputs: list[EngineCoreOutput]
-    started: dict[str, float]  # request id -> first scheduled time (time.monotonic, same clock in both processes)
+    # request id -> (first scheduled time (time.monotonic, same clock in both processes), prompt tokens cached)
+    started: dict[str, tuple[float, int]]
     rejected: dict[str, BaseException]  # request id -> why the core refused it at add
     stats: SchedulerStats
     time: float = field(default_factory=time.monotonic)
@@ -159,7 +160,7 @@ def run_engine_core(config: EngineConfig, inputs, outputs) -> None:
         outs = core.step() if core.has_unfinished else []
         started = {}
         if unstarted:
-            started = {rid: r.first_scheduled_time for rid, r in unstarted.items()
+            started = {rid: (r.first_scheduled_time, r.num_cached_tokens or 0) for rid, r in unstarted.items()
                        if r.first_scheduled_time is not None}
             for rid in started:
                 del unstarted[rid]
@@ -505,9 +506,11 @@ class AsyncEngine:
         finish_msgs = []
         now = time.monotonic()
         with self._lock:
-            for rid, t_sched in msg.started.items():
+            for rid, (t_sched, cached) in msg.started.items():
                 self._forget_unstarted(rid)
                 entry = self._by_core_id.get(rid)
+                if entry is not None and entry[1].index == 0:
+                    entry[0].parent.num_cached_tokens = cached
                 if entry is not None and obs is not None:
                     obs.on_started(t_sched - entry[0].parent.metrics.arrival_time)
             for rid, err in msg.rejected.items():  # the API-side checks should make this unreachable

@@ -87,7 +87,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv, max_len)
         self.runner = ModelRunner(mc, weights, self.dtype, config.device, num_blocks, cc.block_size, config.seed)
         del weights
-        self.totals = {"prompt_tokens": 0, "generation_tokens": 0, "prefill_tokens_computed": 0, "steps": 0}
+        self.totals = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -118,8 +118,6 @@ class EngineCore:
         finished = self.scheduler.update(sched, result.sampled)
         self.totals["steps"] += 1
         self.totals["generation_tokens"] += len(result.sampled)
-        self.totals["prefill_tokens_computed"] += sum(
-            s.num_new_tokens for s in sched.scheduled if s.num_new_tokens > 1 or not s.request.output_token_ids)
         outputs = []
         for s in sched.scheduled:
             req = s.request

@@ -47,6 +47,7 @@ class _Parent:
     samples: list[_Sample]
     metrics: RequestMetrics
     core_requests: list[Request]
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache held when the first sample was first scheduled
 
     @property
     def finished(self) -> bool:
@@ -139,8 +140,10 @@ class LLMEngine:
         req0 = parent.core_requests[0]
         parent.metrics.first_scheduled_time = req0.first_scheduled_time
         parent.metrics.num_preemptions = sum(r.num_preemptions for r in parent.core_requests)
+        parent.num_cached_tokens = req0.num_cached_tokens or 0
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
-                             [s.output() for s in parent.samples], parent.finished, parent.metrics)
+                             [s.output() for s in parent.samples], parent.finished, parent.metrics,
+                             parent.num_cached_tokens)
 
 
 # ---- the text side, shared with the server's AsyncEngine (engine/async_engine.py) ------------------------------

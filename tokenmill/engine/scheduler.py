@@ -55,6 +55,7 @@ class SchedulerStats:
     num_waiting_tokens: int
     kv_usage: float
     num_preemptions_total: int
+    num_prefill_tokens_computed_total: int = 0
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
 
@@ -67,6 +68,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_prefill_tokens_computed = 0  # prompt (and recomputed) tokens run through the model: not cache hits
 
     # ---- admission -------------------------------------------------------------------------------------
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -210,6 +212,8 @@ class Scheduler:
             req = s.request
             if req.status.finished:  # aborted while its step ran
                 continue
+            if s.num_new_tokens > 1 or not req.output_token_ids:
+                self.num_prefill_tokens_computed += s.num_new_tokens
             req.num_computed_tokens += s.num_new_tokens
             self.kv.cache_blocks(req)
             if req.request_id not in sampled:
@@ -248,5 +252,6 @@ class Scheduler:
             num_waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in self.waiting),
             kv_usage=self.kv.usage,
             num_preemptions_total=self.num_preemptions,
+            num_prefill_tokens_computed_total=self.num_prefill_tokens_computed,
             prefix_cache=self.kv.prefix_cache_stats(),
         )

@@ -271,7 +271,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         accs = await _collect(request, group, params.n)
         if accs is None:
             return Response(status_code=499)
-        return writer.response(accs, usage_prompt)
+        return writer.response(accs, usage_prompt, group)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -289,7 +289,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         accs = await _collect(request, group, params.n)
         if accs is None:
             return Response(status_code=499)
-        return writer.response(accs, len(ids))
+        return writer.response(accs, len(ids), group)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -403,9 +403,15 @@ def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def _cached_tokens(group: RequestGroup) -> int:
+    """Prompt tokens served from the prefix cache (OpenAI's usage.prompt_tokens_details.cached_tokens)."""
+    return sum(p.num_cached_tokens for p in group.prompts)
 
 
 def _lp(x: float) -> float:
@@ -448,9 +454,9 @@ class _StreamWriter:
         return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def _usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def _usage_chunk(self, prompt_tokens: int, completion_tokens: int, group: RequestGroup) -> dict:
         chunk = self._chunk([])
-        chunk["usage"] = _usage(prompt_tokens, completion_tokens)
+        chunk["usage"] = _usage(prompt_tokens, completion_tokens, _cached_tokens(group))
         return chunk
 
 
@@ -483,7 +489,7 @@ class _CompletionWriter(_StreamWriter):
                 "logprobs": self._logprobs(index, token_ids, lps) if self.logprobs is not None else None,
                 "finish_reason": finish_reason, "stop_reason": stop_reason}
 
-    def response(self, accs: list[_Acc], prompt_tokens: int) -> dict:
+    def response(self, accs: list[_Acc], prompt_tokens: int, group: RequestGroup) -> dict:
         choices = []
         for i, a in enumerate(accs):
             text = "".join(a.text)
@@ -491,7 +497,8 @@ class _CompletionWriter(_StreamWriter):
                 text = self.echo[i // self.n] + text
             choices.append(self._choice(i, text, a.token_ids, a.logprobs, a.finish_reason, a.stop_reason))
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": _usage(prompt_tokens, sum(len(a.token_ids) for a in accs))}
+                "choices": choices,
+                "usage": _usage(prompt_tokens, sum(len(a.token_ids) for a in accs), _cached_tokens(group))}
 
     async def chunks(self, group: RequestGroup, usage_prompt: int | None) -> AsyncIterator[dict]:
         completion_tokens = 0
@@ -511,7 +518,7 @@ class _CompletionWriter(_StreamWriter):
             if choices:
                 yield self._chunk(choices)
         if usage_prompt is not None:
-            yield self._usage_chunk(usage_prompt, completion_tokens)
+            yield self._usage_chunk(usage_prompt, completion_tokens, group)
 
 
 class _ChatWriter(_StreamWriter):
@@ -530,13 +537,14 @@ class _ChatWriter(_StreamWriter):
                                              for t, v in top]})
         return {"content": content}
 
-    def response(self, accs: list[_Acc], prompt_tokens: int) -> dict:
+    def response(self, accs: list[_Acc], prompt_tokens: int, group: RequestGroup) -> dict:
         choices = [{"index": i, "message": {"role": "assistant", "content": "".join(a.text)},
                     "logprobs": self._logprobs(a.token_ids, a.logprobs) if self.top is not None else None,
                     "finish_reason": a.finish_reason, "stop_reason": a.stop_reason}
                    for i, a in enumerate(accs)]
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": _usage(prompt_tokens, sum(len(a.token_ids) for a in accs))}
+                "choices": choices,
+                "usage": _usage(prompt_tokens, sum(len(a.token_ids) for a in accs), _cached_tokens(group))}
 
     async def chunks(self, group: RequestGroup, usage_prompt: int | None) -> AsyncIterator[dict]:
         yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -557,4 +565,4 @@ class _ChatWriter(_StreamWriter):
                 if choices:
                     yield self._chunk(choices)
         if usage_prompt is not None:
-            yield self._usage_chunk(usage_prompt, completion_tokens)
+            yield self._usage_chunk(usage_prompt, completion_tokens, group)

@@ -51,6 +51,9 @@ class ServerMetrics:
                                    registry=r)
         self.aborts = Counter("tokenmill_request_aborts", "Requests aborted (client gone, shutdown)", labels,
                               registry=r)
+        self.prefill_computed = Counter("tokenmill_prefill_tokens_computed", "Prompt tokens run through the model "
+                                        "(cache hits excluded, recomputation after preemption included)", labels,
+                                        registry=r)
         self.prefix_queries = Counter("tokenmill_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
                                       "when requests were admitted", labels, registry=r)
         self.prefix_hits = Counter("tokenmill_prefix_cache_hits", "Of those, tokens found cached (not recomputed)",
@@ -63,8 +66,6 @@ class ServerMetrics:
                                         "room", labels, registry=r)
         self.engine_alive = Gauge("tokenmill_engine_alive", "1 while the engine loop is alive", labels, registry=r)
         self.engine_alive.labels(model_name).set(1)
-        self._preemptions_seen = 0
-        self._prefix_seen = (0, 0, 0)  # queries, hits, evicted blocks already counted
         # children bound once: .labels() per observation would cost a dict lookup and a lock each time
         m = model_name
         self._gen, self._ttft, self._itl = self.generation_tokens.labels(m), self.ttft.labels(m), self.itl.labels(m)
@@ -77,6 +78,9 @@ class ServerMetrics:
         self._pq, self._ph = self.prefix_queries.labels(m), self.prefix_hits.labels(m)
         self._prate, self._pblocks = self.prefix_hit_rate.labels(m), self.prefix_blocks.labels(m)
         self._pevict = self.prefix_evictions.labels(m)
+        self._prefill = self.prefill_computed.labels(m)
+        self._from_totals = (self._preempt, self._prefill, self._pq, self._ph, self._pevict)
+        self._totals_seen = (0,) * len(self._from_totals)
         for outcome in ("stop", "length", "abort", "error"):
             self.requests.labels(m, outcome)
 
@@ -120,15 +124,13 @@ class ServerMetrics:
         self._waiting.set(stats.num_waiting)
         self._waiting_tokens.set(stats.num_waiting_tokens)
         self._kv.set(stats.kv_usage)
-        if stats.num_preemptions_total > self._preemptions_seen:
-            self._preempt.inc(stats.num_preemptions_total - self._preemptions_seen)
-            self._preemptions_seen = stats.num_preemptions_total
         pc = stats.prefix_cache
-        now = (pc.queries, pc.hits, pc.evicted_blocks)
-        if now != self._prefix_seen:  # the engine reports totals; counters take the increase
-            for counter, new, old in zip((self._pq, self._ph, self._pevict), now, self._prefix_seen):
+        totals = (stats.num_preemptions_total, stats.num_prefill_tokens_computed_total, pc.queries, pc.hits,
+                  pc.evicted_blocks)
+        if totals != self._totals_seen:  # the engine reports totals since start; counters take the increase
+            for counter, new, old in zip(self._from_totals, totals, self._totals_seen):
                 if new > old:
                     counter.inc(new - old)
-            self._prefix_seen = now
+            self._totals_seen = totals
             self._prate.set(pc.hit_rate)
         self._pblocks.set(pc.cached_blocks)
