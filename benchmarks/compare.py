@@ -187,7 +187,8 @@ def make_peers(args: argparse.Namespace, out: Path) -> tuple[list[Peer], list[st
                 "llamacpp", "llama.cpp",
                 [args.llamacpp_python, "-m", "llama_cpp.server", "--model", str(gguf_path()), "--port", "{port}",
                  "--host", "127.0.0.1", "--n_ctx", str(args.llamacpp_n_ctx), "--n_threads", threads,
-                 "--n_threads_batch", threads, "--model_alias", SERVED_NAME, "--verbose", "False"],
+                 "--n_threads_batch", threads, "--model_alias", SERVED_NAME, "--verbose", "False",
+                 "--interrupt_requests", "False"],  # by default a new request cuts the running one short
                 extra_body={"logit_bias": {str(t): -100.0 for t in eos_token_ids()}},
                 notes=f"llama-cpp-python server, same GGUF run natively (Q4_1), n_ctx {args.llamacpp_n_ctx}, "
                       "one request at a time; EOS banned by logit_bias"))
@@ -393,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
 
     results = [load_result(f) for f in files]
     notes = [f"- {p.label}: {p.notes}" for p in peers]
+    notes += [f"- {r['label']} @ {_rate_slug(rate_from_json(r.get('request_rate')))} req/s: {r['short_outputs']} "
+              f"of {r['completed']} requests returned fewer tokens than asked" for r in results if r.get("short_outputs")]
     md = "\n".join([workload_line(args, results), "", markdown_table(results), "", *notes,
                     *[f"- skipped {s}" for s in skipped], *[f"- failed: {f}" for f in failures]])
     (out / "compare.md").write_text(md + "\n", encoding="utf-8")

@@ -108,6 +108,7 @@ def test_serve_run_writes_a_complete_result_and_plots(server, tmp_path):
     assert len(result["ttfts"]) == 8 and all(t > 0 for t in result["ttfts"])
     assert len(result["itls"]) == 8 and all(len(gaps) == 7 for gaps in result["itls"]), result["itls"]
     assert result["output_lens"] == [8] * 8  # ignore_eos + max_tokens, counted from the usage chunk
+    assert result["expected_output_lens"] == [8] * 8 and result["short_outputs"] == 0
     assert result["total_output_tokens"] == 64 and result["output_throughput"] > 0
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])
     assert result["p99_ttft_ms"] >= result["median_ttft_ms"] > 0

@@ -271,7 +271,7 @@ def _serve(args: argparse.Namespace) -> int:
               "max_concurrency": args.max_concurrency, "seed": args.seed,
               "slo_ms": {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms},
               "ignore_eos": cfg.ignore_eos, "extra_body": extra_body}
-    result = serve_result(config, metrics, results, output_lens)
+    result = serve_result(config, metrics, results, output_lens, [r.output_len for r in requests])
     print(format_serve(result))
     if args.save_result:
         print(f"result: {save_result(result, args.save_result)}", file=sys.stderr)

@@ -28,12 +28,20 @@ def rate_from_json(value: Any) -> float:
 
 
 def serve_result(config: dict[str, Any], metrics: BenchmarkMetrics, results: Sequence[RequestResult],
-                 output_lens: Sequence[int]) -> dict[str, Any]:
-    """The JSON-ready record of one `bench serve` run (failed requests keep their slot, with nulls)."""
+                 output_lens: Sequence[int], expected_lens: Sequence[int] | None = None) -> dict[str, Any]:
+    """The JSON-ready record of one `bench serve` run (failed requests keep their slot, with nulls).
+
+    `short_outputs` counts successful requests that made fewer tokens than their `max_tokens`: with
+    `ignore_eos` there should be none, and a server that stops early (or drops the field) shows up here.
+    """
     out = {"kind": "serve", **config, **metrics.flat()}
     out["request_rate"] = rate_to_json(float(config.get("request_rate", math.inf)))
     out["input_lens"] = [r.prompt_len for r in results]
     out["output_lens"] = list(output_lens)
+    if expected_lens is not None:
+        out["expected_output_lens"] = list(expected_lens)
+        out["short_outputs"] = sum(1 for r, n, want in zip(results, output_lens, expected_lens)
+                                   if r.success and n < want)
     out["ttfts"] = [r.ttft if r.success else None for r in results]
     out["itls"] = [list(r.itl) if r.success else None for r in results]
     out["e2els"] = [r.latency if r.success else None for r in results]
@@ -89,6 +97,8 @@ def format_serve(result: dict[str, Any], percentiles: Sequence[int] = PERCENTILE
     lines.append(_line("Benchmark duration (s):", result["duration"]))
     lines.append(_line("Total input tokens:", result["total_input_tokens"]))
     lines.append(_line("Total generated tokens:", result["total_output_tokens"]))
+    if result.get("short_outputs"):
+        lines.append(_line("Requests cut short (< max_tokens):", result["short_outputs"]))
     lines.append(_line("Request throughput (req/s):", result["request_throughput"]))
     if result.get("request_goodput") is not None:
         slo = ", ".join(f"{k} <= {v:g} ms" for k, v in (result.get("slo_ms") or {}).items() if v is not None)
