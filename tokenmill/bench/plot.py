@@ -34,7 +34,7 @@ def _rate_name(rate: float) -> str:
 def run_name(result: dict[str, Any]) -> str:
     label = result.get("label") or result.get("model") or "run"
     if result.get("kind") == "offline":
-        return f"{label} (offline)"
+        return label if "offline" in label else f"{label} (offline)"
     name = f"{label} @ {_rate_name(rate_from_json(result.get('request_rate')))} req/s"
     if result.get("max_concurrency"):
         name += f", c={result['max_concurrency']}"
