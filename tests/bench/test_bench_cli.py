@@ -169,3 +169,13 @@ def test_offline_run_on_a_tiny_model(tmp_path):
     assert result["total_output_tokens"] == 30 and result["output_lens"] == [5] * 6
     assert result["total_input_tokens"] == 96 and result["output_throughput"] > 0
     assert result["engine"]["dtype"] == "float32"
+
+
+def test_tokenizer_flag_takes_a_tokenizer_only_directory(tmp_path):
+    from tests.models.tiny import smollm2_tokenizer
+    from tokenmill.bench.cli import BenchUsageError, load_tokenizer
+
+    smollm2_tokenizer().save_pretrained(tmp_path)  # no config.json, no weights
+    assert load_tokenizer(str(tmp_path)).encode("Hello world", add_special_tokens=False)
+    with pytest.raises(BenchUsageError, match="^--tokenizer: cannot load"):
+        load_tokenizer(str(tmp_path / "missing"))

@@ -207,8 +207,8 @@ def load_tokenizer(path: str | None) -> Any:
     from tokenmill.model.loader import resolve_model_path
     from tokenmill.tokenizer import Tokenizer
 
-    try:
-        return Tokenizer.load(resolve_model_path(path))
+    try:  # a tokenizer-only directory is fine here, so only the default goes through the model resolver
+        return Tokenizer.load(Path(path).expanduser() if path else resolve_model_path(None))
     except (TokenmillError, OSError, ValueError) as e:
         raise BenchUsageError(f"--tokenizer: cannot load a tokenizer from {path or 'the default model'}: {e}") \
             from None
