@@ -3,7 +3,9 @@
 Keeping vLLM's definitions (vllm/benchmarks/serve.py, `calculate_metrics`) makes our numbers comparable with
 results published for vLLM and with runs of its own benchmark against the same servers:
 
-- TTFT: first content chunk received - request sent.
+- TTFT: first content chunk received - request sent. A content chunk carries text for choice 0; chunks with
+  none (a chat stream's opening role delta, a bare finish_reason, the usage chunk) carry no token and are not
+  timed. (vLLM times any chunk with choices, which makes a chat stream's role delta its "first token".)
 - TPOT (per request, only when it produced more than one token): (e2e latency - TTFT) / (output tokens - 1).
 - ITL: every gap between consecutive content chunks, pooled over all requests.
 - E2E latency: last content chunk received - request sent.
