@@ -206,6 +206,7 @@ def test_paged_attention_end_to_end_equals_full_causal(use_kernel, block_size, g
     k_new = torch.cat([r["k"][r["computed"]:] for r in ordered])
     v_new = torch.cat([r["v"][r["computed"]:] for r in ordered])
 
+    write_kv(k_cache, v_cache, k_new, v_new, meta.slot_mapping)
     out = paged_attention(q, k_new, v_new, k_cache, v_cache, meta)
 
     assert out.shape == q.shape
@@ -231,6 +232,7 @@ def test_paged_attention_only_paged_tokens_and_only_fresh_spans():
     q = torch.randn(8, heads, hd, generator=g)
     slots = torch.tensor([3 * bs + i for i in range(5)] + [6 * bs + i for i in range(3)])
     meta = AttentionMetadata(slot_mapping=slots, fresh_spans=[(0, 5), (5, 8)])
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = paged_attention(q, k, v, k_cache, v_cache, meta)
     torch.testing.assert_close(out[:5].double(), naive_causal(q[:5], k[:5], v[:5], 0), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[5:].double(), naive_causal(q[5:], k[5:], v[5:], 0), atol=1e-5, rtol=1e-5)
@@ -241,6 +243,7 @@ def test_paged_attention_only_paged_tokens_and_only_fresh_spans():
     meta = AttentionMetadata(slot_mapping=torch.tensor([3 * bs + 5, 6 * bs + 3]), num_paged_tokens=2,
                              block_tables=torch.tensor([[3], [6]]), q_rows=torch.tensor([0, 1]),
                              kv_lens=torch.tensor([6, 4]))
+    write_kv(k_cache, v_cache, k2, v2, meta.slot_mapping)
     out2 = paged_attention(q2, k2, v2, k_cache, v_cache, meta)
     full_k = [torch.cat([k[:5], k2[:1]]), torch.cat([k[5:], k2[1:]])]
     full_v = [torch.cat([v[:5], v2[:1]]), torch.cat([v[5:], v2[1:]])]

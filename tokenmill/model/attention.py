@@ -56,8 +56,8 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KVH, D] for the new tokens; caches [blocks, block_size, KVH, D]. Returns [T, H, D]."""
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    """q [T, H, D], k/v [T, KVH, D] for the new tokens, already written to the caches [blocks, block_size, KVH, D]
+    (write_kv, or the fused rotary_write_kv kernel). Returns [T, H, D]."""
     scale = q.shape[-1] ** -0.5
     p = meta.num_paged_tokens
     kernel = paged_attention_kernel() if meta.use_kernel and q.device.type == "cpu" else None

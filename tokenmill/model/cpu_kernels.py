@@ -1,6 +1,6 @@
-"""Fast CPU kernels (C++, built on first use with torch's extension builder): paged attention and the skinny
-linear layer. Each has a plain-PyTorch equivalent the engine falls back to when no compiler is available, and
-is tested against it (tests/model/test_attention.py, tests/model/test_linear.py)."""
+"""Fast CPU kernels (C++, built on first use with torch's extension builder): paged attention, the skinny
+linear layer and the fused elementwise ops of a decoder layer. Each has a plain-PyTorch equivalent the engine
+falls back to when no compiler is available, and is tested against it (tests/model/)."""
 
 from __future__ import annotations
 
@@ -39,3 +39,9 @@ def paged_attention_kernel():
 def skinny_linear_kernel():
     ext = _extension()
     return None if ext is None else ext.skinny_linear
+
+
+def fused_ops(x):
+    """The extension when `x` is on the CPU and the kernels are built (rms_norm, add_rms_norm, rotary_write_kv,
+    silu_mul), else None: callers then run the torch code."""
+    return _extension() if x.device.type == "cpu" else None

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.model.cpu_kernels import fused_ops
 from tokenmill.model.linear import Linear
 
 
@@ -19,10 +20,24 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = fused_ops(x)
+        if ops is not None and x.dim() == 2:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return self._reference(x)
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 as the reference does, then scale in the model's dtype.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual += x (in place), then the norm of residual: the residual add and the next norm in one pass."""
+        ops = fused_ops(x)
+        if ops is not None and x.dim() == 2:
+            return ops.add_rms_norm(x, residual, self.weight, self.eps)
+        residual.add_(x)
+        return self._reference(residual)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -74,5 +89,9 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        ops = fused_ops(x)
+        if ops is not None and gate_up.dim() == 2:
+            return self.down_proj(ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)

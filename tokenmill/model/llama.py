@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
-from tokenmill.model.attention import AttentionMetadata, paged_attention
+from tokenmill.model.attention import AttentionMetadata, paged_attention, write_kv
+from tokenmill.model.cpu_kernels import fused_ops
 from tokenmill.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 from tokenmill.model.linear import Linear, linear
 
@@ -25,10 +26,16 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        ops = fused_ops(qkv)
+        if ops is not None:  # rotary in place and the K/V cache write, in one call
+            ops.rotary_write_kv(qkv, self.num_heads, self.num_kv_heads, cos.view(t, -1), sin.view(t, -1),
+                                kv_cache[0], kv_cache[1], meta.slot_mapping)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = (y.view(t, -1, self.head_dim) for y in (q, k, v))
+        if ops is None:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta)
         return self.o_proj(out.view(t, self.q_size))
 
@@ -42,8 +49,10 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x, cos, sin, meta, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """Updates the residual stream `x` in place and returns it."""
+        h = self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
+        h = self.post_attention_layernorm.add_forward(h, x)  # x += attention output; h = norm(x)
+        return x.add_(self.mlp(h))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -55,6 +64,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary: RotaryEmbedding | None = None  # built by init_rotary once the model is on its device
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._packed: list[list[torch.Tensor]] | None = None
 
     def init_rotary(self, device: torch.device) -> None:
         cfg = self.config
@@ -66,9 +76,28 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] after the final norm for every token of the flat batch."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.tables(positions, x.dtype)
+        ops = fused_ops(x)
+        if ops is not None and meta.use_kernel and not meta.fresh_spans:
+            # every token reads the cache (decode steps): each layer is one C++ call, same math as below
+            t, cfg = x.shape[0], self.config
+            cos, sin = cos.view(t, -1), sin.view(t, -1)
+            for weights, (k_cache, v_cache) in zip(self._layer_weights(), kv_caches):
+                ops.decoder_layer(x, weights, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, cos, sin, k_cache,
+                                  v_cache, meta.slot_mapping, meta.block_tables, meta.q_rows, meta.kv_lens)
+            return self.norm(x)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, meta, kv)
         return self.norm(x)
+
+    def _layer_weights(self) -> list[list[torch.Tensor]]:
+        """Per layer, the tensors `decoder_layer` takes, gathered once (they never change after loading)."""
+        if self._packed is None:
+            empty = torch.empty(0, dtype=self.norm.weight.dtype, device=self.norm.weight.device)
+            self._packed = [[l.input_layernorm.weight, l.self_attn.qkv_proj.weight,
+                             l.self_attn.qkv_proj.bias if l.self_attn.qkv_proj.bias is not None else empty,
+                             l.self_attn.o_proj.weight, l.post_attention_layernorm.weight,
+                             l.mlp.gate_up_proj.weight, l.mlp.down_proj.weight] for l in self.layers]
+        return self._packed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -1,0 +1,80 @@
+"""The C++ CPU kernels against the torch code they replace: skinny linear, RMSNorm (with the fused residual add),
+rotary + KV-cache write, SiLU-and-multiply; float32 and bfloat16, odd sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.model.attention import write_kv
+from tokenmill.model.cpu_kernels import _extension
+from tokenmill.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
+
+ops = _extension()
+pytestmark = pytest.mark.skipif(ops is None, reason="no C++ compiler: the torch reference is what runs")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def tol(dtype, terms: int = 1):
+    """float32: summation order differs from BLAS, so allow for `terms` accumulated products."""
+    return dict(atol=1e-6 * max(terms, 10), rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", [(133, 77), (960, 576), (64, 8)])
+def test_skinny_linear_matches_f_linear(dtype, m, n, k):
+    g = torch.Generator().manual_seed(m * n + k)
+    x, w, b = (torch.randn(*s, generator=g).to(dtype) for s in ((m, k), (n, k), (n,)))
+    torch.testing.assert_close(ops.skinny_linear(x, w, None), F.linear(x, w), **tol(dtype, k))
+    torch.testing.assert_close(ops.skinny_linear(x, w, b), F.linear(x, w, b), **tol(dtype, k))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_rms_norm_and_fused_residual_add(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(96, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=g))
+    x, residual = torch.randn(rows, 96, generator=g).to(dtype), torch.randn(rows, 96, generator=g).to(dtype)
+    with torch.inference_mode():
+        torch.testing.assert_close(ops.rms_norm(x, norm.weight, 1e-5), norm._reference(x), **tol(dtype))
+        want_residual = residual + x
+        want = norm._reference(want_residual)
+        got = ops.add_rms_norm(x, residual, norm.weight, 1e-5)
+    assert torch.equal(residual, want_residual)  # the add rounds exactly as torch's does
+    torch.testing.assert_close(got, want, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_write_kv_matches_apply_rotary_and_write_kv(dtype):
+    g = torch.Generator().manual_seed(3)
+    t, heads, kv_heads, hd, bs = 7, 6, 2, 32, 4
+    rotary = RotaryEmbedding(hd, 64, 10000.0, None)
+    positions = torch.tensor([0, 5, 6, 7, 30, 31, 63])
+    cos, sin = rotary.tables(positions, dtype)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * hd, generator=g).to(dtype)
+    slots = torch.randperm(10 * bs, generator=g)[:t]
+    caches = [torch.zeros(10, bs, kv_heads, hd, dtype=dtype) for _ in range(4)]
+
+    q, k, v = (y.reshape(t, -1, hd) for y in qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1))
+    want_q, want_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    write_kv(caches[0], caches[1], want_k, v, slots)
+
+    got = qkv.clone()
+    ops.rotary_write_kv(got, heads, kv_heads, cos.view(t, -1), sin.view(t, -1), caches[2], caches[3], slots)
+    got_q, got_k, got_v = got.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+    torch.testing.assert_close(got_q.reshape(t, heads, hd), want_q, **tol(dtype))
+    torch.testing.assert_close(got_k.reshape(t, kv_heads, hd), want_k, **tol(dtype))
+    assert torch.equal(got_v, qkv[:, (heads + kv_heads) * hd:])
+    torch.testing.assert_close(caches[2], caches[0], **tol(dtype))
+    assert torch.equal(caches[3], caches[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    gate_up = torch.randn(9, 2 * 40, generator=torch.Generator().manual_seed(4)).to(dtype) * 4
+    gate, up = gate_up.split(40, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, **tol(dtype))
