@@ -63,10 +63,17 @@ def run_offline(args, reqs: list[BenchRequest]) -> dict:
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", "0",
-           "--max-waiting-requests", str(max(256, args.num_prompts)), "--max-waiting-tokens", str(1 << 30)]
+    flags = []
     for k, v in engine_flags(args).items():
-        cmd += [f"--{k.replace('_', '-')}", str(v)]
+        flags += [f"--{k.replace('_', '-')}", str(v)]
+    return start_tokenmill(flags)
+
+
+def start_tokenmill(flags: list[str]) -> tuple[subprocess.Popen, str]:
+    """`tokenmill serve FLAGS` on a free loopback port with unbounded queues (a benchmark's burst must not get
+    429s); returns the process and its URL once it has printed its ready line."""
+    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", "0", "--max-waiting-requests", "100000",
+           "--max-waiting-tokens", str(1 << 30), *flags]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, text=True)
     line, deadline = "", time.monotonic() + 600

@@ -24,11 +24,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import select
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from http_vs_offline import start_tokenmill  # noqa: E402 (benchmarks/ is on sys.path as the script's folder)
 from tokenmill.bench.datasets import BenchRequest, iter_sharegpt_records, prefix_sharing_requests, sharegpt_path
 from tokenmill.bench.loadgen import LoadConfig, arrival_times, make_client, run_load, send_request
 from tokenmill.bench.metrics import RequestResult, calculate_metrics
@@ -48,21 +46,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # ---- a server per side ---------------------------------------------------------------------------------------------
-
-
-def start_server(flags: list[str]) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", "0", "--max-waiting-requests", "100000",
-           "--max-waiting-tokens", str(1 << 30), *flags]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, text=True)
-    line, deadline = "", time.monotonic() + 600
-    while "tokenmill serving" not in line:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"the server did not start (code {proc.poll()})")
-        if select.select([proc.stdout], [], [], 1.0)[0]:
-            line = proc.stdout.readline()
-    return proc, line.rsplit(" at ", 1)[1].strip()
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -138,7 +121,7 @@ def run_side(cache: bool, args, shared: list[BenchRequest], convos) -> dict:
         flags += ["--kv-cache-memory", args.kv_cache_memory]
     if not cache:
         flags.append("--no-prefix-caching")
-    proc, url = start_server(flags)
+    proc, url = start_tokenmill(flags)
     model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
     side: dict = {}
     try:
@@ -202,6 +185,7 @@ def table(runs: dict[str, list[dict]], workloads: list[str]) -> str:
 
 def plot(runs: dict[str, list[dict]], workloads: list[str], path: Path) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -212,6 +196,7 @@ def plot(runs: dict[str, list[dict]], workloads: list[str], path: Path) -> None:
             ttfts = np.sort(np.asarray(runs[side][0][w]["ttfts_s"]) * 1000)
             ax.plot(ttfts, np.arange(1, len(ttfts) + 1) / len(ttfts), style, label=f"prefix cache {side}")
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # decades only: minor labels collide
         ax.set_xlabel("TTFT (ms, log)")
         ax.set_ylabel("fraction of requests")
         ax.set_title(f"{w}: time to first token")
