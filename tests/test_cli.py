@@ -115,6 +115,11 @@ def test_bad_engine_flag_is_a_one_line_error(tiny_dir):
     assert_one_line_error(proc, "--block-size")
 
 
+def test_zero_threads_is_a_one_line_error(tiny_dir):
+    proc = tokenmill("generate", "hi", "--model", tiny_dir, "--threads", "0")
+    assert_one_line_error(proc, "--threads")
+
+
 def test_unparsable_byte_count_is_a_usage_error():
     proc = tokenmill("generate", "hi", "--kv-cache-memory", "lots")
     assert proc.returncode == 2

@@ -456,6 +456,17 @@ def test_auto_dtype(tiny_dir):
     assert next(llm.engine.core.runner.model.parameters()).dtype == DTYPES[on_cpu]
 
 
+def test_num_threads_sets_the_compute_threads(tiny_dir):
+    before = torch.get_num_threads()
+    try:
+        llm = LLM(str(tiny_dir), dtype="float32", kv_cache_memory=KV, num_threads=1)
+        assert torch.get_num_threads() == 1
+        out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        torch.set_num_threads(before)
+
+
 # ---- the real model ----------------------------------------------------------------------------------------
 
 

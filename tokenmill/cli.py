@@ -39,6 +39,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="cpu", help="torch device (cpu, cuda, ...)")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    g.add_argument("--threads", type=int, default=None,
+                   help="compute threads (default: all cores). On a machine busy with other work, fewer threads than "
+                        "cores avoids stalls: a step waits for its slowest thread")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="bytes for the KV cache, e.g. 2GiB (default: a quarter of free RAM, at most 2 GiB)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -55,7 +58,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, seed=args.seed,
                 kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                scheduling_policy=args.scheduling_policy, enable_prefix_caching=args.prefix_caching)
+                scheduling_policy=args.scheduling_policy, enable_prefix_caching=args.prefix_caching,
+                num_threads=args.threads)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

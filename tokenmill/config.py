@@ -132,9 +132,12 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     tokenizer: str | None = None
+    num_threads: int | None = None  # compute threads (torch intra-op); None = torch's default (the cores)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {self.num_threads}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")

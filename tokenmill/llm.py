@@ -28,14 +28,15 @@ class LLM:
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
                  device: str = "cpu", seed: int = 0, block_size: int = 16, kv_cache_memory: int | None = None,
                  max_num_seqs: int = 128, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
-                 scheduling_policy: str = "continuous", enable_prefix_caching: bool = True, **kwargs: Any):
+                 scheduling_policy: str = "continuous", enable_prefix_caching: bool = True,
+                 num_threads: int | None = None, **kwargs: Any):
         unknown = set(kwargs) - _IGNORED_VLLM_ARGS
         if unknown:
             raise TypeError(f"LLM() got unexpected arguments: {', '.join(sorted(unknown))}")
         for name in kwargs:
             log.warning("LLM(%s=...) has no effect in tokenmill and is ignored", name)
         config = EngineConfig(
-            model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
+            model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, num_threads=num_threads,
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

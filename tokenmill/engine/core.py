@@ -64,6 +64,8 @@ class CacheInfo:
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         path = resolve_model_path(config.model)
         self.model_path = path
