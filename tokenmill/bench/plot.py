@@ -66,6 +66,10 @@ def plot_latency_cdf(results: Sequence[dict[str, Any]], key: str, title: str, pa
     ax.set_ylabel("fraction of samples")
     ax.set_ylim(0, 1.02)
     ax.set_title(f"{title}: CDF")
+    return _save(plt, fig, ax, path)
+
+
+def _save(plt, fig, ax, path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     fig.tight_layout()
@@ -100,12 +104,7 @@ def plot_against_rate(results: Sequence[dict[str, Any]], key: str, ylabel: str, 
     ax.set_ylabel(ylabel)
     ax.set_title(f"{ylabel} against request rate")
     ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path)
 
 
 def plot_results(results: Sequence[dict[str, Any]], out_dir: str | Path) -> list[Path]:
