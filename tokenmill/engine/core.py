@@ -89,13 +89,11 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv, max_len)
         self.runner = ModelRunner(mc, weights, self.dtype, config.device, num_blocks, cc.block_size, config.seed)
         del weights
-        self.totals = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Raises ContextTooLong (nothing queued) when the request can never fit."""
         self.scheduler.add_request(request)
-        self.totals["prompt_tokens"] += request.num_prompt_tokens
 
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -118,8 +116,6 @@ class EngineCore:
             return []
         result = self.runner.execute(sched)
         finished = self.scheduler.update(sched, result.sampled)
-        self.totals["steps"] += 1
-        self.totals["generation_tokens"] += len(result.sampled)
         outputs = []
         for s in sched.scheduled:
             req = s.request

@@ -132,10 +132,10 @@ class KVCacheManager:
         return request.tokens_slice(0, n)
 
     def cached_prefix_len(self, request: Request) -> int:
-        """Tokens of `request` the cache holds now (no side effects; for ranking the waiting queue)."""
-        if self.tree is None or request.num_computed_tokens:
-            return 0
-        return self.tree.match_length(self._matchable(request), request.cache_namespace)
+        """Tokens of `request` the cache holds now (for ranking the waiting queue; a match may split a node,
+        which changes nothing cached)."""
+        match = self.match(request)
+        return len(match.blocks) * self.block_size if match else 0
 
     def match(self, request: Request) -> PrefixMatch | None:
         if self.tree is None or request.num_computed_tokens:

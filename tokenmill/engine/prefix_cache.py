@@ -80,20 +80,6 @@ class RadixCache:
             n += 1
         return n
 
-    def match_length(self, tokens: Sequence[int], namespace: Hashable = None) -> int:
-        """Tokens of the longest cached block-aligned prefix of `tokens`; changes nothing (for ranking)."""
-        node, pos, bs = self.roots.get(namespace), 0, self.block_size
-        while node is not None and pos + bs <= len(tokens):
-            child = node.children.get(tuple(tokens[pos:pos + bs]))
-            if child is None:
-                break
-            n = self._common_blocks(child.key, tokens, pos)
-            pos += n * bs
-            if n * bs < len(child.key):
-                break
-            node = child
-        return pos
-
     def match(self, tokens: Sequence[int], namespace: Hashable = None) -> PrefixMatch:
         """The longest cached block-aligned prefix of `tokens`. A match that ends inside a node splits it, so the
         match always ends at a node that can be locked."""

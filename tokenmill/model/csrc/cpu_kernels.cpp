@@ -118,6 +118,17 @@ inline void axpy(float p, const float* x, float* y, int64_t n) {
   for (int64_t d = 0; d < n; ++d) y[d] += p * x[d];
 }
 
+// A cache row as floats: the row itself for float caches, else converted into `buf`.
+template <typename T>
+inline const float* as_float(const T* row, float* buf, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return row;
+  } else {
+    for (int64_t d = 0; d < n; ++d) buf[d] = to_float(row[d]);
+    return buf;
+  }
+}
+
 template <typename T>
 void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables, const int64_t* q_rows,
             const int64_t* kv_lens, T* out, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
@@ -142,12 +153,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
         const int64_t n = std::min(block_size, len - start);
         for (int64_t j = 0; j < n; ++j) {
           const T* kp = k_cache + ((blk * block_size + j) * num_kv_heads + h) * head_dim;
-          const float* kr = kf.data();
-          if constexpr (std::is_same_v<T, float>) {
-            kr = kp;
-          } else {
-            for (int64_t d = 0; d < head_dim; ++d) kf[d] = to_float(kp[d]);
-          }
+          const float* kr = as_float(kp, kf.data(), head_dim);
           for (int64_t g = 0; g < group; ++g) scores[g * block_size + j] = dot(qf.data() + g * head_dim, kr, head_dim);
         }
         for (int64_t g = 0; g < group; ++g) {
@@ -164,12 +170,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
         }
         for (int64_t j = 0; j < n; ++j) {
           const T* vp = v_cache + ((blk * block_size + j) * num_kv_heads + h) * head_dim;
-          const float* vr = vf.data();
-          if constexpr (std::is_same_v<T, float>) {
-            vr = vp;
-          } else {
-            for (int64_t d = 0; d < head_dim; ++d) vf[d] = to_float(vp[d]);
-          }
+          const float* vr = as_float(vp, vf.data(), head_dim);
           for (int64_t g = 0; g < group; ++g) axpy(scores[g * block_size + j], vr, acc.data() + g * head_dim, head_dim);
         }
       }
