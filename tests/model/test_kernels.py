@@ -1,5 +1,5 @@
-"""The C++ CPU kernels against the torch code they replace: skinny linear, RMSNorm (with the fused residual add),
-rotary + KV-cache write, SiLU-and-multiply; float32 and bfloat16, odd sizes."""
+"""The C++ CPU kernels against the torch code they replace: skinny linear, oneDNN prepacked linear, RMSNorm (with
+the fused residual add), rotary + KV-cache write, SiLU-and-multiply; float32 and bfloat16, odd sizes."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from tokenmill.model.attention import write_kv
 from tokenmill.model.cpu_kernels import _extension
 from tokenmill.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from tokenmill.model.linear import Linear, linear, prepack_weight
 
 ops = _extension()
 pytestmark = pytest.mark.skipif(ops is None, reason="no C++ compiler: the torch reference is what runs")
@@ -29,6 +30,35 @@ def test_skinny_linear_matches_f_linear(dtype, m, n, k):
     x, w, b = (torch.randn(*s, generator=g).to(dtype) for s in ((m, k), (n, k), (n,)))
     torch.testing.assert_close(ops.skinny_linear(x, w, None), F.linear(x, w), **tol(dtype, k))
     torch.testing.assert_close(ops.skinny_linear(x, w, b), F.linear(x, w, b), **tol(dtype, k))
+
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("m", [1, 5, 8, 64, 300])
+@pytest.mark.parametrize("n,k", [(133, 77), (960, 576), (64, 8)])
+def test_prepacked_linear_matches_f_linear(m, n, k):
+    g = torch.Generator().manual_seed(m * n + k)
+    x, w, b = (torch.randn(*s, generator=g) for s in ((m, k), (n, k), (n,)))
+    packed = prepack_weight(w)
+    assert packed is not None and packed.is_mkldnn  # float32 on a CPU always has a oneDNN kernel
+    torch.testing.assert_close(linear(x, w, None, packed), F.linear(x, w), **tol(torch.float32, k))
+    torch.testing.assert_close(linear(x, w, b, packed), F.linear(x, w, b), **tol(torch.float32, k))
+
+
+@needs_onednn
+def test_prepacked_module_keeps_its_plain_weight_and_state_dict():
+    layer = Linear(16, 24, bias=True)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    assert layer.prepack() and layer.packed_weight.is_mkldnn
+    assert layer.state_dict().keys() == before.keys()
+    x = torch.randn(9, 16)
+    torch.testing.assert_close(layer(x), F.linear(x, before["weight"], before["bias"]), **tol(torch.float32, 16))
+
+
+def test_prepack_declines_other_devices():
+    assert prepack_weight(torch.randn(4, 4, device="meta")) is None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -40,6 +40,7 @@ class ModelRunner:
         model.load_hf_weights(weights)
         self.model = model.to(dtype=dtype).eval().requires_grad_(False)
         self.model.init_rotary(self.device)  # float32 tables, cast per step
+        self.prepacked = self.model.prepack_weights()  # oneDNN layouts on CPU (model/linear.py)
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeroed, not empty: masked-out slots are still multiplied by 0 and must not hold NaN bit patterns.
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),

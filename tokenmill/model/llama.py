@@ -12,7 +12,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.model.attention import AttentionMetadata, paged_attention, write_kv
 from tokenmill.model.cpu_kernels import fused_ops
 from tokenmill.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
-from tokenmill.model.linear import Linear, linear
+from tokenmill.model.linear import Linear, linear, prepack_weight
 
 
 class Attention(nn.Module):
@@ -64,7 +64,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary: RotaryEmbedding | None = None  # built by init_rotary once the model is on its device
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self._packed: list[list[torch.Tensor]] | None = None
+        self._layer_weight_lists: list[list[torch.Tensor]] | None = None
+        self._lm_head_packed: torch.Tensor | None = None
 
     def init_rotary(self, device: torch.device) -> None:
         cfg = self.config
@@ -89,19 +90,40 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, meta, kv)
         return self.norm(x)
 
+    def prepack_weights(self) -> bool:
+        """Add oneDNN-packed copies of every matmul weight (model/linear.py says why); call after loading and
+        the dtype cast. Returns False, changing nothing, where this device or dtype has no packed kernel."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        if not linears or not linears[0].prepack():
+            return False
+        for m in linears[1:]:
+            m.prepack()
+        if self.lm_head is None:
+            self._lm_head_packed = prepack_weight(self.embed_tokens.weight)
+        self._layer_weight_lists = None
+        return True
+
     def _layer_weights(self) -> list[list[torch.Tensor]]:
-        """Per layer, the tensors `decoder_layer` takes, gathered once (they never change after loading)."""
-        if self._packed is None:
+        """Per layer, the tensors `decoder_layer` takes, gathered once (they only change when prepacked)."""
+        if self._layer_weight_lists is None:
             empty = torch.empty(0, dtype=self.norm.weight.dtype, device=self.norm.weight.device)
-            self._packed = [[l.input_layernorm.weight, l.self_attn.qkv_proj.weight,
-                             l.self_attn.qkv_proj.bias if l.self_attn.qkv_proj.bias is not None else empty,
-                             l.self_attn.o_proj.weight, l.post_attention_layernorm.weight,
-                             l.mlp.gate_up_proj.weight, l.mlp.down_proj.weight] for l in self.layers]
-        return self._packed
+
+            def packed(m: Linear) -> torch.Tensor:
+                return empty if m.packed_weight is None else m.packed_weight
+
+            self._layer_weight_lists = [
+                [l.input_layernorm.weight, l.self_attn.qkv_proj.weight,
+                 l.self_attn.qkv_proj.bias if l.self_attn.qkv_proj.bias is not None else empty,
+                 l.self_attn.o_proj.weight, l.post_attention_layernorm.weight,
+                 l.mlp.gate_up_proj.weight, l.mlp.down_proj.weight,
+                 packed(l.self_attn.qkv_proj), packed(l.self_attn.o_proj), packed(l.mlp.gate_up_proj),
+                 packed(l.mlp.down_proj)] for l in self.layers]
+        return self._layer_weight_lists
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return linear(hidden, self.embed_tokens.weight, packed=self._lm_head_packed).float()
 
     @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
