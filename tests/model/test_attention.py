@@ -83,8 +83,8 @@ def naive_paged(q, k_cache, v_cache, block_tables, q_rows, kv_lens, scale) -> to
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
-@pytest.mark.parametrize("head_dim", [64, 128, 80])
-@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 36])
+@pytest.mark.parametrize("group", [1, 3, 4, 7, 12])  # 12: past the register-blocked kernels' limit of 8
 def test_kernel_matches_reference_float32(group, head_dim, block_size):
     kernel = paged_attention_kernel()
     assert kernel is not None

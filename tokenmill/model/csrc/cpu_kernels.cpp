@@ -63,6 +63,12 @@ inline __m256 exp256(__m256 x) {
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  return _mm_cvtss_f32(_mm_add_ss(lo, _mm_movehdup_ps(lo)));
+}
 #endif
 
 // s[j] = exp(s[j] - m) for j < n; returns their sum.
@@ -96,10 +102,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
       s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
       s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
     }
-    __m256 v = _mm256_add_ps(s0, s1);
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    return _mm_cvtss_f32(_mm_add_ss(lo, _mm_movehdup_ps(lo)));
+    return hsum(_mm256_add_ps(s0, s1));
   }
 #endif
   float s = 0.f;
@@ -130,55 +133,159 @@ inline const float* as_float(const T* row, float* buf, int64_t n) {
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// Scores of one block: s[g * bs + j] = q_g . k_j for the G query heads of a KV head and the n keys of the block.
+// Each K row is loaded once for all G heads; G is a template argument so the accumulators live in registers.
+template <int G>
+void block_scores_avx(const float* qf, const float* const* k_rows, float* s, int64_t n, int64_t bs, int64_t D) {
+  constexpr int U = G <= 4 ? 2 : 1;  // keys per iteration: U * G independent FMA chains, within 16 registers
+  int64_t j = 0;
+  for (; j + U <= n; j += U) {
+    __m256 acc[U][G];
+    for (int u = 0; u < U; ++u)
+      for (int g = 0; g < G; ++g) acc[u][g] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      for (int u = 0; u < U; ++u) {
+        const __m256 kv = _mm256_loadu_ps(k_rows[j + u] + d);
+        for (int g = 0; g < G; ++g) acc[u][g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + d), kv, acc[u][g]);
+      }
+    }
+    for (int u = 0; u < U; ++u)
+      for (int g = 0; g < G; ++g) s[g * bs + j + u] = hsum(acc[u][g]);
+  }
+  for (; j < n; ++j)
+    for (int g = 0; g < G; ++g) s[g * bs + j] = dot(qf + g * D, k_rows[j], D);
+}
+
+// acc_g += sum_j p[g * bs + j] * v_j for the G heads, 8 dims at a time: the G partial sums stay in registers
+// across the block's rows instead of a load and a store of acc per row.
+template <int G>
+void block_values_avx(const float* p, const float* const* v_rows, float* acc, int64_t n, int64_t bs, int64_t D) {
+  constexpr int U = G <= 4 ? 2 : 1;  // 8-float column groups per pass: U * G independent FMA chains
+  int64_t d = 0;
+  for (; d + 8 * U <= D; d += 8 * U) {
+    __m256 a[U][G];
+    for (int u = 0; u < U; ++u)
+      for (int g = 0; g < G; ++g) a[u][g] = _mm256_loadu_ps(acc + g * D + d + 8 * u);
+    for (int64_t j = 0; j < n; ++j) {
+      for (int u = 0; u < U; ++u) {
+        const __m256 vv = _mm256_loadu_ps(v_rows[j] + d + 8 * u);
+        for (int g = 0; g < G; ++g) a[u][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + g * bs + j), vv, a[u][g]);
+      }
+    }
+    for (int u = 0; u < U; ++u)
+      for (int g = 0; g < G; ++g) _mm256_storeu_ps(acc + g * D + d + 8 * u, a[u][g]);
+  }
+  for (; d < D; d += 8) {
+    __m256 a[G];
+    for (int g = 0; g < G; ++g) a[g] = _mm256_loadu_ps(acc + g * D + d);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 vv = _mm256_loadu_ps(v_rows[j] + d);
+      for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + g * bs + j), vv, a[g]);
+    }
+    for (int g = 0; g < G; ++g) _mm256_storeu_ps(acc + g * D + d, a[g]);
+  }
+}
+
+template <int G>
+bool block_avx(bool values, const float* x, const float* const* rows, float* y, int64_t group, int64_t n,
+               int64_t bs, int64_t D) {
+  if constexpr (G > 8) {
+    return false;
+  } else {
+    if (group != G) return block_avx<G + 1>(values, x, rows, y, group, n, bs, D);
+    if (values) block_values_avx<G>(x, rows, y, n, bs, D);
+    else block_scores_avx<G>(x, rows, y, n, bs, D);
+    return true;
+  }
+}
+#endif
+
+// Scores of one block for the G query heads of a KV head (see block_scores_avx).
+inline void block_scores(const float* qf, const float* const* k_rows, float* s, int64_t group, int64_t n,
+                         int64_t bs, int64_t D) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 8 == 0 && block_avx<1>(false, qf, k_rows, s, group, n, bs, D)) return;
+#endif
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t g = 0; g < group; ++g) s[g * bs + j] = dot(qf + g * D, k_rows[j], D);
+}
+
+// The block's probability-weighted values added into the G heads' accumulators (see block_values_avx).
+inline void block_values(const float* p, const float* const* v_rows, float* acc, int64_t group, int64_t n,
+                         int64_t bs, int64_t D) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 8 == 0 && block_avx<1>(true, p, v_rows, acc, group, n, bs, D)) return;
+#endif
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t g = 0; g < group; ++g) axpy(p[g * bs + j], v_rows[j], acc + g * D, D);
+}
+
+inline void prefetch_rows(const void* base, int64_t row_stride_bytes, int64_t rows, int64_t row_bytes) {
+#if defined(__AVX2__)
+  const char* b = static_cast<const char*>(base);
+  for (int64_t j = 0; j < rows; ++j)
+    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(b + j * row_stride_bytes + off, _MM_HINT_T0);
+#endif
+}
+
+// One work item is a (query token, KV head) pair: its G query heads walk the token's context block by block
+// with an online softmax. Blocks sit anywhere in the pool, so the next block's rows are prefetched while this
+// one is computed (a hardware prefetcher cannot guess the jump).
 template <typename T>
 void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables, const int64_t* q_rows,
             const int64_t* kv_lens, T* out, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
             int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale) {
-  const int64_t group = num_heads / num_kv_heads;
+  const int64_t group = num_heads / num_kv_heads, D = head_dim, bs = block_size;
+  const int64_t row_stride = num_kv_heads * D;  // elements between consecutive tokens' rows of one head
   at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores(group * block_size);
-    std::vector<float> m(group), l(group), kf(head_dim), vf(head_dim), res(head_dim);
+    std::vector<float> qf(group * D), acc(group * D), scores(group * bs), m(group), l(group), res(D);
+    std::vector<float> kbuf(std::is_same_v<T, float> ? 0 : bs * D), vbuf(kbuf.size());
+    std::vector<const float*> k_rows(bs), v_rows(bs);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t len = kv_lens[t];
       const int64_t* table = block_tables + q_rows[t] * max_blocks;
       for (int64_t g = 0; g < group; ++g) {
-        const T* qp = q + (t * num_heads + h * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = to_float(qp[d]) * scale;
+        const T* qp = q + (t * num_heads + h * group + g) * D;
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qp[d]) * scale;
         m[g] = -std::numeric_limits<float>::infinity();
         l[g] = 0.f;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t start = 0; start < len; start += block_size) {
-        const int64_t blk = table[start / block_size];
-        const int64_t n = std::min(block_size, len - start);
-        for (int64_t j = 0; j < n; ++j) {
-          const T* kp = k_cache + ((blk * block_size + j) * num_kv_heads + h) * head_dim;
-          const float* kr = as_float(kp, kf.data(), head_dim);
-          for (int64_t g = 0; g < group; ++g) scores[g * block_size + j] = dot(qf.data() + g * head_dim, kr, head_dim);
+      for (int64_t start = 0; start < len; start += bs) {
+        const int64_t n = std::min(bs, len - start);
+        const T* k_blk = k_cache + (table[start / bs] * bs * num_kv_heads + h) * D;
+        const T* v_blk = v_cache + (table[start / bs] * bs * num_kv_heads + h) * D;
+        if (start + bs < len) {
+          const int64_t next = table[start / bs + 1] * bs * num_kv_heads + h;
+          const int64_t next_n = std::min(bs, len - start - bs);
+          prefetch_rows(k_cache + next * D, row_stride * sizeof(T), next_n, D * sizeof(T));
+          prefetch_rows(v_cache + next * D, row_stride * sizeof(T), next_n, D * sizeof(T));
         }
+        for (int64_t j = 0; j < n; ++j) {
+          k_rows[j] = as_float(k_blk + j * row_stride, kbuf.data() + j * D, D);
+          v_rows[j] = as_float(v_blk + j * row_stride, vbuf.data() + j * D, D);
+        }
+        block_scores(qf.data(), k_rows.data(), scores.data(), group, n, bs, D);
         for (int64_t g = 0; g < group; ++g) {
-          float* sg = scores.data() + g * block_size;
-          float block_max = *std::max_element(sg, sg + n);
-          const float new_m = std::max(m[g], block_max);
+          float* sg = scores.data() + g * bs;
+          const float new_m = std::max(m[g], *std::max_element(sg, sg + n));
           const float correction = std::exp(m[g] - new_m);
-          l[g] *= correction;
-          float* ag = acc.data() + g * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) ag[d] *= correction;
-          const float sum = exp_shifted(sg, n, new_m);
-          l[g] += sum;
+          if (correction != 1.f) {
+            l[g] *= correction;
+            float* ag = acc.data() + g * D;
+            for (int64_t d = 0; d < D; ++d) ag[d] *= correction;
+          }
+          l[g] += exp_shifted(sg, n, new_m);
           m[g] = new_m;
         }
-        for (int64_t j = 0; j < n; ++j) {
-          const T* vp = v_cache + ((blk * block_size + j) * num_kv_heads + h) * head_dim;
-          const float* vr = as_float(vp, vf.data(), head_dim);
-          for (int64_t g = 0; g < group; ++g) axpy(scores[g * block_size + j], vr, acc.data() + g * head_dim, head_dim);
-        }
+        block_values(scores.data(), v_rows.data(), acc.data(), group, n, bs, D);
       }
       for (int64_t g = 0; g < group; ++g) {
         const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        for (int64_t d = 0; d < head_dim; ++d) res[d] = acc[g * head_dim + d] * inv;
-        from_float(res.data(), out + (t * num_heads + h * group + g) * head_dim, head_dim);
+        for (int64_t d = 0; d < D; ++d) res[d] = acc[g * D + d] * inv;
+        from_float(res.data(), out + (t * num_heads + h * group + g) * D, D);
       }
     }
   });
@@ -215,14 +322,6 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 namespace {
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
-
 // y[m, n] for n in [begin, end): dot(x[m], w[n]) over K.
 void gemv_rows_f32(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K, int64_t begin,
                    int64_t end) {
