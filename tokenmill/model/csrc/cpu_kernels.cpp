@@ -502,14 +502,31 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
   auto out = torch::empty({T, I}, gate_up.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
-    const scalar_t* g = gate_up.data_ptr<scalar_t>();
-    scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, T * I, 4096, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t t = i / I, j = i % I;
-        const float x = to_float(g[t * 2 * I + j]);
-        const float silu = to_float(round_to<scalar_t>(x / (1.f + std::exp(-x))));
-        o[i] = round_to<scalar_t>(silu * to_float(g[t * 2 * I + I + j]));
+    at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const scalar_t* gate = gate_up.data_ptr<scalar_t>() + t * 2 * I;
+        const scalar_t* up = gate + I;
+        scalar_t* o = out.data_ptr<scalar_t>() + t * I;
+        int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          const __m256 one = _mm256_set1_ps(1.f), cap = _mm256_set1_ps(88.f);  // exp(88) is still finite
+          const float* gf = reinterpret_cast<const float*>(gate);
+          const float* uf = reinterpret_cast<const float*>(up);
+          float* of = reinterpret_cast<float*>(o);
+          for (; j + 8 <= I; j += 8) {
+            const __m256 x = _mm256_loadu_ps(gf + j);
+            const __m256 e = exp256(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), x), cap));
+            const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(of + j, _mm256_mul_ps(silu, _mm256_loadu_ps(uf + j)));
+          }
+        }
+#endif
+        for (; j < I; ++j) {
+          const float x = to_float(gate[j]);
+          const float silu = to_float(round_to<scalar_t>(x / (1.f + std::exp(-x))));
+          o[j] = round_to<scalar_t>(silu * to_float(up[j]));
+        }
       }
     });
   });
