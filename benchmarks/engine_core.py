@@ -12,6 +12,7 @@ each request's own max_tokens (tokens a static batch generates past a request's 
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import os
 import statistics
@@ -47,12 +48,29 @@ def run_engine(llm: LLM, reqs: list[BenchRequest]) -> dict:
     elapsed = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert tokens == sum(r.output_len for r in reqs)
-    return {"output_tokens": tokens, "elapsed_s": elapsed, "output_tokens_per_s": tokens / elapsed}
+    # every request arrives at once, so latency here is time spent queued behind others plus its own work
+    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
+    e2e = [o.metrics.finished_time - o.metrics.arrival_time for o in outs]
+    return {"output_tokens": tokens, "elapsed_s": elapsed, "output_tokens_per_s": tokens / elapsed,
+            "ttft_p50_s": statistics.median(ttft), "e2e_mean_s": statistics.fmean(e2e),
+            "preemptions": sum(o.metrics.num_preemptions for o in outs)}
+
+
+def decode_step_bound(output_lens: list[int], slots: int) -> tuple[int, int]:
+    """Decode steps static and continuous batching need with `slots` slots if every step cost the same whatever
+    its size (the GPU-like case that favours continuous batching most): static runs each batch for its longest
+    member; continuous refills a slot as soon as it frees (first come, first served)."""
+    static = sum(max(output_lens[i:i + slots]) for i in range(0, len(output_lens), slots))
+    free_at = [0] * slots
+    for n in output_lens:
+        heapq.heappush(free_at, heapq.heappop(free_at) + n)
+    return static, max(free_at)
 
 
 def throughput(args, reqs) -> dict:
     """Continuous vs static (same engine, same limits), median of `runs`; then transformers once."""
     results: dict[str, list[float]] = {"continuous": [], "static": []}
+    latency: dict[str, list[dict]] = {"continuous": [], "static": []}
     engines = {policy: LLM(dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens, scheduling_policy=policy)
                for policy in results}
@@ -62,13 +80,16 @@ def throughput(args, reqs) -> dict:
         for policy, llm in engines.items():
             r = run_engine(llm, reqs)
             results[policy].append(r["output_tokens_per_s"])
+            latency[policy].append({k: r[k] for k in ("ttft_p50_s", "e2e_mean_s", "preemptions")})
             print(f"run {i + 1} {policy}: {r['output_tokens_per_s']:.1f} output tokens/s "
-                  f"({r['output_tokens']} tokens in {r['elapsed_s']:.1f} s)", flush=True)
+                  f"({r['output_tokens']} tokens in {r['elapsed_s']:.1f} s; TTFT p50 {r['ttft_p50_s']:.1f} s, "
+                  f"mean latency {r['e2e_mean_s']:.1f} s, {r['preemptions']} preemptions)", flush=True)
     dtype = str(engines["continuous"].engine.core.dtype).removeprefix("torch.")
     del engines
     out = {"dtype": dtype, "num_prompts": len(reqs),
            **{f"{k}_tokens_per_s_runs": v for k, v in results.items()},
-           **{f"{k}_tokens_per_s": statistics.median(v) for k, v in results.items()}}
+           **{f"{k}_tokens_per_s": statistics.median(v) for k, v in results.items()},
+           **{f"{k}_latency_runs": v for k, v in latency.items()}}
     if args.hf_num_prompts:
         from benchmarks.hf_baseline import run_hf_generate
 
@@ -78,6 +99,10 @@ def throughput(args, reqs) -> dict:
         out["hf_num_prompts"] = hf["num_requests"]
         out["continuous_vs_hf"] = out["continuous_tokens_per_s"] / hf["output_tokens_per_s"]
     out["continuous_vs_static"] = out["continuous_tokens_per_s"] / out["static_tokens_per_s"]
+    static_steps, continuous_steps = decode_step_bound([r.output_len for r in reqs], args.max_num_seqs)
+    out["continuous_vs_static_bound"] = static_steps / continuous_steps
+    print(f"with a step cost independent of its size, continuous could beat static by at most "
+          f"{static_steps / continuous_steps:.2f}x ({static_steps} vs {continuous_steps} decode steps)", flush=True)
     return out
 
 

@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.scripts import load_benchmark_script
 
 
 @pytest.fixture(scope="module")
 def compare():
-    spec = importlib.util.spec_from_file_location("bench_compare", ROOT / "benchmarks" / "compare.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_compare"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_script("compare.py")
 
 
 def test_missing_peers_are_skipped_with_a_reason(compare, tmp_path):
