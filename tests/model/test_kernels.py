@@ -121,3 +121,20 @@ def test_silu_mul(dtype, width):
     gate_up = gate_up.to(dtype)
     gate, up = gate_up.split(width, dim=-1)
     torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, **tol(dtype))
+
+
+@needs_onednn
+def test_reloading_weights_drops_stale_packed_copies(tmp_path):
+    from tests.models.tiny import make_tiny_model
+    from tokenmill.model.llama import LlamaForCausalLM
+    from tokenmill.model.loader import load_model_config, load_weights
+
+    path = make_tiny_model(tmp_path, arch="llama", num_layers=1)
+    cfg = load_model_config(path)
+    model = LlamaForCausalLM(cfg)
+    model.load_hf_weights(load_weights(path, cfg))
+    assert model.prepack_weights()
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.packed_weight is not None for m in linears)
+    model.load_hf_weights(load_weights(path, cfg))
+    assert all(m.packed_weight is None for m in linears)

@@ -127,8 +127,13 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Every parameter must be covered."""
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Every parameter must be covered. Packed
+        copies of the old weights are dropped (call prepack_weights again)."""
         cfg, loaded = self.config, set()
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.packed_weight = None
+        self._lm_head_packed, self._layer_weight_lists = None, None
 
         def take(name: str) -> torch.Tensor:
             if name not in weights:
