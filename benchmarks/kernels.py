@@ -1,0 +1,116 @@
+"""Kernel microbenchmarks behind BENCHMARKS.md "Kernels": each fast path against what it replaces, same process.
+
+    python benchmarks/kernels.py                      # all parts
+    python benchmarks/kernels.py --parts matmul       # matmul | attention | silu
+
+- matmul: one of each SmolLM2 matmul (qkv, o, gate_up, down; plus the 49,152-row LM head up to 128 rows) at M
+  rows, `F.linear` (BLAS, repacks the weight every call) vs oneDNN on a weight prepacked once vs the skinny GEMV.
+- attention: the paged-attention kernel for B decode tokens over `--context` keys each, blocks scattered over
+  the pool, with the K/V bytes it reads per second.
+- silu: the fused SiLU-and-multiply kernel against torch's two ops.
+Times are the best of 5 repetitions (ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tokenmill.model.cpu_kernels import _extension  # noqa: E402
+from tokenmill.model.linear import prepack_weight  # noqa: E402
+
+SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}
+
+
+def best_ms(fn, iters: int = 10, reps: int = 5) -> float:
+    for _ in range(3):
+        fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        best = min(best, (time.perf_counter() - t) / iters)
+    return best * 1e3
+
+
+def matmul(rows: list[int]) -> None:
+    ops = _extension()
+    weights = {k: torch.randn(n, k_) for k, (k_, n) in SHAPES.items()}
+    packed = {k: prepack_weight(w) for k, w in weights.items()}
+    if any(p is None for p in packed.values()):
+        print("no oneDNN packing on this CPU/torch build; skipping matmul")
+        return
+    print("rows | F.linear ms | oneDNN prepacked ms | skinny GEMV ms (<= 8 rows)")
+    for m in rows:
+        names = [k for k in SHAPES if k != "lm_head" or m <= 128]
+        xs = {k: torch.randn(m, SHAPES[k][0]) for k in names}
+        plain = sum(best_ms(lambda k=k: F.linear(xs[k], weights[k])) for k in names)
+        onednn = sum(best_ms(lambda k=k: torch.ops.mkldnn._linear_pointwise(xs[k], packed[k], None, "none", [], ""))
+                     for k in names)
+        skinny = (sum(best_ms(lambda k=k: ops.skinny_linear(xs[k], weights[k], None)) for k in names)
+                  if ops is not None and m <= 8 else float("nan"))
+        print(f"{m} | {plain:.2f} | {onednn:.2f} | {skinny:.2f}", flush=True)
+
+
+def attention(batch: int, context: int) -> None:
+    ops = _extension()
+    if ops is None:
+        print("no C++ kernels; skipping attention")
+        return
+    blocks = (context + 15) // 16
+    k_cache = torch.randn(batch * blocks + 8, 16, 3, 64)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(batch, 9, 64)
+    tables = torch.randperm(batch * blocks).view(batch, blocks)
+    rows, lens = torch.arange(batch), torch.full((batch,), context)
+    ms = best_ms(lambda: ops.paged_attention(q, k_cache, v_cache, tables, rows, lens, 0.125), iters=30)
+    kv_bytes = batch * context * 3 * 64 * 4 * 2
+    print(f"paged attention, {batch} tokens x {context} keys, GQA 9/3, float32: {ms:.3f} ms per layer, "
+          f"{kv_bytes / ms / 1e6:.1f} GB/s of K/V")
+
+
+def silu(rows: list[int]) -> None:
+    ops = _extension()
+    if ops is None:
+        print("no C++ kernels; skipping silu")
+        return
+    for m in rows:
+        gate_up = torch.randn(m, 2 * 1536)
+        gate, up = gate_up.split(1536, dim=-1)
+        fused = best_ms(lambda: ops.silu_mul(gate_up), iters=50)
+        torch_ms = best_ms(lambda: F.silu(gate) * up, iters=50)
+        print(f"silu_mul, {m} rows x 1536: kernel {fused:.3f} ms, torch {torch_ms:.3f} ms")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default="matmul,attention,silu")
+    p.add_argument("--rows", default="1,4,8,16,32,64,128,256,512")
+    p.add_argument("--batch", type=int, default=49)
+    p.add_argument("--context", type=int, default=370)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = [int(r) for r in args.rows.split(",")]
+    parts = args.parts.split(",")
+    with torch.inference_mode():
+        if "matmul" in parts:
+            matmul(rows)
+        if "attention" in parts:
+            attention(args.batch, args.context)
+        if "silu" in parts:
+            silu([r for r in rows if r in (1, 64, 512)] or rows[:1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
