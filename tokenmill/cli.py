@@ -162,11 +162,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-bytes", type=parse_bytes, default=16 << 20,
                    help="largest request body; a larger one gets HTTP 413 (default 16MiB)")
     g.add_argument("--max-waiting-requests", type=int, default=256,
-                   help="requests waiting to run beyond which new ones get HTTP 429")
-    g.add_argument("--max-waiting-tokens", type=int, default=65536,
-                   help="prompt tokens waiting to run beyond which new requests get HTTP 429")
+                   help="requests waiting to run beyond which new ones get HTTP 429 (one request that alone needs "
+                        "more, prompts x n, gets 400)")
+    g.add_argument("--max-waiting-tokens", type=int, default=None,
+                   help="prompt tokens waiting to run beyond which new requests get HTTP 429 (default: the KV "
+                        "cache's token capacity; one request that alone needs more gets 400)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds requests in flight get to finish on SIGTERM before they are aborted")
+                   help="seconds requests in flight get to finish on SIGTERM; then they end with HTTP 503 (or a "
+                        "stream's error event)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
 
 

@@ -27,3 +27,11 @@ class ContextTooLong(InvalidRequest):
 
 class ServerOverloaded(TokenmillError):
     """The waiting queue is full; try again later."""
+
+
+class RequestFailed(TokenmillError):
+    """The engine could not run this request (its step raised); the engine itself goes on."""
+
+
+class ServerShuttingDown(TokenmillError):
+    """The server is stopping and could not finish this request in its shutdown timeout."""

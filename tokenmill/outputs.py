@@ -12,8 +12,9 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, float]] | None  # per generated token: {token_id: logprob}, sampled token first
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    error: str | None = None  # finish_reason "error": why the engine could not run this sample
 
     def finished(self) -> bool:
         return self.finish_reason is not None

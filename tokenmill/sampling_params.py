@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tokenmill.errors import InvalidRequest
@@ -34,6 +35,10 @@ class SamplingParams:
     stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            self._check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+                        name, "must be a finite number")
         self._check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]")
         self._check(self.temperature >= 0, "temperature", "must be >= 0 (0 means greedy)")
         self._check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tokenmill.engine.sampler import Sampler, SamplingRow, apply_penalties
+from tokenmill.engine.sampler import Sampler, SamplingError, SamplingRow, apply_penalties
 from tokenmill.errors import InvalidRequest
 from tokenmill.sampling_params import SamplingParams
 
@@ -109,8 +109,57 @@ def test_logprobs_are_the_raw_distribution_with_the_sampled_token_first():
 
 @pytest.mark.parametrize("field,value", [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
                                          ("min_p", 1.5), ("max_tokens", 0), ("n", 0), ("logprobs", 21),
-                                         ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("stop", [""])])
+                                         ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("stop", [""]),
+                                         ("temperature", float("inf")), ("temperature", float("nan")),
+                                         ("top_p", float("nan")), ("min_p", float("nan")),
+                                         ("repetition_penalty", float("inf")), ("frequency_penalty", float("nan"))])
 def test_invalid_values_name_the_field(field, value):
     with pytest.raises(InvalidRequest) as e:
         SamplingParams(**{field: value})
     assert e.value.param == field and field in str(e.value)
+
+
+# ---- the sampler is total: any valid parameters give a token (issue 11: these crashed the engine) ----------
+
+
+@pytest.mark.parametrize("kw", [dict(top_p=1e-46), dict(top_p=5e-324), dict(min_p=1.0), dict(top_k=1, top_p=1e-9),
+                                dict(temperature=1e-30), dict(temperature=1e-30, top_p=1e-46, min_p=1.0),
+                                dict(temperature=1e-30, repetition_penalty=1e-38, frequency_penalty=-2),
+                                dict(temperature=1e-30, repetition_penalty=1e30)])
+def test_extreme_but_valid_parameters_give_the_top_token(kw):
+    """A nucleus or floor that rounds to nothing keeps the most likely token; a tiny temperature is greedy."""
+    logits = torch.randn(4, VOCAB) * 5
+    params = SamplingParams(temperature=kw.pop("temperature", 1.0), seed=3, **kw)
+    rows = [row(params, prompt=[1, 2], output=[2]) for _ in range(4)]
+    ref = logits.clone()
+    apply_penalties(ref, rows)
+    out = Sampler()(logits, rows)
+    assert [t for t, _ in out] == ref.clamp(max=torch.finfo(torch.float32).max).argmax(1).tolist()
+
+
+@pytest.mark.parametrize("penalty", [1e-38, 1e-30, 1e30, 3e38])
+def test_extreme_repetition_penalties_still_sample_a_token(penalty):
+    logits = torch.randn(64, VOCAB) * 5
+    rows = [row(SamplingParams(temperature=1.0, seed=i, repetition_penalty=penalty), prompt=[1, 2]) for i in range(64)]
+    assert all(0 <= t < VOCAB for t, _ in Sampler()(logits, rows))
+
+
+def test_a_mask_covering_the_whole_vocabulary_is_not_applied():
+    """min_tokens with stop ids covering every token: the request still gets a token (it used to be NaN)."""
+    logits = torch.randn(3, VOCAB)
+    everything = list(range(VOCAB))
+    rows = [SamplingRow(SamplingParams(temperature=0), [], [], None, everything),
+            SamplingRow(SamplingParams(temperature=1.0, seed=1), [], [], torch.Generator().manual_seed(1), everything),
+            SamplingRow(SamplingParams(temperature=0), [], [], None, everything[1:])]
+    out = [t for t, _ in Sampler()(logits, rows)]
+    assert out[0] == int(logits[0].argmax()) and 0 <= out[1] < VOCAB
+    assert out[2] == 0  # a partial mask still applies: only token 0 is left
+
+
+def test_non_finite_logits_raise_a_sampling_error_not_a_crash_in_multinomial():
+    logits = torch.randn(2, VOCAB)
+    logits[1, 3] = float("nan")
+    rows = [row(SamplingParams(temperature=1.0, seed=1)) for _ in range(2)]
+    with pytest.raises(SamplingError):
+        Sampler()(logits, rows)
+    assert 0 <= Sampler()(logits[:1], rows[:1])[0][0] < VOCAB

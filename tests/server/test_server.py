@@ -298,7 +298,16 @@ BAD = [  # (path, body, status, param or None, fragment of the message)
     (C, {**OK_C, "stop_token_ids": [10**7]}, 400, "stop_token_ids", "vocabulary"),
     (C, {**OK_C, "repetition_penalty": 1e-300}, 400, "repetition_penalty", ""),
     (C, {**OK_C, "presence_penalty": 3}, 400, "presence_penalty", ""),
-    (C, {**OK_C, "prompt": ["a", "b"] * 25}, 429, None, "--max-waiting-requests"),
+    (C, {**OK_C, "prompt": ["a", "b"] * 25}, 400, "prompt", "--max-waiting-requests 48"),  # can never fit: not 429
+    (C, {**OK_C, "prompt": ["a"] * 5, "n": 10}, 400, "n", "--max-waiting-requests 48"),
+    (C, {**OK_C, "prompt": "\ud800"}, 400, "prompt", "surrogate"),
+    (C, {**OK_C, "prompt": ["ok", "a\udfffb"]}, 400, "prompt.1", "surrogate"),
+    (C, {**OK_C, "stop": ["\ud800"]}, 400, "stop.0", "surrogate"),
+    (CH, {**OK_CH, "messages": [{"role": "user", "content": "hi \ud800"}]}, 400, "messages.0.content", "surrogate"),
+    (CH, {**OK_CH, "messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}, 400,
+     "messages.0.content.0.text", "surrogate"),
+    ("/tokenize", {"prompt": "\ud800"}, 400, "prompt", "surrogate"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages.0.content", "surrogate"),
     (C, {"max_tokens": 2}, 400, "prompt", "required"),
     (C, [1, 2], 400, None, "JSON object"),
     ("/detokenize", {"tokens": [10**6]}, 400, "tokens", "vocabulary"),
@@ -323,7 +332,9 @@ def still_serves(http) -> None:
 @pytest.mark.parametrize("path,body,status,param,fragment", BAD, ids=[f"{i}-{b[0].rsplit('/', 1)[1]}"
                                                                       for i, b in enumerate(BAD)])
 def test_bad_input(http, path, body, status, param, fragment):
-    check_error(http.post(path, json=body), status, param, fragment)
+    # json.dumps escapes lone surrogates as \\uD800 (valid JSON), where httpx's json= cannot encode them
+    check_error(http.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"}), status,
+                param, fragment)
     still_serves(http)
 
 
@@ -373,6 +384,63 @@ def test_extreme_but_valid_values_do_not_break_the_engine(http):
         r = http.post(C, json={**OK_C, **extra})
         assert r.status_code == 200, (extra, r.text)
     still_serves(http)
+
+
+def test_parameters_that_crashed_the_engine_now_get_a_token(server, http):
+    """Issue 11: top_p that rounds to 0 in float32 and a min_tokens mask over the whole vocabulary each made
+    torch.multinomial raise in the engine process, and the server exited 1."""
+    vocab_size = 49152  # SmolLM2
+    for extra in ({"temperature": 1, "top_p": 1e-46}, {"temperature": 1, "top_p": 5e-324, "min_p": 1.0},
+                  {"temperature": 1, "min_tokens": 1, "stop_token_ids": list(range(vocab_size))},
+                  {"temperature": 0, "min_tokens": 2, "stop_token_ids": list(range(vocab_size))}):
+        r = http.post(C, json={**OK_C, **extra})
+        assert r.status_code == 200, (list(extra), r.text)
+        assert r.json()["usage"]["completion_tokens"] >= 1
+    assert server.proc.poll() is None and http.get("/health").status_code == 200
+    still_serves(http)
+
+
+def test_surrogate_keeps_the_connection_usable(server):
+    """A 400 for invalid text leaves the keep-alive connection open for the next request (a 500 used to drop it)."""
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as c:
+        first = c.post(C, content=b'{"prompt": "\\ud800", "max_tokens": 1}',
+                       headers={"Content-Type": "application/json"})
+        check_error(first, 400, "prompt", "surrogate")
+        assert first.headers.get("connection", "").lower() != "close"
+        second = c.post(C, json={"prompt": "Hi", "max_tokens": 1})
+        assert second.status_code == 200
+    assert "Traceback" not in server.stderr()
+
+
+def raw_http(server, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send raw bytes to the server; return (status, headers, body) of its answer."""
+    import socket
+
+    host, port = server.url.rsplit("/", 1)[1].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+    return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, body
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: banana\r\n\r\n{}",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n{}",
+    b"GET /health HTTP/1.1\r\nHost: x\r\nNoColonHere\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: x\r\nX-Bad: a\x00b\r\n\r\n",
+    b"GET /health HTTP/1.1\r\n\r\n",
+    b"BLAH\r\n\r\n",
+], ids=["content-length-text", "content-length-negative", "no-colon", "nul", "no-host", "no-request-line"])
+def test_malformed_http_gets_a_json_400(server, request_bytes):
+    status, headers, body = raw_http(server, request_bytes)
+    assert status == 400 and headers["content-type"] == "application/json", (status, headers, body)
+    err = json.loads(body)["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
 
 
 def test_metrics_names(http):
@@ -442,6 +510,40 @@ def test_sigterm_finishes_in_flight_and_exits_0(server):
     assert server.proc.wait(90) == 0, server.stderr()
 
 
+def test_sigterm_past_the_shutdown_timeout_ends_requests_with_503():
+    """Requests still running when --shutdown-timeout runs out end with a JSON 503 or a stream's error event and
+    [DONE]; no plain-text 500, no cut stream, no CancelledError traceback."""
+    srv = start_server("--shutdown-timeout", "1", api_key=None)
+    try:
+        long = {"prompt": PROMPT, "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
+
+        async def main():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
+                async def streamed():
+                    async with c.stream("POST", C, json={**long, "stream": True}) as r:
+                        return r.status_code, sse_events([line async for line in r.aiter_lines()])
+
+                async def plain():
+                    r = await c.post(C, json=long)
+                    return r.status_code, r.headers.get("content-type"), r.json()
+
+                tasks = [asyncio.ensure_future(streamed()), asyncio.ensure_future(plain())]
+                await asyncio.sleep(2.0)  # both running
+                srv.proc.send_signal(signal.SIGTERM)
+                return await asyncio.gather(*tasks)
+
+        (s_status, events), (p_status, p_type, p_body) = asyncio.run(main())
+        assert s_status == 200 and events[-1] == "[DONE]", events[-3:]
+        assert events[-2]["error"]["code"] == "server_shutting_down", events[-2]
+        assert p_status == 503 and p_type == "application/json", (p_status, p_body)
+        assert p_body["error"]["code"] == "server_shutting_down" and "--shutdown-timeout" in p_body["error"]["message"]
+        assert srv.proc.wait(60) == 0, srv.stderr()
+        log = srv.stderr()
+        assert "CancelledError" not in log and "Traceback" not in log, log
+    finally:
+        srv.stop()
+
+
 def test_engine_death_fails_requests_and_exits_nonzero():
     srv = start_server("--kv-cache-memory", "64MiB", api_key=None)
     try:
@@ -451,6 +553,13 @@ def test_engine_death_fails_requests_and_exits_nonzero():
             assert next(lines).startswith("data: ")
             os.kill(srv.engine_pid(), signal.SIGKILL)
             events = sse_events(list(lines))
+        # /health is truthful until the process exits: 503 while it answers, never 200
+        while srv.proc.poll() is None:
+            try:
+                assert httpx.get(srv.url + "/health", timeout=5).status_code == 503
+            except httpx.TransportError:
+                break
+            time.sleep(0.05)
         assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
         assert events[-2]["error"]["code"] == "engine_dead"
         assert srv.proc.wait(30) != 0

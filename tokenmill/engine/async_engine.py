@@ -37,7 +37,7 @@ from tokenmill.engine.llm_engine import (
     validate_prompt,
 )
 from tokenmill.engine.scheduler import SchedulerStats
-from tokenmill.errors import ContextTooLong, ServerOverloaded, TokenmillError
+from tokenmill.errors import ContextTooLong, InvalidRequest, RequestFailed, ServerOverloaded, TokenmillError
 from tokenmill.model.loader import resolve_model_path
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
@@ -144,7 +144,7 @@ def run_engine_core(config: EngineConfig, inputs, outputs) -> None:
                         try:
                             core.add_request(msg.request)
                             unstarted[msg.request.request_id] = msg.request
-                        except TokenmillError as e:
+                        except Exception as e:  # noqa: BLE001 - a refused request must not stop the engine
                             rejected[msg.request.request_id] = _picklable(e)
                     elif isinstance(msg, AbortRequests):
                         core.abort(msg.request_ids)
@@ -268,7 +268,7 @@ class EngineInfo:
 class AsyncEngine:
     """Owns the engine process; `add_requests` returns a RequestGroup to iterate for its updates."""
 
-    def __init__(self, config: EngineConfig, *, max_waiting_requests: int = 256, max_waiting_tokens: int = 65536,
+    def __init__(self, config: EngineConfig, *, max_waiting_requests: int = 256, max_waiting_tokens: int | None = None,
                  observer: Any = None):
         self.config = config
         self.max_waiting_requests = max_waiting_requests
@@ -332,6 +332,8 @@ class AsyncEngine:
         eos = frozenset(self.tokenizer.eos_token_ids) | frozenset(msg.eos_token_ids)
         self.info = EngineInfo(msg.max_model_len, msg.vocab_size, eos, msg.num_blocks * msg.block_size,
                                msg.cache_description, msg.pid)
+        if self.max_waiting_tokens is None:  # as many prompt tokens may wait as the KV cache holds
+            self.max_waiting_tokens = self.info.token_capacity
         self._last_heartbeat = time.monotonic()
         return self.info
 
@@ -412,6 +414,15 @@ class AsyncEngine:
             group.tracked.append(_Tracked(parent, group, i, [0] * n, [0] * n, [False] * n, [None] * n))
         new_requests = len(prompts) * params.n
         new_tokens = sum(len(ids) for _, ids in prompts) * params.n
+        if new_requests > self.max_waiting_requests:  # would never fit: retrying cannot help, so not a 429
+            raise InvalidRequest(f"this request needs {new_requests} queue slots ({len(prompts)} prompts x n "
+                                 f"{params.n}), more than the server's --max-waiting-requests "
+                                 f"{self.max_waiting_requests}; send fewer prompts or a smaller n",
+                                 param="n" if params.n > 1 else "prompt")
+        if new_tokens > self.max_waiting_tokens:
+            raise InvalidRequest(f"this request queues {new_tokens} prompt tokens (prompts x n), more than the "
+                                 f"server's --max-waiting-tokens {self.max_waiting_tokens}; send fewer or shorter "
+                                 f"prompts or a smaller n", param="prompt")
         with self._lock:
             waiting, waiting_tokens = self.num_waiting
             if waiting + new_requests > self.max_waiting_requests:
@@ -450,6 +461,20 @@ class AsyncEngine:
             self._send_q.put(AbortRequests(ids))
             if self.observer is not None:
                 self.observer.on_aborted(len(ids))
+
+    def fail_all(self, error: TokenmillError) -> int:
+        """End every request in flight with `error` (the server is stopping): each client gets it as its answer
+        or as a stream's last event, and the engine aborts them. Returns how many requests were failed."""
+        deliveries = []
+        with self._lock:
+            for tracked, _ in list(self._by_core_id.values()):
+                if not tracked.done:
+                    deliveries.append((tracked.group, Update(tracked.prompt_index, [], True, error)))
+        for group, _ in deliveries:
+            group.abort()
+        if deliveries and self._loop is not None:
+            self._loop.call_soon_threadsafe(_deliver_anyway, deliveries)
+        return len(deliveries)
 
     def _forget_unstarted(self, core_id: str) -> None:
         n = self._unstarted.pop(core_id, None)
@@ -521,7 +546,8 @@ class AsyncEngine:
                     for s in tracked.parent.samples:
                         self._by_core_id.pop(s.core_id, None)
                         self._forget_unstarted(s.core_id)
-                    error = err if isinstance(err, BaseException) else ContextTooLong(str(err))
+                    error = err if isinstance(err, TokenmillError) else RequestFailed(
+                        f"the engine refused this request: {err}")
                     deliveries.append((tracked.group, Update(tracked.prompt_index, [], True, error)))
             touched: dict[int, _Tracked] = {}
             gen_tokens = 0
@@ -579,7 +605,9 @@ class AsyncEngine:
                                       s.logprobs[n_sent:] if s.logprobs is not None else None,
                                       s.finish_reason, s.stop_reason))
             tracked.sent_text[i], tracked.sent_tokens[i], tracked.sent_finish[i] = len(text), len(s.token_ids), finished
-        return Update(tracked.prompt_index, deltas, tracked.parent.finished)
+        failed = next((s.error for s in tracked.parent.samples if s.error is not None), None)
+        error = RequestFailed(f"the engine could not run this request: {failed}") if failed else None
+        return Update(tracked.prompt_index, deltas, tracked.parent.finished, error)
 
     def _die(self, reason: str) -> None:
         self.dead = reason or "the engine process died"
@@ -604,3 +632,9 @@ def _deliver(deliveries: list[tuple[RequestGroup, Update]]) -> None:
     for group, update in deliveries:
         if not group.closed:
             group.queue.put_nowait(update)
+
+
+def _deliver_anyway(deliveries: list[tuple[RequestGroup, Update]]) -> None:
+    """For groups this side closed itself (fail_all): their readers still wait for a last update."""
+    for group, update in deliveries:
+        group.queue.put_nowait(update)

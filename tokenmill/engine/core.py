@@ -6,17 +6,20 @@ its own process.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from tokenmill.config import EngineConfig, ModelConfig, default_kv_cache_memory
 from tokenmill.engine.kv_cache import KVCacheManager
-from tokenmill.engine.runner import DTYPES, ModelRunner, kv_bytes_per_token
-from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.runner import DTYPES, ModelRunner, StepResult, kv_bytes_per_token
+from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 from tokenmill.errors import ConfigError
 from tokenmill.model.loader import load_model_config, load_weights, resolve_model_path
 from tokenmill.request import Request, RequestStatus
+
+log = logging.getLogger("tokenmill")
 
 
 def auto_dtype(device: str) -> str:
@@ -40,6 +43,7 @@ class EngineCoreOutput:
     new_logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # finish_reason "error": why this request could not be run
 
 
 @dataclass
@@ -114,9 +118,14 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
-        result = self.runner.execute(sched)
-        finished = self.scheduler.update(sched, result.sampled)
+        result = self._execute(sched)
         outputs = []
+        for rid, why in result.failed.items():
+            log.error("request %s failed: %s", rid, why)
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
+            self.runner.release(rid)
+            outputs.append(EngineCoreOutput(rid, [], None, "error", None, why))
+        finished = self.scheduler.update(sched, result.sampled)
         for s in sched.scheduled:
             req = s.request
             if req.request_id not in result.sampled:
@@ -127,6 +136,20 @@ class EngineCore:
         for req in finished:
             self.runner.release(req.request_id)
         return outputs
+
+    def _execute(self, sched: SchedulerOutput) -> StepResult:
+        """Run the step; if it raises, run each request alone so only the one(s) at fault fail. Rerunning is
+        safe: nothing is committed before the step returns (KV slots are rewritten with the same values)."""
+        try:
+            return self.runner.execute(sched)
+        except Exception as e:
+            if len(sched.scheduled) == 1:
+                log.exception("the forward pass failed for request %s", sched.scheduled[0].request.request_id)
+                return StepResult(failed={sched.scheduled[0].request.request_id: f"{type(e).__name__}: {e}"})
+            result = StepResult()
+            for s in sched.scheduled:
+                result.merge(self._execute(SchedulerOutput([s])))
+            return result
 
     def check_idle_invariants(self) -> None:
         """With nothing in flight every block must be free: a leak is a bug."""

@@ -31,11 +31,12 @@ class _Sample:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None
 
     def output(self) -> CompletionOutput:
         text = self.detok.visible_text(self.finish_reason is not None)
         return CompletionOutput(self.index, text, list(self.token_ids), self.cumulative_logprob,
-                                self.logprobs, self.finish_reason, self.stop_reason)
+                                self.logprobs, self.finish_reason, self.stop_reason, self.error)
 
 
 @dataclass
@@ -208,7 +209,7 @@ def apply_output(parent: _Parent, sample: _Sample, out: EngineCoreOutput) -> str
         for tok, lp in zip(out.new_token_ids, out.new_logprobs):
             sample.logprobs.append(lp)
             sample.cumulative_logprob += lp[tok]
-    if parent.metrics.first_token_time is None:
+    if parent.metrics.first_token_time is None and out.new_token_ids:
         parent.metrics.first_token_time = time.monotonic()
     text_ids = out.new_token_ids
     if out.finish_reason == "stop" and not parent.params.include_stop_str_in_output:
@@ -218,5 +219,5 @@ def apply_output(parent: _Parent, sample: _Sample, out: EngineCoreOutput) -> str
         sample.finish_reason, sample.stop_reason = "stop", stop
         return stop if out.finish_reason is None else None
     if out.finish_reason is not None:
-        sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+        sample.finish_reason, sample.stop_reason, sample.error = out.finish_reason, out.stop_reason, out.error
     return None

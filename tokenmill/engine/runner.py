@@ -7,7 +7,7 @@ random generator.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,7 +22,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class StepResult:
-    sampled: dict[str, tuple[int, dict[int, float] | None]]
+    sampled: dict[str, tuple[int, dict[int, float] | None]] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why it could not be run or sampled
+
+    def merge(self, other: StepResult) -> None:
+        self.sampled.update(other.sampled)
+        self.failed.update(other.failed)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -93,11 +98,25 @@ class ModelRunner:
                 last_rows.append(row - 1)
                 sampling.append(s)
         if not sampling:
-            return StepResult({})
-        logits = self.model.compute_logits(hidden[self._long(last_rows)])
+            return StepResult()
+        logits = self.model.compute_logits(hidden[self._long(last_rows)]).cpu()
         rows = [self._sampling_row(s) for s in sampling]
-        results = self.sampler(logits.cpu(), rows)
+        try:
+            results = self.sampler(logits, rows)
+        except Exception:  # noqa: BLE001 - find the row(s) at fault: each alone; the others still get a token
+            return self._sample_one_by_one(logits, rows, sampling)
         return StepResult({s.request.request_id: r for s, r in zip(sampling, results)})
+
+    def _sample_one_by_one(self, logits: torch.Tensor, rows: list[SamplingRow],
+                           sampling: list[ScheduledRequest]) -> StepResult:
+        result = StepResult()
+        for i, (row, s) in enumerate(zip(rows, sampling)):
+            rid = s.request.request_id
+            try:
+                result.sampled[rid] = self.sampler(logits[i:i + 1], [row])[0]
+            except Exception as e:  # noqa: BLE001 - this request fails, the engine goes on
+                result.failed[rid] = f"sampling failed: {e}"
+        return result
 
     def _long(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

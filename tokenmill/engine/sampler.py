@@ -3,6 +3,11 @@
 Order: penalties (repetition on prompt+output, presence/frequency on output), min_tokens masking, then greedy
 argmax, or temperature -> top-k -> top-p -> min-p -> a draw from the request's own generator (so a seeded
 request samples the same tokens whatever else is in the batch). Logprobs are of the raw model distribution.
+
+The sampler is total: any valid parameters give a token. Filters always keep the most likely token, a mask
+that would remove every token is not applied, and temperature divides logits shifted so their maximum is 0
+(a tiny temperature then means greedy, not inf / inf). Only logits the model made non-finite raise
+(SamplingError), and the runner then fails that request alone.
 """
 
 from __future__ import annotations
@@ -54,7 +59,8 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
         sorted_logits, order = logits.sort(dim=1, descending=True)
         probs = sorted_logits.softmax(dim=1)
         before = probs.cumsum(dim=1) - probs  # mass strictly above each token
-        drop_sorted = before >= top_p.unsqueeze(1)  # the top token is always kept (before = 0 < top_p)
+        drop_sorted = before >= top_p.unsqueeze(1)
+        drop_sorted[:, 0] = False  # the top token always stays, even when top_p rounds to 0 in float32
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logits = torch.where(drop, neg_inf, logits)
     if bool((min_p > 0).any()):
@@ -74,6 +80,23 @@ def top_logprobs(logprobs: torch.Tensor, token: int, n: int) -> dict[int, float]
     return out
 
 
+class SamplingError(ValueError):
+    """The logits of a request cannot be sampled (the model produced NaN or infinity)."""
+
+
+def mask_blocked(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place: -inf on each row's blocked ids (EOS/stop ids below min_tokens), unless that would leave the row
+    no token at all (stop ids covering the whole vocabulary): then the row is left as it was."""
+    for i, r in enumerate(rows):
+        if r.blocked_token_ids:
+            ids = torch.tensor(r.blocked_token_ids, dtype=torch.long)
+            ids = ids[ids < logits.shape[1]]
+            saved = logits[i, ids].clone()
+            logits[i, ids] = float("-inf")
+            if not bool((logits[i] > float("-inf")).any()):
+                logits[i, ids] = saved
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[tuple[int, dict[int, float] | None]]:
         logits = logits.float()
@@ -81,16 +104,21 @@ class Sampler:
         raw_logprobs = logits.log_softmax(dim=1) if any(want_logprobs) else None
         if any(r.params.has_penalties or r.blocked_token_ids for r in rows):
             logits = logits.clone()
-            apply_penalties(logits, rows)
-            for i, r in enumerate(rows):
-                if r.blocked_token_ids:
-                    logits[i, r.blocked_token_ids] = float("-inf")
+            if any(r.params.has_penalties for r in rows):
+                apply_penalties(logits, rows)
+                # a tiny repetition penalty can push logits past float32's range: keep them finite
+                logits = logits.nan_to_num(nan=float("nan"), posinf=torch.finfo(torch.float32).max)
+            mask_blocked(logits, rows)
 
         tokens = logits.argmax(dim=1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
             idx = torch.tensor(random_rows)
-            sub = logits[idx] / torch.tensor([rows[i].params.temperature for i in random_rows]).unsqueeze(1)
+            sub = logits[idx]
+            if not bool(torch.isfinite(sub.max(dim=1).values).all()) or bool(sub.isnan().any()):
+                raise SamplingError("the model produced non-finite logits")
+            sub = (sub - sub.max(dim=1, keepdim=True).values) / torch.tensor(
+                [rows[i].params.temperature for i in random_rows]).unsqueeze(1)
             sub = filter_logits(
                 sub,
                 torch.tensor([rows[i].params.top_k for i in random_rows]),

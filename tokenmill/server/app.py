@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import math
 import time
 import uuid
@@ -28,6 +29,7 @@ from tokenmill.errors import InvalidRequest, TokenmillError
 from tokenmill.server.errors import (
     APIError,
     BadRequest,
+    InternalError,
     MethodNotAllowed,
     ModelNotFound,
     NotFound,
@@ -47,6 +49,8 @@ from tokenmill.server.protocol import (
     validate,
 )
 from tokenmill.tokenizer import byte_to_unicode
+
+log = logging.getLogger("tokenmill")
 
 # Texts longer than this are tokenized (and chat templates rendered) in a worker thread, off the event loop.
 INLINE_TOKENIZE_CHARS = 2048
@@ -105,16 +109,29 @@ class _Guard:
                     raise _too_large(limit)
             return message
 
-        return await self.app(scope, limited_receive, send)
+        started = False
 
-    async def _reject(self, exc: APIError, receive, send) -> None:
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracked_send)
+        except Exception as exc:
+            log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                await self._reject(InternalError(f"internal error: {type(exc).__name__}"), receive, send,
+                                   drain=False)
+
+    async def _reject(self, exc: APIError, receive, send, drain: bool = True) -> None:
         """Answer without running the app. The body is read and dropped first (up to a bound): a server that
         closes with a request body still arriving makes the client see a reset instead of the answer."""
         self.on_reject(exc.status)
         status, body = classify(exc)
         data = json.dumps(body).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-        if not await _drain(receive, self.settings.max_request_bytes):
+        if drain and not await _drain(receive, self.settings.max_request_bytes):
             headers.append((b"connection", b"close"))
         if status == 401:
             headers.append((b"www-authenticate", b"Bearer"))
@@ -188,10 +205,6 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
             return respond_error(MethodNotAllowed(f"method {request.method} is not allowed on {request.url.path}"))
         return JSONResponse(error_body(str(exc.detail), "invalid_request_error"), status_code=exc.status_code)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        return respond_error(exc)
-
     # ---- helpers --------------------------------------------------------------------------------------------------
     async def read(request: Request, model):
         raw = await request.body()
@@ -212,7 +225,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         def work():
             try:
                 text = tok.render_chat(messages, add_generation_prompt=add_generation_prompt)
-            except Exception as e:  # noqa: BLE001 - jinja TemplateError, the template's raise_exception, ...
+            except Exception as e:
                 raise InvalidRequest(f"the chat template rejected the messages: {e}", param="messages") from None
             return text, tok.encode(text, add_special_tokens=False)
 
@@ -393,6 +406,9 @@ def _sse(group: RequestGroup, chunks: AsyncIterator[dict]) -> _SSE:
             async for chunk in chunks:
                 yield b"data: " + _dumps(chunk) + b"\n\n"
         except (TokenmillError, APIError) as e:
+            yield b"data: " + _dumps(classify(e)[1]) + b"\n\n"
+        except Exception as e:
+            log.exception("unexpected error in a stream")
             yield b"data: " + _dumps(classify(e)[1]) + b"\n\n"
         yield b"data: [DONE]\n\n"
 

@@ -7,7 +7,13 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse
 
 from tokenmill.engine.async_engine import EngineDeadError
-from tokenmill.errors import ContextTooLong, InvalidRequest, ServerOverloaded
+from tokenmill.errors import (
+    ContextTooLong,
+    InvalidRequest,
+    RequestFailed,
+    ServerOverloaded,
+    ServerShuttingDown,
+)
 
 
 class APIError(Exception):
@@ -46,12 +52,20 @@ class RequestTooLarge(APIError):
     status, type, code = 413, "invalid_request_error", "request_too_large"
 
 
+class InternalError(APIError):
+    """A bug: said as such, without internals (the traceback goes to the log)."""
+
+    status, type, code = 500, "internal_error", "internal_error"
+
+
 # exception class -> (status, type, code), first match wins; APIError subclasses carry their own.
 _MAPPING: list[tuple[type[BaseException], int, str, str | None]] = [
     (ContextTooLong, 400, "invalid_request_error", "context_length_exceeded"),
     (InvalidRequest, 400, "invalid_request_error", "invalid_value"),
     (ServerOverloaded, 429, "server_overloaded", "server_overloaded"),
     (EngineDeadError, 503, "service_unavailable", "engine_dead"),
+    (ServerShuttingDown, 503, "service_unavailable", "server_shutting_down"),
+    (RequestFailed, 500, "internal_error", "request_failed"),
 ]
 
 

@@ -10,14 +10,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 import signal
 import sys
 from pathlib import Path
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.errors import ServerShuttingDown
 
 log = logging.getLogger("tokenmill")
 
@@ -51,8 +56,10 @@ def serve(args: argparse.Namespace) -> int:
     from tokenmill.errors import ConfigError
 
     for flag in ("max_waiting_requests", "max_waiting_tokens"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1")
+    if not args.shutdown_timeout >= 0:
+        raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     config = engine_config(engine_kwargs(args))
@@ -65,7 +72,6 @@ def serve(args: argparse.Namespace) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
 
-    from tokenmill.engine.async_engine import AsyncEngine
     from tokenmill.server.app import ServerSettings, create_app
     from tokenmill.server.metrics import ServerMetrics
 
@@ -78,10 +84,11 @@ def serve(args: argparse.Namespace) -> int:
         settings = ServerSettings(names, model_path=str(args.model or default_served_name(None)),
                                   api_key=args.api_key or None, max_request_bytes=args.max_request_bytes)
         app = create_app(engine, settings, metrics)
+        # uvicorn's own timeout is only the backstop: _Server ends what is left at --shutdown-timeout with a 503
         uconfig = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on",
-                                 access_log=args.access_log, timeout_graceful_shutdown=args.shutdown_timeout,
-                                 timeout_keep_alive=5)
-        server = _Server(uconfig, names[0])
+                                 access_log=args.access_log, timeout_graceful_shutdown=args.shutdown_timeout + 5,
+                                 timeout_keep_alive=5, http=JSONErrorH11Protocol)
+        server = _Server(uconfig, names[0], engine, args.shutdown_timeout)
         state["server"] = server
 
         def on_dead(reason: str) -> None:
@@ -101,11 +108,25 @@ def serve(args: argparse.Namespace) -> int:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn.Server that prints one ready line, with the port it really bound, once it listens."""
+    """uvicorn.Server that prints one ready line, with the port it really bound, once it listens, and on
+    shutdown ends the requests still running after `drain_timeout` with a 503 (or a stream's error event)
+    instead of letting uvicorn cancel them into a plain-text 500 or a cut stream."""
 
-    def __init__(self, config: uvicorn.Config, model_name: str):
+    def __init__(self, config: uvicorn.Config, model_name: str, engine: AsyncEngine, drain_timeout: float):
         super().__init__(config)
-        self.model_name = model_name
+        self.model_name, self.engine, self.drain_timeout = model_name, engine, drain_timeout
+
+    async def shutdown(self, sockets=None) -> None:
+        stopping = asyncio.ensure_future(super().shutdown(sockets))
+        done, _ = await asyncio.wait({stopping}, timeout=self.drain_timeout)
+        if not done:
+            n = self.engine.fail_all(ServerShuttingDown(
+                f"the server is shutting down and could not finish this request within --shutdown-timeout "
+                f"{self.drain_timeout:g} s; retry on another replica"))
+            if n:
+                log.warning("shutdown: %d request(s) still running after %g s were ended with 503", n,
+                            self.drain_timeout)
+        await stopping
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
@@ -116,3 +137,19 @@ class _Server(uvicorn.Server):
                     port = sock.getsockname()[1]
             shown = f"[{host}]" if ":" in host else host
             print(f"tokenmill serving {self.model_name} at http://{shown}:{port}", flush=True)
+
+
+class JSONErrorH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, answering a malformed request (bad Content-Length, a header without a colon
+    or with a NUL, HTTP/1.1 without Host) with an OpenAI-style JSON 400 instead of plain text."""
+
+    def send_400_response(self, msg: str) -> None:
+        body = json.dumps({"error": {"message": "malformed HTTP request (request line, headers or Content-Length)",
+                                     "type": "invalid_request_error", "param": None,
+                                     "code": "malformed_http"}}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()

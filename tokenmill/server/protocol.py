@@ -8,6 +8,7 @@ BadRequest naming the field: always HTTP 400, never FastAPI's 422.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -231,7 +232,39 @@ def parse_json(raw: bytes, content_type: str | None) -> dict:
         raise BadRequest("the body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):  # only a JSON \uD800-\uDFFF escape can smuggle one in: skip the walk otherwise
+        _refuse_lone_surrogates(body)
     return body
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _refuse_lone_surrogates(body: dict) -> None:
+    """A lone UTF-16 surrogate is valid JSON but not text: no tokenizer can encode it. 400 naming the field."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                where = f"{path}.{key}" if path else str(key)
+                if _has_surrogate(key):
+                    raise BadRequest(f"{path or 'the body'}: a key holds a lone UTF-16 surrogate; text must be "
+                                     "valid Unicode", param=path or None)
+                stack.append((where, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}", item) for i, item in enumerate(value))
+        elif isinstance(value, str) and _has_surrogate(value):
+            raise BadRequest(f"{path}: the text holds a lone UTF-16 surrogate; text must be valid Unicode",
+                             param=path)
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return False
+    except UnicodeEncodeError:
+        return True
 
 
 def validate(model: type[BaseModel], body: dict) -> Any:
