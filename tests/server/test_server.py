@@ -240,6 +240,8 @@ def test_burst_over_the_waiting_limit_gets_429(server, http):
     async def one(c: httpx.AsyncClient, i: int):
         r = await c.post("/v1/completions", json={"prompt": f"Item {i}", "max_tokens": 16, "temperature": 0,
                                                    "ignore_eos": True})
+        if r.status_code == 429:
+            assert r.headers["retry-after"] == "1" and r.headers["content-type"] == "application/json"
         return r.status_code, r.json()
 
     async def main():

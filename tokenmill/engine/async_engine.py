@@ -397,6 +397,18 @@ class AsyncEngine:
                 f"capacity of {info.token_capacity} tokens; raise --kv-cache-memory", param="max_tokens")
         return max_tokens
 
+    def overloaded(self, new_requests: int = 1, new_tokens: int = 1) -> ServerOverloaded | None:
+        """Why a request of this size cannot join the waiting queue now, or None. Cheap: the server asks it
+        before reading a body too, so a burst is shed at the door."""
+        waiting, waiting_tokens = self.num_waiting
+        if waiting + new_requests > self.max_waiting_requests:
+            return ServerOverloaded(f"the waiting queue is full ({waiting} requests waiting, "
+                                    f"--max-waiting-requests {self.max_waiting_requests}); retry later")
+        if waiting_tokens and waiting_tokens + new_tokens > self.max_waiting_tokens:
+            return ServerOverloaded(f"the waiting queue is full ({waiting_tokens} prompt tokens waiting, "
+                                    f"--max-waiting-tokens {self.max_waiting_tokens}); retry later")
+        return None
+
     def add_requests(self, request_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
                      arrival_time: float | None = None, cache_salt: str | None = None) -> RequestGroup:
         """Queue one request per prompt (each with params.n samples); ids `request_id-i`. Validates everything
@@ -404,14 +416,6 @@ class AsyncEngine:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         max_tokens = [self.prepare(ids, params) for _, ids in prompts]
-        arrival = time.monotonic() if arrival_time is None else arrival_time
-        group = RequestGroup(self)
-        for i, ((text, ids), mt) in enumerate(zip(prompts, max_tokens)):
-            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            parent = new_parent(rid, text, ids, params, mt, self.tokenizer, self.info.eos_token_ids, arrival,
-                                cache_salt)
-            n = len(parent.samples)
-            group.tracked.append(_Tracked(parent, group, i, [0] * n, [0] * n, [False] * n, [None] * n))
         new_requests = len(prompts) * params.n
         new_tokens = sum(len(ids) for _, ids in prompts) * params.n
         if new_requests > self.max_waiting_requests:  # would never fit: retrying cannot help, so not a 429
@@ -423,14 +427,21 @@ class AsyncEngine:
             raise InvalidRequest(f"this request queues {new_tokens} prompt tokens (prompts x n), more than the "
                                  f"server's --max-waiting-tokens {self.max_waiting_tokens}; send fewer or shorter "
                                  f"prompts or a smaller n", param="prompt")
+        overloaded = self.overloaded(new_requests, new_tokens)  # before building anything for it
+        if overloaded is not None:
+            raise overloaded
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        group = RequestGroup(self)
+        for i, ((text, ids), mt) in enumerate(zip(prompts, max_tokens)):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            parent = new_parent(rid, text, ids, params, mt, self.tokenizer, self.info.eos_token_ids, arrival,
+                                cache_salt)
+            n = len(parent.samples)
+            group.tracked.append(_Tracked(parent, group, i, [0] * n, [0] * n, [False] * n, [None] * n))
         with self._lock:
-            waiting, waiting_tokens = self.num_waiting
-            if waiting + new_requests > self.max_waiting_requests:
-                raise ServerOverloaded(f"the waiting queue is full ({waiting} requests waiting, "
-                                       f"--max-waiting-requests {self.max_waiting_requests}); retry later")
-            if waiting_tokens and waiting_tokens + new_tokens > self.max_waiting_tokens:
-                raise ServerOverloaded(f"the waiting queue is full ({waiting_tokens} prompt tokens waiting, "
-                                       f"--max-waiting-tokens {self.max_waiting_tokens}); retry later")
+            overloaded = self.overloaded(new_requests, new_tokens)
+            if overloaded is not None:
+                raise overloaded
             for tracked in group.tracked:
                 for s in tracked.parent.samples:
                     self._by_core_id[s.core_id] = (tracked, s)

@@ -73,9 +73,15 @@ class ServerSettings:
 # ---- ASGI guard: API key and body size, before any parsing ---------------------------------------------------------
 
 
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
 class _Guard:
-    def __init__(self, app, settings: ServerSettings, on_reject: Callable[[int], None]):
-        self.app, self.settings, self.on_reject = app, settings, on_reject
+    """API key, body size and load shedding before any parsing; a JSON 500 for whatever escapes the app."""
+
+    def __init__(self, app, settings: ServerSettings, on_reject: Callable[[int], None],
+                 overloaded: Callable[[], Exception | None]):
+        self.app, self.settings, self.on_reject, self.overloaded = app, settings, on_reject, overloaded
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -96,6 +102,10 @@ class _Guard:
             return await self._reject(BadRequest("invalid Content-Length header"), receive, send)
         if length > limit:
             return await self._reject(_too_large(limit), receive, send)
+        if scope["method"] == "POST" and scope["path"] in GENERATE_PATHS:
+            full = self.overloaded()  # the queue has no room even for one request: shed it before parsing
+            if full is not None:
+                return await self._reject(full, receive, send)
         received = 0
 
         async def limited_receive():
@@ -124,13 +134,15 @@ class _Guard:
                 await self._reject(InternalError(f"internal error: {type(exc).__name__}"), receive, send,
                                    drain=False)
 
-    async def _reject(self, exc: APIError, receive, send, drain: bool = True) -> None:
+    async def _reject(self, exc: Exception, receive, send, drain: bool = True) -> None:
         """Answer without running the app. The body is read and dropped first (up to a bound): a server that
         closes with a request body still arriving makes the client see a reset instead of the answer."""
-        self.on_reject(exc.status)
         status, body = classify(exc)
+        self.on_reject(status)
         data = json.dumps(body).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+        if status in (429, 503):
+            headers.append((b"retry-after", b"1"))
         if drain and not await _drain(receive, self.settings.max_request_bytes):
             headers.append((b"connection", b"close"))
         if status == 401:
@@ -333,7 +345,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
             text = tok.decode(req.tokens, skip_special_tokens=False)
         return {"prompt": text}
 
-    app.add_middleware(_Guard, settings=settings, on_reject=metrics.on_rejected)
+    app.add_middleware(_Guard, settings=settings, on_reject=metrics.on_rejected, overloaded=engine.overloaded)
     return app
 
 
