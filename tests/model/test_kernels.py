@@ -24,6 +24,21 @@ pytestmark = pytest.mark.skipif(ops is None and not HAVE_COMPILER,
 
 def test_kernels_build_where_a_compiler_exists():
     assert ops is not None, "the C++ kernels failed to build; see the warning logged by tokenmill.model.cpu_kernels"
+
+
+def test_each_cpu_gets_its_own_build(monkeypatch):
+    """Built with -march=native: a build from another CPU (a shared cache, an image) must never be loaded here."""
+    from tokenmill.model import cpu_kernels
+
+    assert ops.__name__ == f"tokenmill_cpu_kernels_{cpu_kernels.cpu_tag()}"
+    tags = []
+    for flags in ("fpu sse2 avx avx2 fma", "fpu sse2 avx avx2 fma avx512f avx512_bf16", "fpu sse2 avx avx2 fma"):
+        fake = f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: {flags}\n"
+        monkeypatch.setattr(cpu_kernels.Path, "read_text", lambda self, *a, _f=fake, **k: _f)
+        tags.append(cpu_kernels.cpu_tag())
+    assert tags[0] != tags[1] and tags[0] == tags[2]
+
+
 DTYPES = [torch.float32, torch.bfloat16]
 
 

@@ -4,14 +4,33 @@ falls back to when no compiler is available, and is tested against it (tests/mod
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 from functools import lru_cache
 from pathlib import Path
 
 log = logging.getLogger("tokenmill")
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+
+
+def cpu_tag() -> str:
+    """A short key of this CPU's model and instruction sets. The kernels are built with -march=native, so a
+    build made on one CPU can crash (SIGILL) on another: each CPU gets its own build, named by this key."""
+    model, flags = platform.machine(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and model == platform.machine():
+                model = value.strip()
+            elif key in ("flags", "Features") and not flags:
+                flags = " ".join(sorted(value.split()))
+    except OSError:
+        pass
+    return hashlib.sha1(f"{model}|{flags}".encode()).hexdigest()[:12]
 
 
 @lru_cache(maxsize=1)
@@ -24,7 +43,7 @@ def _extension():
 
         # fast-math lets the compiler vectorize exp (glibc's libmvec); infinities stay meaningful (masked scores).
         flags = ["-O3", "-fopenmp", "-march=native", "-ffast-math", "-fno-finite-math-only"]
-        return load(name="tokenmill_cpu_kernels", sources=[str(_SOURCE)], extra_cflags=flags,
+        return load(name=f"tokenmill_cpu_kernels_{cpu_tag()}", sources=[str(_SOURCE)], extra_cflags=flags,
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, unsupported platform: stay correct, only slower
         log.warning("fast CPU kernels unavailable (%s); using the PyTorch reference", e)
