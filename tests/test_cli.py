@@ -172,3 +172,11 @@ def test_parse_bytes_rejects_garbage(text):
 def test_parse_bytes_rejects_infinity_as_a_usage_error():
     with pytest.raises((argparse.ArgumentTypeError, ValueError)):
         parse_bytes("1e400")
+
+
+def test_server_settings_default_body_limit_is_the_flags():
+    from tokenmill.cli import build_parser
+    from tokenmill.server.app import ServerSettings
+
+    args = build_parser().parse_args(["serve"])
+    assert ServerSettings(["m"]).max_request_bytes == args.max_request_bytes == 16 << 20

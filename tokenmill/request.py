@@ -26,7 +26,7 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ERROR)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's `in` and `remove` must not compare field tuples
 class Request:
     """One sequence. `num_computed_tokens` catches up with `num_tokens` step by step: that one rule covers
     chunked prefill, decode and recompute after preemption."""
@@ -70,15 +70,6 @@ class Request:
     def cache_namespace(self) -> Hashable:
         """What besides tokens must be equal for two requests to share cached blocks."""
         return (self.cache_salt,) if self.cache_salt is not None else None
-
-    @property
-    def max_total_tokens(self) -> int:
-        """The most tokens this request can ever hold in the KV cache."""
-        return len(self.prompt_token_ids) + self.max_tokens
-
-    def token_at(self, index: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
 
     def tokens_slice(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)

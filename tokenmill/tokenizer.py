@@ -84,9 +84,6 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
         return self._hf.convert_ids_to_tokens(list(ids))
 
-    def convert_tokens_to_string(self, tokens: list[str]) -> str:
-        return self._hf.convert_tokens_to_string(tokens)
-
     # -- chat ------------------------------------------------------------------------------------------
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:

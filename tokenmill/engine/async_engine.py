@@ -456,7 +456,7 @@ class AsyncEngine:
         return group
 
     def _abort_group(self, group: RequestGroup) -> None:
-        ids = []
+        ids, outcomes = [], []
         with self._lock:
             for t in group.tracked:
                 if t.done:
@@ -468,19 +468,19 @@ class AsyncEngine:
                     if s.finish_reason is None:
                         s.finish_reason = "abort"
                         ids.append(s.core_id)
+                    outcomes.append(s.finish_reason)  # samples that ended before the abort count as they ended
         if ids and self.dead is None:
             self._send_q.put(AbortRequests(ids))
             if self.observer is not None:
                 self.observer.on_aborted(len(ids))
+                self.observer.on_outcomes(outcomes)
 
     def fail_all(self, error: TokenmillError) -> int:
         """End every request in flight with `error` (the server is stopping): each client gets it as its answer
         or as a stream's last event, and the engine aborts them. Returns how many requests were failed."""
-        deliveries = []
         with self._lock:
-            for tracked, _ in list(self._by_core_id.values()):
-                if not tracked.done:
-                    deliveries.append((tracked.group, Update(tracked.prompt_index, [], True, error)))
+            pending = {id(t): t for t, _ in self._by_core_id.values() if not t.done}.values()
+            deliveries = [(t.group, Update(t.prompt_index, [], True, error)) for t in pending]
         for group, _ in deliveries:
             group.abort()
         if deliveries and self._loop is not None:

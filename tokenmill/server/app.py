@@ -62,7 +62,7 @@ class ServerSettings:
     served_model_names: list[str]
     model_path: str = ""
     api_key: str | None = None
-    max_request_bytes: int = 8 << 20
+    max_request_bytes: int = 16 << 20  # as --max-request-bytes' default
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

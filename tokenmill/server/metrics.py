@@ -101,13 +101,16 @@ class ServerMetrics:
         self._itl.observe(itl)
 
     def on_finished(self, parent, e2e: float) -> None:
-        for s in parent.samples:
-            self.requests.labels(self._model, s.finish_reason or "error").inc()
+        self.on_outcomes([s.finish_reason or "error" for s in parent.samples])
         self._e2e.observe(e2e)
+
+    def on_outcomes(self, reasons: list[str]) -> None:
+        """One count per sample by how it ended."""
+        for reason in reasons:
+            self.requests.labels(self._model, reason).inc()
 
     def on_aborted(self, count: int) -> None:
         self._aborts.inc(count)
-        self.requests.labels(self._model, "abort").inc(count)
 
     def on_rejected(self, status: int) -> None:
         self.rejected.labels(self._model, str(status)).inc()

@@ -1,0 +1,70 @@
+"""AsyncEngine's API-process bookkeeping, without an engine process: aborts and the metrics they report."""
+
+import pytest
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.async_engine import AbortRequests, AsyncEngine, RequestGroup, _Tracked
+from tokenmill.engine.llm_engine import new_parent
+from tokenmill.model.loader import default_model_path
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import Tokenizer
+
+
+class Recorder:
+    def __init__(self):
+        self.aborted, self.outcomes = 0, []
+
+    def on_aborted(self, count: int) -> None:
+        self.aborted += count
+
+    def on_outcomes(self, reasons: list[str]) -> None:
+        self.outcomes.extend(reasons)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.load(default_model_path())
+
+
+def tracked_group(engine: AsyncEngine, tokenizer, n: int) -> tuple[RequestGroup, _Tracked]:
+    parent = new_parent("r", "x", [1, 2, 3], SamplingParams(n=n, max_tokens=4), 4, tokenizer, frozenset())
+    group = RequestGroup(engine)
+    tracked = _Tracked(parent, group, 0, [0] * n, [0] * n, [False] * n, [None] * n)
+    group.tracked.append(tracked)
+    group.remaining = 1
+    for s in parent.samples:
+        engine._by_core_id[s.core_id] = (tracked, s)
+    return group, tracked
+
+
+def test_abort_after_some_samples_finished_counts_every_sample(tokenizer):
+    """An n=3 request whose client leaves after two samples ended: those two count as they ended, one as abort."""
+    rec = Recorder()
+    engine = AsyncEngine(EngineConfig(), observer=rec)
+    group, tracked = tracked_group(engine, tokenizer, 3)
+    tracked.parent.samples[0].finish_reason = "length"
+    tracked.parent.samples[1].finish_reason = "stop"
+    group.abort()
+    group.abort()  # idempotent
+    assert rec.aborted == 1 and sorted(rec.outcomes) == ["abort", "length", "stop"]
+    msg = engine._send_q.get_nowait()
+    assert isinstance(msg, AbortRequests) and msg.request_ids == [tracked.parent.samples[2].core_id]
+    assert engine._by_core_id == {}
+
+
+def test_fail_all_ends_every_group_with_the_error(tokenizer):
+    import asyncio
+
+    from tokenmill.errors import ServerShuttingDown
+
+    async def main():
+        engine = AsyncEngine(EngineConfig(), observer=Recorder())
+        engine._loop = asyncio.get_running_loop()
+        group, _ = tracked_group(engine, tokenizer, 2)
+        assert engine.fail_all(ServerShuttingDown("stopping")) == 1
+        with pytest.raises(ServerShuttingDown):
+            async for _ in group:
+                pass
+        assert engine._by_core_id == {} and isinstance(engine._send_q.get_nowait(), AbortRequests)
+
+    asyncio.run(main())
