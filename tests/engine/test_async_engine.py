@@ -68,3 +68,28 @@ def test_fail_all_ends_every_group_with_the_error(tokenizer):
         assert engine._by_core_id == {} and isinstance(engine._send_q.get_nowait(), AbortRequests)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("rejection,expected", [("ValueError: boom", "RequestFailed"),
+                                                 (None, "ContextTooLong")])
+def test_an_engine_rejection_keeps_its_kind(tokenizer, rejection, expected):
+    """A refusal that crossed the process boundary as text is an internal failure, not 'context too long';
+    a typed one keeps its type."""
+    import asyncio
+
+    from tokenmill.engine.async_engine import EngineOutputs
+    from tokenmill.engine.scheduler import SchedulerStats
+    from tokenmill.errors import ContextTooLong
+
+    async def main():
+        engine = AsyncEngine(EngineConfig(), observer=None)
+        engine._loop = asyncio.get_running_loop()
+        group, tracked = tracked_group(engine, tokenizer, 1)
+        err = rejection if rejection is not None else ContextTooLong("too long", param="prompt")
+        engine._process(EngineOutputs([], {}, {tracked.parent.samples[0].core_id: err}, SchedulerStats(0, 0, 0, 0.0, 0)))
+        with pytest.raises(Exception) as e:
+            async for _ in group:
+                pass
+        assert type(e.value).__name__ == expected
+
+    asyncio.run(main())
