@@ -30,3 +30,14 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) *.egg-info
+
+# Fuzz the HTTP API of a real server (tests/server/test_fuzz.py) with many more examples and a random seed.
+.PHONY: fuzz
+fuzz: setup
+	HF_HUB_OFFLINE=1 TOKENMILL_FUZZ_EXAMPLES=2000 TOKENMILL_FUZZ_RANDOM=1 TOKENMILL_FUZZ_SECONDS=1800 \
+		$(BIN)/python -m pytest -q -p no:cacheprovider -s tests/server/test_fuzz.py
+
+# 16 clients for 2 minutes against a real server: no 5xx, idle at the end, memory flat (benchmarks/soak.py).
+.PHONY: soak
+soak: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/soak.py --clients 16 --minutes 2

@@ -350,6 +350,11 @@ def test_bad_transport(server, http):
     check_error(httpx.post(url, content=json.dumps(OK_C), headers=h), 400, None, "Content-Type")  # none at all
     check_error(httpx.post(url, content=b'{"prompt": "Hi", "temperature": NaN}',
                            headers={**h, "Content-Type": "application/json"}), 400, "temperature")
+    raw_surrogate = b'{"prompt": "a\xed\xa0\x80", "max_tokens": 1}'  # a surrogate as UTF-8-style bytes: no escape
+    check_error(httpx.post(url, content=raw_surrogate, headers={**h, "Content-Type": "application/json"}), 400,
+                "prompt", "surrogate")
+    check_error(httpx.post(url, content='{"prompt": "hi", "max_tokens": 1}'.encode("utf-16"),
+                           headers={**h, "Content-Type": "application/json"}), 400, None, "UTF-8")
     check_error(httpx.post(url, content=b"[" * 100_000 + b"]" * 100_000,
                            headers={**h, "Content-Type": "application/json"}), 400, None, "not valid JSON")
     check_error(httpx.post(url, json={"prompt": "x" * (2 << 20)}, headers=h), 413, None, "--max-request-bytes")

@@ -224,15 +224,23 @@ def parse_json(raw: bytes, content_type: str | None) -> dict:
     ctype = (content_type or "").split(";")[0].strip().lower()
     if ctype != "application/json" and not ctype.endswith("+json"):
         raise BadRequest(f"Content-Type must be application/json, got {content_type or 'none'!r}")
+    surrogates = bool(_SURROGATE_ESCAPE.search(raw))
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+        text = raw.decode("utf-8")  # JSON is UTF-8 (RFC 8259); json.loads(bytes) would also take UTF-16
+    except UnicodeDecodeError as e:
+        try:  # a surrogate spelled in bytes (ED A0 80): decode it anyway, so the walk below names its field
+            text, surrogates = raw.decode("utf-8", "surrogatepass"), True
+        except UnicodeDecodeError:
+            raise BadRequest(f"the body is not valid UTF-8 (byte {e.start}): JSON bodies must be UTF-8") from None
+    try:
+        body = json.loads(text)
+    except ValueError as e:
         raise BadRequest(f"the body is not valid JSON: {e}") from None
     except RecursionError:
         raise BadRequest("the body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
-    if _SURROGATE_ESCAPE.search(raw):  # only a JSON \uD800-\uDFFF escape can smuggle one in: skip the walk otherwise
+    if surrogates:  # only a \uD800-\uDFFF escape or surrogate bytes make one: skip the walk otherwise
         _refuse_lone_surrogates(body)
     return body
 
