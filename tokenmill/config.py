@@ -115,12 +115,18 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     policy: str = "continuous"  # or "static" (fixed batches, kept for measurement)
     max_model_len: int | None = None  # set from the model config when None
+    # prefills with more tokens left than this share the step (engine/scheduler.py); None = a quarter of
+    # max_num_batched_tokens, at least one block; >= max_num_batched_tokens: no sharing (a long prompt takes it all)
+    long_prefill_token_threshold: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
+            raise ConfigError(
+                f"--long-prefill-token-threshold must be >= 1, got {self.long_prefill_token_threshold}")
         if self.policy not in ("continuous", "static"):
             raise ConfigError(f"--scheduling-policy must be 'continuous' or 'static', got {self.policy!r}")
 

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
 
 from tqdm import tqdm
 
-from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine_args import EngineArgs
 from tokenmill.errors import InvalidRequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -25,23 +26,21 @@ Message = dict[str, Any]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
-                 device: str = "cpu", seed: int = 0, block_size: int = 16, kv_cache_memory: int | None = None,
-                 max_num_seqs: int = 128, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
-                 scheduling_policy: str = "continuous", enable_prefix_caching: bool = True,
-                 num_threads: int | None = None, **kwargs: Any):
-        unknown = set(kwargs) - _IGNORED_VLLM_ARGS
-        if unknown:
-            raise TypeError(f"LLM() got unexpected arguments: {', '.join(sorted(unknown))}")
-        for name in kwargs:
+    def __init__(self, model: str | None = None, *, engine_args: EngineArgs | None = None, **kwargs: Any):
+        """`LLM(model, dtype=..., kv_cache_memory=..., ...)`: every keyword is an EngineArgs field (the same
+        options as the command line's flags); or pass a whole `engine_args`."""
+        ignored = {k: kwargs.pop(k) for k in list(kwargs) if k in _IGNORED_VLLM_ARGS}
+        for name in ignored:
             log.warning("LLM(%s=...) has no effect in tokenmill and is ignored", name)
-        config = EngineConfig(
-            model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, num_threads=num_threads,
-            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                              enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      policy=scheduling_policy, max_model_len=max_model_len),
-        )
+        if engine_args is None:
+            known = {f.name for f in dataclasses.fields(EngineArgs)}
+            unknown = set(kwargs) - known
+            if unknown:
+                raise TypeError(f"LLM() got unexpected arguments: {', '.join(sorted(unknown))}")
+            engine_args = EngineArgs(model=model, **kwargs)
+        elif kwargs or model is not None:
+            raise TypeError("LLM(): pass either engine_args or model and keyword arguments, not both")
+        config = engine_args.create_engine_config()
         self.engine = LLMEngine(config)
         log.info(self.engine.core.cache_info.describe())
 

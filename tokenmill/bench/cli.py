@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -68,7 +69,7 @@ def add_dataset_args(p: argparse.ArgumentParser, with_seed: bool) -> None:
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     """Register `tokenmill bench` and its three subcommands on the top-level subparsers."""
-    from tokenmill.cli import add_engine_args
+    from tokenmill.engine_args import EngineArgs
 
     bench = _one_line_errors(sub.add_parser(
         "bench", help="serving benchmark: load an OpenAI-compatible server, or the engine offline; plot results"))
@@ -102,7 +103,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = _one_line_errors(bsub.add_parser(
         "offline", help="run the engine in-process on the workload and report tokens/s"))
     add_dataset_args(p, with_seed=False)
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     _add_output_args(p)
     p.set_defaults(func=cmd_offline)
 
@@ -281,19 +282,20 @@ def _serve(args: argparse.Namespace) -> int:
 def _offline(args: argparse.Namespace) -> int:
     from tokenmill.bench.offline import run_offline
     from tokenmill.bench.report import format_offline, save_result
-    from tokenmill.cli import engine_kwargs
+    from tokenmill.engine_args import EngineArgs
     from tokenmill.llm import LLM
 
     opts = dataset_options(args)  # checked before the model loads
-    kwargs = engine_kwargs(args)
-    llm = LLM(**kwargs)
+    engine_args = EngineArgs.from_cli_args(args)
+    llm = LLM(engine_args=engine_args)
     print(llm.engine.core.cache_info.describe(), file=sys.stderr)
     requests = _sample(opts, llm.get_tokenizer())
     numbers = run_offline(llm, requests, progress=not args.disable_tqdm)
     model = str(args.model) if args.model else "default (SmolLM2-135M-Instruct GGUF)"
     result = {"kind": "offline", "date": _now(), "label": args.label or "tokenmill", "model": model,
               "dataset": opts.name, "dataset_options": opts.describe(), "num_prompts": len(requests),
-              "request_rate": "inf", "engine": {k: v for k, v in kwargs.items() if k != "model"}, **numbers}
+              "request_rate": "inf",
+              "engine": {k: v for k, v in dataclasses.asdict(engine_args).items() if k != "model"}, **numbers}
     print(format_offline(result))
     if args.save_result:
         print(f"result: {save_result(result, args.save_result)}", file=sys.stderr)

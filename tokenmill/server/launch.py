@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import logging
 import signal
@@ -20,27 +19,11 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine_args import EngineArgs
 from tokenmill.errors import ServerShuttingDown
 
 log = logging.getLogger("tokenmill")
-
-
-def engine_config(kwargs: dict) -> EngineConfig:
-    """EngineConfig from the engine flags (cli.engine_kwargs), each key to the dataclass that has it."""
-    groups: dict[str, dict] = {"cache": {}, "scheduler": {}, "engine": {}}
-    fields = {name: {f.name for f in dataclasses.fields(cls)}
-              for name, cls in (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("engine", EngineConfig))}
-    for key, value in kwargs.items():
-        key = "policy" if key == "scheduling_policy" else key
-        where = next((g for g in ("cache", "scheduler", "engine") if key in fields[g]), None)
-        if where is None:
-            log.warning("engine flag %s has no effect on the server", key)
-            continue
-        groups[where][key] = value
-    return EngineConfig(**groups["engine"], cache=CacheConfig(**groups["cache"]),
-                        scheduler=SchedulerConfig(**groups["scheduler"]))
 
 
 def default_served_name(model: str | None) -> str:
@@ -52,7 +35,6 @@ def default_served_name(model: str | None) -> str:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from tokenmill.cli import engine_kwargs
     from tokenmill.errors import ConfigError
 
     for flag in ("max_waiting_requests", "max_waiting_tokens"):
@@ -62,7 +44,7 @@ def serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
-    config = engine_config(engine_kwargs(args))
+    config = EngineArgs.from_cli_args(args).create_engine_config()
     names = args.served_model_name or [default_served_name(args.model)]
 
     state = {"exit_code": 0, "server": None}

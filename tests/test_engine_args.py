@@ -1,0 +1,61 @@
+"""EngineArgs: one field is one CLI flag, one LLM keyword and one EngineConfig entry, validated at the edge."""
+
+import dataclasses
+
+import pytest
+
+from tokenmill.cli import build_parser
+from tokenmill.engine_args import EngineArgs
+from tokenmill.errors import ConfigError
+
+# a non-default value per field, as typed on the command line and as it should arrive in the config
+CHANGED = {"model": ("m.gguf", "m.gguf"), "tokenizer": ("tok", "tok"), "dtype": ("bfloat16", "bfloat16"),
+           "device": ("meta", "meta"), "seed": ("7", 7), "num_threads": ("3", 3),
+           "kv_cache_memory": ("1GiB", 1 << 30), "block_size": ("32", 32), "enable_prefix_caching": (None, False),
+           "max_num_seqs": ("9", 9), "max_num_batched_tokens": ("1024", 1024),
+           "long_prefill_token_threshold": ("100", 100), "max_model_len": ("4096", 4096),
+           "scheduling_policy": ("static", "static")}
+
+
+def config_value(config, field: dataclasses.Field):
+    section = {"engine": config, "cache": config.cache, "scheduler": config.scheduler}[field.metadata["config"]]
+    return getattr(section, field.metadata["key"] or field.name)
+
+
+def test_every_field_is_covered_here():
+    assert set(CHANGED) == {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "chat", "bench offline"])
+def test_defaults_are_the_same_everywhere(command):
+    argv = command.split() + (["hello"] if command == "generate" else [])
+    assert EngineArgs.from_cli_args(build_parser().parse_args(argv)) == EngineArgs()
+
+
+@pytest.mark.parametrize("name", sorted(CHANGED))
+def test_each_flag_reaches_its_config_entry(name):
+    typed, expected = CHANGED[name]
+    flag = EngineArgs.flag_of(name)
+    argv = ["serve", f"--no-{flag[2:]}"] if typed is None else ["serve", flag, typed]
+    args = EngineArgs.from_cli_args(build_parser().parse_args(argv))
+    assert getattr(args, name) == expected
+    field = next(f for f in dataclasses.fields(EngineArgs) if f.name == name)
+    assert config_value(args.create_engine_config(), field) == expected
+    assert config_value(EngineArgs(**{name: expected}).create_engine_config(), field) == expected  # the LLM path
+
+
+@pytest.mark.parametrize("kw,flag", [({"max_num_seqs": 0}, "--max-num-seqs"), ({"block_size": 0}, "--block-size"),
+                                     ({"num_threads": 0}, "--threads"), ({"dtype": "int3"}, "--dtype"),
+                                     ({"long_prefill_token_threshold": 0}, "--long-prefill-token-threshold")])
+def test_invalid_values_name_the_flag(kw, flag):
+    with pytest.raises(ConfigError, match=flag):
+        EngineArgs(**kw).create_engine_config()
+
+
+def test_llm_rejects_unknown_keywords_before_loading_anything():
+    from tokenmill.llm import LLM
+
+    with pytest.raises(TypeError, match="not_an_option"):
+        LLM(not_an_option=1)
+    with pytest.raises(TypeError, match="either engine_args"):
+        LLM("m", engine_args=EngineArgs())

