@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test run serve bench clean
+.PHONY: setup test test-fast run serve bench clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -18,6 +18,10 @@ setup: $(STAMP)
 
 test: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+# The quick loop: everything but the tests marked slow (real servers, the real model, the fuzzer). `make test` runs all.
+test-fast: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests
 
 run: setup
 	$(BIN)/tokenmill generate "The capital of France is" --max-tokens 32 --temperature 0

@@ -63,6 +63,7 @@ def test_generate_help_lists_the_flags():
 # ---- generate / chat on the real model ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_generate_prints_paris_and_the_kv_cache_line():
     from tokenmill.engine.runner import kv_bytes_per_token
     from tokenmill.model.loader import default_model_path, load_model_config
@@ -83,6 +84,7 @@ def test_generate_prints_paris_and_the_kv_cache_line():
     assert blocks == (64 << 20) // (per_token * block_size)
 
 
+@pytest.mark.slow
 def test_chat_over_stdin_replies_and_exits():
     proc = tokenmill("chat", "--max-tokens", "16", "--temperature", "0", "--kv-cache-memory", "64MiB",
                      "--dtype", "float32", input="Hello\n\n")

@@ -473,6 +473,7 @@ def test_num_threads_sets_the_compute_threads(tiny_dir):
 HI = [{"role": "user", "content": "Hi"}]
 
 
+@pytest.mark.slow
 def test_chat_renders_the_template_and_replies(smol):
     out = smol.chat(HI, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     assert len(out) == 1
@@ -493,6 +494,7 @@ def test_chat_renders_the_template_and_replies(smol):
     smol.engine.core.check_idle_invariants()
 
 
+@pytest.mark.slow
 def test_eos_ends_with_stop_and_min_tokens_delays_it(smol):
     free = smol.chat(HI, SamplingParams(max_tokens=48, temperature=0), use_tqdm=False)[0].outputs[0]
     assert free.finish_reason == "stop" and free.stop_reason is None

@@ -88,6 +88,7 @@ def server():
         s.stop()
 
 
+@pytest.mark.slow
 def test_serve_run_writes_a_complete_result_and_plots(server, tmp_path):
     from tests.server.conftest import API_KEY
 
@@ -126,6 +127,7 @@ def test_serve_run_writes_a_complete_result_and_plots(server, tmp_path):
         assert (out / name).read_bytes()[:8] == PNG_MAGIC, name
 
 
+@pytest.mark.slow
 def test_chat_endpoint_with_concurrency_cap(server, tmp_path):
     from tests.server.conftest import API_KEY
 
@@ -143,6 +145,7 @@ def test_chat_endpoint_with_concurrency_cap(server, tmp_path):
     assert result["output_lens"] == [4] * 4
 
 
+@pytest.mark.slow
 def test_wrong_model_name_fails_the_test_request(server):
     from tests.server.conftest import API_KEY
 

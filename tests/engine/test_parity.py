@@ -56,6 +56,7 @@ SMOL_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Owls are birds
                 "<|im_start|>user\nName three colors.<|im_end|>\n<|im_start|>assistant\n"]
 
 
+@pytest.mark.slow
 def test_smollm2_gguf_first_32_tokens_match_transformers(smollm2_pair):
     hf, llm = smollm2_pair
     outs = llm.generate(SMOL_PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
