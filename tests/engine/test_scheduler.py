@@ -7,7 +7,7 @@ import pytest
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache import BlockPool, KVCacheManager
 from tokenmill.engine.scheduler import Scheduler
-from tokenmill.errors import ContextTooLong
+from tokenmill.errors import ConfigError, ContextTooLong
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 
@@ -20,6 +20,7 @@ def make_request(rid: str, prompt_len: int, max_tokens: int, eos: int | None = N
 
 def run_step(sched: Scheduler, token=7):
     out = sched.schedule()
+    assert all(s.num_new_tokens > 0 for s in out.scheduled)
     sampled = {s.request.request_id: (token, None) for s in out.scheduled if s.samples}
     finished = sched.update(out, sampled)
     return out, finished
@@ -30,6 +31,8 @@ def check_blocks_match_tokens(sched: Scheduler) -> None:
     held = [b for r in sched.running for b in r.block_ids]
     assert len(held) == len(set(held))
     assert len(held) + sched.kv.num_free_blocks == sched.kv.pool.num_blocks
+    for r in sched.running:
+        assert len(r.block_ids) == sched.kv.blocks_needed(r.num_computed_tokens), r.request_id
     for r in sched.waiting:
         assert r.block_ids == []
 
@@ -112,12 +115,13 @@ def b_running(sched):
     return any(r.request_id == "b" for r in sched.running)
 
 
+@pytest.mark.parametrize("threshold", [None, 1, 10_000])  # default, everything long, no sharing
 @pytest.mark.parametrize("seed", range(6))
-def test_random_workload_with_aborts_and_preemptions_leaves_the_pool_whole(seed):
+def test_random_workload_with_aborts_and_preemptions_leaves_the_pool_whole(seed, threshold):
     rng = random.Random(seed)
     kv = KVCacheManager(rng.randint(12, 40), rng.choice([1, 4, 16]))
-    sched = Scheduler(SchedulerConfig(max_num_seqs=rng.randint(1, 8), max_num_batched_tokens=rng.randint(8, 64)),
-                      kv, max_model_len=10_000)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=rng.randint(1, 8), max_num_batched_tokens=rng.randint(8, 64),
+                                      long_prefill_token_threshold=threshold), kv, max_model_len=10_000)
     capacity = kv.pool.num_blocks * kv.block_size
     n_added, preemptions = 0, 0
     for step in range(400):
@@ -138,3 +142,127 @@ def test_random_workload_with_aborts_and_preemptions_leaves_the_pool_whole(seed)
         check_blocks_match_tokens(sched)
     kv.pool.check_whole()
     assert preemptions > 0, "the workload is meant to exercise preemption"
+
+
+# ---- long prefills share the step ---------------------------------------------------------------------------------
+def long_prefill_scheduler(threshold=None, num_blocks=1024) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=512, long_prefill_token_threshold=threshold),
+                     KVCacheManager(num_blocks, 16), max_model_len=100_000)
+
+
+def chunks(out) -> list[tuple[str, int]]:
+    return [(s.request.request_id, s.num_new_tokens) for s in out.scheduled]
+
+
+def test_a_short_request_behind_a_long_prefill_starts_in_the_next_step():
+    sched = long_prefill_scheduler()  # threshold: a quarter of the 512-token budget
+    long, short = make_request("long", 8000, 2), make_request("short", 5, 2)
+    sched.add_request(long)
+    assert chunks(run_step(sched)[0]) == [("long", 512)]
+    sched.add_request(short)
+    out, _ = run_step(sched)
+    assert chunks(out) == [("long", 507), ("short", 5)]  # its whole prompt, and the rest of the step to "long"
+    assert short.num_output_tokens == 1  # first token within one step
+    out, finished = run_step(sched)
+    assert chunks(out) == [("long", 511), ("short", 1)] and finished == [short]
+    while sched.has_unfinished:
+        run_step(sched)
+        check_blocks_match_tokens(sched)
+    sched.kv.check_idle()
+    # a threshold of the whole budget is the unshared schedule: "short" waits for all 16 steps of "long"
+    sched = long_prefill_scheduler(threshold=512)
+    short = make_request("short", 5, 2)
+    sched.add_request(make_request("long", 8000, 2))
+    run_step(sched)
+    sched.add_request(short)
+    for _ in range(14):
+        assert chunks(run_step(sched)[0]) == [("long", 512)]
+    assert chunks(run_step(sched)[0]) == [("long", 320), ("short", 5)]
+
+
+def test_a_mid_sized_prompt_behind_a_long_prefill_finishes_its_prompt_first():
+    sched = long_prefill_scheduler()
+    long, mid = make_request("long", 8000, 2), make_request("mid", 1200, 2)
+    sched.add_request(long)
+    run_step(sched)
+    sched.add_request(mid)
+    out, _ = run_step(sched)
+    # "long" keeps its 128-token share, "mid" (shorter than what "long" has left) gets the rest: fewest left first
+    assert chunks(out) == [("long", 128), ("mid", 384)]
+    steps = 1
+    while mid.num_output_tokens == 0:
+        out, _ = run_step(sched)
+        steps += 1
+        assert out.num_tokens == 512 and dict(chunks(out))["long"] >= 128  # the oldest long prefill never starves
+    assert steps == 4 and long.num_output_tokens == 0  # ceil(1200 / 384)
+    while sched.has_unfinished:
+        run_step(sched)
+        check_blocks_match_tokens(sched)
+    sched.kv.check_idle()
+
+
+def test_a_long_prompt_waiting_ahead_of_short_ones_does_not_take_the_whole_budget():
+    sched = long_prefill_scheduler()
+    for rid, n in (("long1", 8000), ("long2", 8000), ("long3", 8000), ("short1", 20), ("short2", 30)):
+        sched.add_request(make_request(rid, n, 2))
+    out, _ = run_step(sched)
+    # one long prefill at a time takes the 128-token share, the short ones go in, the rest goes back to "long1"
+    assert chunks(out) == [("long1", 462), ("short1", 20), ("short2", 30)]
+    assert [r.request_id for r in sched.waiting] == ["long2", "long3"]
+    check_blocks_match_tokens(sched)
+    run_step(sched)  # no one admitted: no one overtaken
+    assert [r.num_skips for r in sched.waiting] == [1, 1]
+    # a long prompt passed over still gets what the others leave: two 300-token prompts (both over the 128-token
+    # threshold) use the whole budget, as without sharing
+    sched = long_prefill_scheduler()
+    for rid in ("a", "b"):
+        sched.add_request(make_request(rid, 300, 2))
+    assert chunks(run_step(sched)[0]) == [("a", 300), ("b", 212)]
+
+
+def test_when_no_one_else_needs_it_a_long_prefill_gets_the_whole_budget():
+    for threshold in (None, 16, 512):
+        sched = long_prefill_scheduler(threshold)
+        long = make_request("long", 8000, 2)
+        sched.add_request(long)
+        steps = 0
+        while long.num_output_tokens == 0:
+            out, _ = run_step(sched)
+            steps += 1
+            assert out.num_tokens == min(512, 8000 - 512 * (steps - 1))
+        assert steps == 16  # ceil(8000 / 512), whatever the threshold
+    # and with a short request beside it, no step leaves budget unused: it costs "long" only the tokens it took
+    sched = long_prefill_scheduler()
+    long, short = make_request("long", 8000, 2), make_request("short", 20, 3)
+    sched.add_request(long)
+    sched.add_request(short)
+    steps = 0
+    while long.num_output_tokens == 0:
+        out, _ = run_step(sched)
+        steps += 1
+        assert out.num_tokens == 512 or long.num_output_tokens == 1
+    assert short.status is RequestStatus.FINISHED_LENGTH and steps == 16  # ceil((8000 + 20 + 2) / 512)
+
+
+def test_a_chunk_the_pool_cannot_grow_stays_capped_and_preempts_no_one():
+    kv = KVCacheManager(8, 4)  # 32 tokens
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=32, long_prefill_token_threshold=8), kv,
+                      max_model_len=64)
+    short, long = make_request("short", 8, 10), make_request("long", 28, 1)
+    sched.add_request(short)
+    run_step(sched)
+    sched.add_request(long)
+    out, _ = run_step(sched)
+    # "long" gets its 8-token share (2 blocks); growing it to 28 tokens would need 5 more blocks, 3 are free
+    assert chunks(out) == [("short", 1), ("long", 8)] and out.preempted == []
+    check_blocks_match_tokens(sched)
+    while sched.has_unfinished:
+        run_step(sched)
+        check_blocks_match_tokens(sched)
+    assert short.num_output_tokens == 10 and long.num_output_tokens == 1
+    kv.pool.check_whole()
+
+
+def test_long_prefill_token_threshold_is_validated():
+    with pytest.raises(ConfigError, match="--long-prefill-token-threshold must be >= 1"):
+        SchedulerConfig(long_prefill_token_threshold=0)

@@ -1,11 +1,24 @@
 """Continuous batching with chunked prefill and recompute preemption, scheduling by tokens, not phases.
 
-Each step hands out a token budget: running requests first (a decode takes one token, an unfinished prefill a
-chunk of what is left), then waiting ones in arrival order. A request whose computed tokens reach its known
-tokens gets a new token sampled. When blocks run out, the most recent arrival is preempted (blocks freed, to be
-recomputed later). The `static` policy admits a fixed batch only when the previous one has fully finished.
-With prefix caching a request's computed tokens start at its cached prefix, and the waiting queue is ranked by
-cached prefix length (bounded so no one starves).
+Each step hands out a token budget in three phases, so that one long prompt cannot hold every step:
+  A. Running requests in order: a decode takes one token, an unfinished prefill a chunk of what is left. A prefill
+     with more than `long_prefill_token_threshold` (T) tokens left is long: long ones share T tokens here (in
+     practice the oldest gets T, so none starves).
+  B. Waiting requests, in admission order. A long prompt is admitted, with a first chunk of T, only if it has fewer
+     tokens left than every long prefill under way; otherwise it is passed over this step and the requests behind
+     it go on being admitted (so a burst of equal long prompts is prefilled one at a time, not all half-done).
+  C. What budget is left goes back to the long chunks capped in A and B, fewest tokens left first (their blocks
+     grow by `allocate_slots`; a chunk the pool cannot grow stays as it is: this phase never preempts); if they all
+     reach their end, what still remains goes to the long prompts passed over in B, uncapped.
+So a short request arriving behind a long prefill starts in the very next step, a mid-sized one finishes its
+prompt before the long one does, and with no one else to serve a long prefill still gets the whole budget
+(throughput unchanged).
+A request whose computed tokens reach its known tokens gets a new token sampled. When blocks run out in phase A,
+the most recent arrival is preempted (blocks freed, to be recomputed later), and a step that preempted admits no
+one and grows no chunk. With T >= max_num_batched_tokens the first long prefill takes the whole budget as before
+sharing existed. The `static` policy admits a fixed batch only when the previous one has fully finished, and its
+chunks are not shared (T = the budget). With prefix caching a request's computed tokens start at its cached
+prefix, and the waiting queue is ranked by cached prefix length (bounded so no one starves).
 """
 
 from __future__ import annotations
@@ -29,9 +42,14 @@ class ScheduledRequest:
     num_new_tokens: int
 
     @property
+    def num_left(self) -> int:
+        """Tokens of the request still to compute after this chunk."""
+        return self.request.num_tokens - self.request.num_computed_tokens - self.num_new_tokens
+
+    @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the request's known tokens, so its last logits are used."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        return self.num_left == 0
 
 
 @dataclass
@@ -69,6 +87,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_prefill_tokens_computed = 0  # prompt (and recomputed) tokens run through the model: not cache hits
+        # None: a quarter of the budget (three quarters stay for newcomers; a long prefill keeps at least a quarter
+        # while others compete, all of it otherwise), and at least one KV block
+        self.long_prefill_threshold = (config.long_prefill_token_threshold
+                                       or max(config.max_num_batched_tokens // 4, kv.block_size))
 
     # ---- admission -------------------------------------------------------------------------------------
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -106,14 +128,19 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         now = time.monotonic()
+        admitting = self.config.policy == "continuous"
+        threshold = self.long_prefill_threshold if admitting else budget
+        share = threshold  # what running prefills longer than the threshold may take in phase A
+        capped: list[ScheduledRequest] = []  # their chunks, grown in phase C
 
-        if self.config.policy == "static" and not self.running:
+        if not admitting and not self.running:
             self._form_static_batch(now)
         running = list(self.running)
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and budget > 0:  # phase A
             req = running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            todo = req.num_tokens - req.num_computed_tokens
+            n = min(todo, budget, share) if todo > threshold else min(todo, budget)
             while not self.kv.allocate_slots(req, n):
                 victim = running.pop()  # the latest arrival among those not yet served this step
                 self._preempt(victim)
@@ -122,28 +149,49 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append(ScheduledRequest(req, n))
+                if todo > threshold:
+                    share -= n
+                    capped.append(out.scheduled[-1])
                 budget -= n
                 i += 1
 
-        if not out.preempted and self.config.policy == "continuous":
-            self._admit_waiting(out, budget, now)
+        if not out.preempted:
+            queue = list(self.waiting)  # before admission, to count who was overtaken
+            passed_over = False
+            if admitting:  # phase B
+                budget, passed_over = self._admit_waiting(out, budget, now, threshold, capped)
+            budget = self._grow(budget, capped)  # phase C
+            if passed_over and budget > 0 and all(s.samples for s in capped):
+                self._admit_waiting(out, budget, now, None, capped)
+            self._count_skips(queue)
+        out.scheduled = [s for s in out.scheduled if s.num_new_tokens]  # long prefills phase A left for C
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
-        """Admit waiting requests while the budget, the sequence limit and the pool allow. A request whose next
-        uncached block a running prefill is computing right now waits a step, then shares it instead."""
-        order = self._admission_order()
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float, threshold: int | None,
+                       capped: list[ScheduledRequest]) -> tuple[int, bool]:
+        """Admit waiting requests while the budget, the sequence limit and the pool allow; return the budget left
+        and whether a long prompt was passed over. A prompt longer than `threshold` (None: no limit) gets a
+        first chunk of `threshold` tokens if it has fewer tokens left than every capped (long) prefill, else it
+        is passed over. A request whose next uncached block a running prefill is computing right now waits a
+        step, then shares it instead."""
         prefilling = ([r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
                       if self.kv.prefix_caching else [])
-        last_admitted = -1
-        for position, req in order:
+        passed_over = False
+        for _, req in self._admission_order():
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             match = self.kv.match(req)
             cached = len(match.blocks) * self.kv.block_size if match else 0
             if prefilling and self._computed_by_others(req, cached, prefilling):
                 continue
-            n = min(req.num_tokens - cached, budget)
+            todo = req.num_tokens - cached
+            n = min(todo, budget)
+            long = threshold is not None and todo > threshold
+            if long:
+                if any(todo >= s.num_left for s in capped):  # its turn comes after theirs
+                    passed_over = True
+                    continue
+                n = min(n, threshold)
             if not self.kv.admit(req, match, n):
                 break
             self.waiting.remove(req)
@@ -152,12 +200,30 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
-            last_admitted = max(last_admitted, position)
+            if long:
+                capped.append(out.scheduled[-1])
             if self.kv.prefix_caching and req.num_tokens - req.num_computed_tokens > 1:
                 prefilling.append(req)
-        for position, req in order:
-            if position < last_admitted and req.status is not RequestStatus.RUNNING:
-                req.num_skips += 1  # someone who came later went first
+        return budget, passed_over
+
+    def _grow(self, budget: int, capped: list[ScheduledRequest]) -> int:
+        """Phase C: give the budget left to the capped long prefills, fewest tokens left first; only the extra
+        blocks are allocated, and a chunk the pool cannot grow stays as it is (no preemption here)."""
+        for s in sorted(capped, key=lambda s: s.num_left):
+            if budget <= 0:
+                break
+            extra = min(s.num_left, budget)
+            if self.kv.allocate_slots(s.request, s.num_new_tokens + extra):
+                s.num_new_tokens += extra
+                budget -= extra
+        return budget
+
+    def _count_skips(self, queue: list[Request]) -> None:
+        """Each waiting request that someone later in `queue` went before was overtaken once more."""
+        last = max((i for i, r in enumerate(queue) if r.status is RequestStatus.RUNNING), default=0)
+        for req in queue[:last]:
+            if req.status is not RequestStatus.RUNNING:
+                req.num_skips += 1
 
     def _admission_order(self) -> list[tuple[int, Request]]:
         """Waiting requests with their queue positions, in the order to try them: first come, first served, or
