@@ -7,7 +7,10 @@ then times, over raw sockets (an HTTP client library's own overhead would swamp 
   - 20 more, one at a time (warm),
   - a burst of --burst concurrent requests on connections opened beforehand (p50 / p99 / max).
 
-    python benchmarks/shed.py [--runs 3] [--burst 100]
+    python benchmarks/shed.py [--runs 3] [--burst 100] [--prompt-chars 0] [--baseline-tree DIR]
+
+--baseline-tree DIR runs a second tokenmill from another checkout (e.g. `git worktree add DIR COMMIT`),
+alternating with this one, and prints both side by side.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import statistics
 import sys
@@ -45,9 +49,10 @@ def timed(host: str, port: int, body: dict) -> tuple[int, float]:
         return int(head.split()[1]), (time.perf_counter() - t0) * 1000
 
 
-async def burst(host: str, port: int, n: int) -> list[tuple[int, float]]:
+async def burst(host: str, port: int, n: int, prompt_chars: int) -> list[tuple[int, float]]:
     conns = [await asyncio.open_connection(host, port) for _ in range(n)]
-    payloads = [request_bytes({"prompt": f"Item {i}", "max_tokens": 4}) for i in range(n)]
+    filler = ("All work and no play makes a dull model. " * (prompt_chars // 40 + 1))[:prompt_chars]
+    payloads = [request_bytes({"prompt": f"Item {i}. {filler}", "max_tokens": 4}) for i in range(n)]
 
     async def one(i: int) -> tuple[int, float]:
         reader, writer = conns[i]
@@ -85,15 +90,24 @@ def fill_queue(url: str, host: str, port: int) -> list[socket.socket]:
     return held
 
 
-def run_once(burst_size: int) -> dict:
-    proc, url = start_tokenmill(["--max-num-seqs", "1", "--max-waiting-requests", str(QUEUE), "--dtype", "float32",
-                                 "--kv-cache-memory", "256MiB"])
+def run_once(burst_size: int, prompt_chars: int, tree: str | None = None) -> dict:
+    saved = os.environ.get("PYTHONPATH")
+    if tree:  # the server (and its spawned engine) import tokenmill from that checkout first
+        os.environ["PYTHONPATH"] = tree
+    try:
+        proc, url = start_tokenmill(["--max-num-seqs", "1", "--max-waiting-requests", str(QUEUE), "--dtype", "float32",
+                                     "--kv-cache-memory", "256MiB"])
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
     host, port = url.rsplit("/", 1)[1].rsplit(":", 1)
     try:
         held = fill_queue(url, host, int(port))
         cold = timed(host, int(port), {"prompt": "Hi", "max_tokens": 2})
         warm = [timed(host, int(port), {"prompt": "Hi", "max_tokens": 2}) for _ in range(20)]
-        results = asyncio.run(burst(host, int(port), burst_size))
+        results = asyncio.run(burst(host, int(port), burst_size, prompt_chars))
         for sock in held:
             sock.close()
     finally:
@@ -111,15 +125,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--burst", type=int, default=100)
+    ap.add_argument("--prompt-chars", type=int, default=0, help="pad each burst prompt to this many characters")
+    ap.add_argument("--baseline-tree", default=None, help="another checkout to run alternately, side by side")
     args = ap.parse_args()
-    runs = [run_once(args.burst) for _ in range(args.runs)]
+    trees = {"this tree": None, **({f"baseline {args.baseline_tree}": args.baseline_tree} if args.baseline_tree else {})}
+    runs: dict[str, list[dict]] = {name: [] for name in trees}
+    for _ in range(args.runs):
+        for name, tree in trees.items():
+            runs[name].append(run_once(args.burst, args.prompt_chars, tree))
     print(f"CPU: {cpu_line()}")
-    print(f"| 429 latency, ms (median of {args.runs} server starts) | value |")
-    print("|---|---|")
+    print(f"| 429 latency, ms (median of {args.runs} server starts) | " + " | ".join(trees) + " |")
+    print("|---|" + "---|" * len(trees))
     for key, label in (("cold_ms", "first 429 after start"), ("warm_ms", "one at a time (median of 20)"),
-                       ("burst_p50_ms", f"burst of {args.burst}: p50"), ("burst_p99_ms", f"burst of {args.burst}: p99"),
-                       ("burst_max_ms", f"burst of {args.burst}: max")):
-        print(f"| {label} | {statistics.median(r[key] for r in runs):.1f} |")
+                       ("burst_p50_ms", f"burst of {args.burst} x {args.prompt_chars} chars: p50"),
+                       ("burst_p99_ms", f"burst of {args.burst} x {args.prompt_chars} chars: p99"),
+                       ("burst_max_ms", f"burst of {args.burst} x {args.prompt_chars} chars: max")):
+        print(f"| {label} | " + " | ".join(f"{statistics.median(r[key] for r in runs[n]):.1f}" for n in trees) + " |")
     print(json.dumps(runs))
     return 0
 

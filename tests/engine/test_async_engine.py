@@ -3,9 +3,10 @@
 import pytest
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.async_engine import AbortRequests, AsyncEngine, RequestGroup, _Tracked
-from tokenmill.engine.llm_engine import new_parent
-from tokenmill.model.loader import default_model_path
+from tokenmill.engine.async_engine import AsyncEngine, RequestGroup, _Tracked
+from tokenmill.engine.messages import AbortRequests
+from tokenmill.engine.output_processor import new_parent
+from tokenmill.model.paths import default_model_path
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
@@ -77,7 +78,7 @@ def test_an_engine_rejection_keeps_its_kind(tokenizer, rejection, expected):
     a typed one keeps its type."""
     import asyncio
 
-    from tokenmill.engine.async_engine import EngineOutputs
+    from tokenmill.engine.messages import EngineOutputs
     from tokenmill.engine.scheduler import SchedulerStats
     from tokenmill.errors import ContextTooLong
 
@@ -93,3 +94,19 @@ def test_an_engine_rejection_keeps_its_kind(tokenizer, rejection, expected):
         assert type(e.value).__name__ == expected
 
     asyncio.run(main())
+
+
+def test_the_api_process_never_loads_the_model_stack():
+    """The server's process (app, launch, client, tokenizer) imports neither torch nor the engine core: it stays
+    small and starts fast; the model lives in the engine process."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import tokenmill.server.app, tokenmill.server.launch; "
+            "from tokenmill.tokenizer import Tokenizer; from tokenmill.model.paths import default_model_path; "
+            "Tokenizer.load(default_model_path()); "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'tokenmill.model.llama', "
+            "'tokenmill.engine.core', 'tokenmill.engine.runner'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

@@ -6,7 +6,7 @@
 
 The engine process steps while it has work and otherwise blocks on its input for at most a heartbeat interval,
 so an idle engine still reports stats every HEARTBEAT_S. The reader thread folds outputs into each request's
-incremental detokenizer (llm_engine.apply_output, shared with the offline engine), tells the core to finish a
+incremental detokenizer (output_processor.apply_output, shared with the offline engine), tells the core to finish a
 request whose stop string matched, and hands one batch of deltas per step to the event loop. Health is a fresh
 heartbeat and a live process; when the process dies every request in flight fails with EngineDeadError and
 `on_dead` is called (the server exits non-zero).
@@ -17,20 +17,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
-import os
 import queue
-import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core import EngineCoreOutput
-from tokenmill.engine.llm_engine import (
-    _Parent,
-    _Sample,
+from tokenmill.engine.engine_process import run_engine_core
+from tokenmill.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineFailed,
+    EngineOutputs,
+    EngineReady,
+    FinishRequest,
+    Shutdown,
+)
+from tokenmill.engine.output_processor import (
+    RequestState,
+    SampleState,
     apply_output,
     new_parent,
     resolve_max_tokens,
@@ -38,149 +45,17 @@ from tokenmill.engine.llm_engine import (
 )
 from tokenmill.engine.scheduler import SchedulerStats
 from tokenmill.errors import ContextTooLong, InvalidRequest, RequestFailed, ServerOverloaded, TokenmillError
-from tokenmill.model.loader import resolve_model_path
-from tokenmill.request import Request
+from tokenmill.model.paths import resolve_model_path
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenmill")
 
-HEARTBEAT_S = 0.5
 HEALTH_STALE_S = 10.0  # a heartbeat older than this (the loop is stuck) makes /health 503
 
 
 class EngineDeadError(TokenmillError):
     """The engine process is gone; nothing can be served."""
-
-
-# ---- messages (small dataclasses through a multiprocessing Pipe) -------------------------------------------------
-
-
-@dataclass
-class AddRequest:
-    request: Request
-
-
-@dataclass
-class AbortRequests:
-    request_ids: list[str]
-
-
-@dataclass
-class FinishRequest:
-    request_id: str
-    stop_reason: str
-
-
-@dataclass
-class Shutdown:
-    pass
-
-
-@dataclass
-class EngineReady:
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: list[int]
-    num_blocks: int
-    block_size: int
-    cache_description: str
-    pid: int
-
-
-@dataclass
-class EngineFailed:
-    error: BaseException | str
-
-
-@dataclass
-class EngineOutputs:
-    outputs: list[EngineCoreOutput]
-    # request id -> (first scheduled time (time.monotonic, same clock in both processes), prompt tokens cached)
-    started: dict[str, tuple[float, int]]
-    rejected: dict[str, BaseException]  # request id -> why the core refused it at add
-    stats: SchedulerStats
-    time: float = field(default_factory=time.monotonic)
-
-
-# ---- the engine process ------------------------------------------------------------------------------------------
-
-
-def _picklable(e: BaseException) -> BaseException | str:
-    import pickle
-
-    try:
-        pickle.dumps(e)
-        return e
-    except Exception:  # noqa: BLE001 - anything unpicklable travels as text
-        return f"{type(e).__name__}: {e}"
-
-
-def run_engine_core(config: EngineConfig, inputs, outputs) -> None:
-    """The engine process: build the core, warm it up, then loop: drain inputs, step while there is work."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the API process's to handle; it stops us
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        from tokenmill.engine.core import EngineCore
-
-        core = EngineCore(config)
-        _warm_up(core)
-    except BaseException as e:  # noqa: BLE001 - reported to the API process, which exits with it
-        outputs.send(EngineFailed(_picklable(e)))
-        return
-    info = core.cache_info
-    outputs.send(EngineReady(core.max_model_len, core.model_config.vocab_size, list(core.model_config.eos_token_ids),
-                             info.num_blocks, info.block_size, info.describe(), os.getpid()))
-    unstarted: dict[str, Request] = {}
-    last_sent = 0.0
-    while True:
-        rejected: dict[str, BaseException] = {}
-        timeout = 0 if core.has_unfinished else HEARTBEAT_S
-        try:
-            while inputs.poll(timeout):
-                timeout = 0
-                for msg in inputs.recv():
-                    if isinstance(msg, AddRequest):
-                        try:
-                            core.add_request(msg.request)
-                            unstarted[msg.request.request_id] = msg.request
-                        except Exception as e:  # noqa: BLE001 - a refused request must not stop the engine
-                            rejected[msg.request.request_id] = _picklable(e)
-                    elif isinstance(msg, AbortRequests):
-                        core.abort(msg.request_ids)
-                        for rid in msg.request_ids:
-                            unstarted.pop(rid, None)
-                    elif isinstance(msg, FinishRequest):
-                        core.finish(msg.request_id, msg.stop_reason)
-                    elif isinstance(msg, Shutdown):
-                        core.abort(list(core.scheduler.requests))
-                        return
-        except (EOFError, OSError):  # the API process is gone
-            return
-        outs = core.step() if core.has_unfinished else []
-        started = {}
-        if unstarted:
-            started = {rid: (r.first_scheduled_time, r.num_cached_tokens or 0) for rid, r in unstarted.items()
-                       if r.first_scheduled_time is not None}
-            for rid in started:
-                del unstarted[rid]
-        now = time.monotonic()
-        if outs or started or rejected or now - last_sent >= HEARTBEAT_S:
-            try:
-                outputs.send(EngineOutputs(outs, started, rejected, core.scheduler.stats(), now))
-            except (EOFError, OSError):
-                return
-            last_sent = now
-
-
-def _warm_up(core) -> None:
-    """One tiny request through the core before we say ready: builds the kernels, so the first user's
-    request (and the health check's heartbeat) is not stuck behind a compile."""
-    req = Request("__warmup__", [0] * 8, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), 2)
-    core.add_request(req)
-    while core.has_unfinished:
-        core.step()
-    core.check_idle_invariants()
 
 
 # ---- the API-process side ----------------------------------------------------------------------------------------
@@ -212,7 +87,7 @@ class Update:
 class _Tracked:
     """A parent request as the API process tracks it."""
 
-    parent: _Parent
+    parent: RequestState
     group: RequestGroup
     prompt_index: int
     sent_text: list[int]  # per sample: characters of visible text and tokens already delivered
@@ -233,7 +108,7 @@ class RequestGroup:
         self.closed = False
 
     @property
-    def prompts(self) -> list[_Parent]:
+    def prompts(self) -> list[RequestState]:
         return [t.parent for t in self.tracked]
 
     async def __aiter__(self) -> AsyncIterator[Update]:
@@ -280,7 +155,7 @@ class AsyncEngine:
         self.stats = SchedulerStats(0, 0, 0, 0.0, 0)
         self.dead: str | None = None
         self._lock = threading.Lock()
-        self._by_core_id: dict[str, tuple[_Tracked, _Sample]] = {}
+        self._by_core_id: dict[str, tuple[_Tracked, SampleState]] = {}
         self._unstarted: dict[str, int] = {}  # core id -> its prompt tokens, until the core first schedules it
         self._unstarted_tokens = 0
         self._send_q: queue.SimpleQueue = queue.SimpleQueue()

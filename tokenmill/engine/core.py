@@ -13,6 +13,7 @@ import torch
 
 from tokenmill.config import EngineConfig, ModelConfig, default_kv_cache_memory
 from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.messages import EngineCoreOutput
 from tokenmill.engine.runner import DTYPES, ModelRunner, StepResult, kv_bytes_per_token
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 from tokenmill.errors import ConfigError
@@ -32,18 +33,6 @@ def auto_dtype(device: str) -> str:
         return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
     except (AttributeError, RuntimeError):
         return "float32"
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one step produced for one request (only requests that changed)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    error: str | None = None  # finish_reason "error": why this request could not be run
 
 
 @dataclass

