@@ -205,7 +205,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def load_tokenizer(path: str | None) -> Any:
     from tokenmill.errors import TokenmillError
-    from tokenmill.model.loader import resolve_model_path
+    from tokenmill.model.paths import resolve_model_path
     from tokenmill.tokenizer import Tokenizer
 
     try:  # a tokenizer-only directory is fine here, so only the default goes through the model resolver

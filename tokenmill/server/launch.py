@@ -29,7 +29,7 @@ log = logging.getLogger("tokenmill")
 def default_served_name(model: str | None) -> str:
     if model:
         return model
-    from tokenmill.model.loader import default_model_path
+    from tokenmill.model.paths import default_model_path
 
     return Path(default_model_path()).stem
 
