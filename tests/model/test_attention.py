@@ -1,5 +1,5 @@
-"""The C++ paged-attention kernel against the PyTorch reference, and `paged_attention` end to end (write_kv,
-paged tokens, fresh prefill spans) against naive causal attention over each request's full K/V."""
+"""The C++ paged-attention kernel against a per-token PyTorch reference, and each backend's `paged_attention` end
+to end (write_kv, paged tokens, fresh prefill spans) against naive causal attention over each request's full K/V."""
 
 from __future__ import annotations
 
@@ -9,12 +9,30 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from tokenmill.model.attention import AttentionMetadata, paged_attention, paged_attention_reference, write_kv
-from tokenmill.model.cpu_kernels import paged_attention_kernel
+from tokenmill.model.attention import AttentionMetadata
+from tokenmill.model.backends import CpuBackend, TorchBackend
+from tokenmill.model.backends.reference import write_kv
+from tokenmill.model.cpu_kernels import _extension, paged_attention_kernel
 
 NUM_KV_HEADS = 2
 PAD_BLOCK_FILL = 100.0  # block 0 (padding) holds loud values: reading it past kv_len changes the result
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, q_rows: torch.Tensor, kv_lens: torch.Tensor,
+                              scale: float) -> torch.Tensor:
+    """q [P, H, D] -> [P, H, D]: gather each token's context through its block table, mask past kv_len. The
+    engine's former torch path (one gather per token): slow, but simple enough to be the oracle here."""
+    p, kvh, hd = q.shape[0], k_cache.shape[2], k_cache.shape[3]
+    tables = block_tables[q_rows]  # [P, max_blocks]
+    keys = k_cache[tables].view(p, -1, kvh, hd).transpose(1, 2)
+    values = v_cache[tables].view(p, -1, kvh, hd).transpose(1, 2)
+    mask = (torch.arange(keys.shape[2], device=q.device).unsqueeze(0) < kv_lens.unsqueeze(1)).view(p, 1, 1, -1)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
+                                         enable_gqa=True)
+    return out.squeeze(2)
 
 
 def test_kernel_builds_on_this_machine():
@@ -163,10 +181,13 @@ def naive_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int)
     return out
 
 
-@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "reference"])
+BACKENDS = {"cpu": lambda: CpuBackend(_extension()), "torch": TorchBackend}
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("group", [1, 3])
-def test_paged_attention_end_to_end_equals_full_causal(use_kernel, block_size, group):
+def test_paged_attention_end_to_end_equals_full_causal(backend, block_size, group):
     g = torch.Generator().manual_seed(11 + block_size + group)
     heads, hd = NUM_KV_HEADS * group, 64
     # (tokens already in the cache, new tokens this step); computed == 0 and new > 1 is a fresh prefill.
@@ -201,13 +222,13 @@ def test_paged_attention_end_to_end_equals_full_causal(use_kernel, block_size, g
         row += r["new"]
     meta = AttentionMetadata(
         slot_mapping=torch.cat([r["slots"][r["computed"]:] for r in ordered]), num_paged_tokens=len(q_rows),
-        block_tables=tables, q_rows=q_rows, kv_lens=kv_lens, fresh_spans=spans, use_kernel=use_kernel)
+        block_tables=tables, q_rows=q_rows, kv_lens=kv_lens, fresh_spans=spans)
     q = torch.cat([r["q"] for r in ordered])
     k_new = torch.cat([r["k"][r["computed"]:] for r in ordered])
     v_new = torch.cat([r["v"][r["computed"]:] for r in ordered])
 
     write_kv(k_cache, v_cache, k_new, v_new, meta.slot_mapping)
-    out = paged_attention(q, k_new, v_new, k_cache, v_cache, meta)
+    out = BACKENDS[backend]().paged_attention(q, k_new, v_new, k_cache, v_cache, meta)
 
     assert out.shape == q.shape
     row = 0
@@ -220,8 +241,10 @@ def test_paged_attention_end_to_end_equals_full_causal(use_kernel, block_size, g
         assert torch.equal(v_cache.view(-1, NUM_KV_HEADS, hd)[r["slots"]], r["v"])
 
 
-def test_paged_attention_only_paged_tokens_and_only_fresh_spans():
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_paged_attention_only_paged_tokens_and_only_fresh_spans(backend):
     """The two one-kind batches (all decodes; all fresh prefills) take their short paths correctly."""
+    paged_attention = BACKENDS[backend]().paged_attention
     g = torch.Generator().manual_seed(2)
     bs, hd, heads = 16, 64, 4
     k_cache = torch.zeros(8, bs, NUM_KV_HEADS, hd)

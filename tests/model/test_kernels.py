@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import os
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model.attention import write_kv
+from tokenmill.model.backends import CpuBackend
+from tokenmill.model.backends.reference import apply_rotary, rms_norm, write_kv
 from tokenmill.model.cpu_kernels import _extension
-from tokenmill.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
-from tokenmill.model.linear import Linear, linear, prepack_weight
+from tokenmill.model.layers import RMSNorm, RotaryEmbedding
+from tokenmill.model.linear import Linear, prepack_weight
 
 ops = _extension()
 HAVE_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
@@ -68,15 +70,18 @@ def test_prepacked_linear_matches_f_linear(m, n, k):
     x, w, b = (torch.randn(*s, generator=g) for s in ((m, k), (n, k), (n,)))
     packed = prepack_weight(w)
     assert packed is not None and packed.is_mkldnn  # float32 on a CPU always has a oneDNN kernel
-    torch.testing.assert_close(linear(x, w, None, packed), F.linear(x, w), **tol(torch.float32, k))
-    torch.testing.assert_close(linear(x, w, b, packed), F.linear(x, w, b), **tol(torch.float32, k))
+    backend = CpuBackend(ops)
+    for bias in (None, b):
+        layer = SimpleNamespace(weight=w, bias=bias, packed_weight=packed)
+        torch.testing.assert_close(backend.linear(x, layer), F.linear(x, w, bias), **tol(torch.float32, k))
 
 
 @needs_onednn
 def test_prepacked_module_keeps_its_plain_weight_and_state_dict():
-    layer = Linear(16, 24, bias=True)
+    layer = Linear(16, 24, bias=True, backend=CpuBackend(ops))
     before = {k: v.clone() for k, v in layer.state_dict().items()}
-    assert layer.prepack() and layer.packed_weight.is_mkldnn
+    layer.packed_weight = prepack_weight(layer.weight)
+    assert layer.packed_weight.is_mkldnn
     assert layer.state_dict().keys() == before.keys()
     x = torch.randn(9, 16)
     torch.testing.assert_close(layer(x), F.linear(x, before["weight"], before["bias"]), **tol(torch.float32, 16))
@@ -95,9 +100,9 @@ def test_rms_norm_and_fused_residual_add(dtype, rows):
         norm.weight.copy_(torch.randn(96, generator=g))
     x, residual = torch.randn(rows, 96, generator=g).to(dtype), torch.randn(rows, 96, generator=g).to(dtype)
     with torch.inference_mode():
-        torch.testing.assert_close(ops.rms_norm(x, norm.weight, 1e-5), norm._reference(x), **tol(dtype))
+        torch.testing.assert_close(ops.rms_norm(x, norm.weight, 1e-5), rms_norm(x, norm.weight, 1e-5), **tol(dtype))
         want_residual = residual + x
-        want = norm._reference(want_residual)
+        want = rms_norm(want_residual, norm.weight, 1e-5)
         got = ops.add_rms_norm(x, residual, norm.weight, 1e-5)
     assert torch.equal(residual, want_residual)  # the add rounds exactly as torch's does
     torch.testing.assert_close(got, want, **tol(dtype))
@@ -146,10 +151,12 @@ def test_reloading_weights_drops_stale_packed_copies(tmp_path):
 
     path = make_tiny_model(tmp_path, arch="llama", num_layers=1)
     cfg = load_model_config(path)
-    model = LlamaForCausalLM(cfg)
+    backend = CpuBackend(ops)
+    model = LlamaForCausalLM(cfg, backend)
     model.load_hf_weights(load_weights(path, cfg))
-    assert model.prepack_weights()
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert backend.prepack(model)
+    linears = model.linear_layers()
     assert all(m.packed_weight is not None for m in linears)
     model.load_hf_weights(load_weights(path, cfg))
     assert all(m.packed_weight is None for m in linears)
+    assert model.backend_cache == {}

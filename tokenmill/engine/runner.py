@@ -15,6 +15,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.engine.sampler import Sampler, SamplingRow
 from tokenmill.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.model.attention import AttentionMetadata
+from tokenmill.model.backends import select_backend
 from tokenmill.model.registry import model_class
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,13 +40,15 @@ class ModelRunner:
                  num_blocks: int, block_size: int, seed: int = 0, use_kernel: bool = True):
         self.use_kernel = use_kernel
         self.cfg, self.dtype, self.device, self.block_size = cfg, dtype, torch.device(device), block_size
+        # Chosen once: use_kernel=False is the plain-PyTorch reference, which runs no C++ op at all.
+        self.backend = select_backend(self.device, use_kernels=use_kernel)
         with torch.device("meta"):
-            model = model_class(cfg)(cfg)
+            model = model_class(cfg)(cfg, self.backend)
         model = model.to_empty(device=self.device)  # no random init: every parameter is loaded next
         model.load_hf_weights(weights)
         self.model = model.to(dtype=dtype).eval().requires_grad_(False)
         self.model.init_rotary(self.device)  # float32 tables, cast per step
-        self.prepacked = self.model.prepack_weights()  # oneDNN layouts on CPU (model/linear.py)
+        self.prepacked = self.backend.prepack(self.model)  # e.g. oneDNN layouts on CPU (model/backends/cpu.py)
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeroed, not empty: masked-out slots are still multiplied by 0 and must not hold NaN bit patterns.
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
@@ -81,7 +84,7 @@ class ModelRunner:
             for p in range(start, start + s.num_new_tokens):
                 positions.append(p)
                 slots.append(req.block_ids[p // bs] * bs + p % bs)
-        meta = AttentionMetadata(slot_mapping=self._long(slots), use_kernel=self.use_kernel)
+        meta = AttentionMetadata(slot_mapping=self._long(slots))
         if paged:
             self._paged_metadata(meta, paged)
         row = meta.num_paged_tokens

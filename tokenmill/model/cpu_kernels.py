@@ -1,6 +1,7 @@
 """Fast CPU kernels (C++, built on first use with torch's extension builder): paged attention, the skinny
-linear layer and the fused elementwise ops of a decoder layer. Each has a plain-PyTorch equivalent the engine
-falls back to when no compiler is available, and is tested against it (tests/model/)."""
+linear layer, the fused elementwise ops of a decoder layer and the whole layer. model/backends/cpu.py is their
+one caller; each has a plain-PyTorch equivalent in the TorchBackend, which runs when no compiler is available,
+and is tested against it (tests/model/)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,8 @@ log = logging.getLogger("tokenmill")
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 
 
-def cpu_tag() -> str:
-    """A short key of this CPU's model and instruction sets. The kernels are built with -march=native, so a
-    build made on one CPU can crash (SIGILL) on another: each CPU gets its own build, named by this key."""
+def _cpu_info() -> tuple[str, str]:
+    """This CPU's model name and its sorted instruction-set flags, from /proc/cpuinfo where there is one."""
     model, flags = platform.machine(), ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -30,7 +30,23 @@ def cpu_tag() -> str:
                 flags = " ".join(sorted(value.split()))
     except OSError:
         pass
+    return model, flags
+
+
+def cpu_tag() -> str:
+    """A short key of this CPU's model and instruction sets. The kernels are built with -march=native, so a
+    build made on one CPU can crash (SIGILL) on another: each CPU gets its own build, named by this key."""
+    model, flags = _cpu_info()
     return hashlib.sha1(f"{model}|{flags}".encode()).hexdigest()[:12]
+
+
+_ISA_OF_NOTE = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "asimd", "sve")
+
+
+def cpu_isa() -> str:
+    """The instruction sets the kernels' speed depends on, present here (for the start-up log)."""
+    flags = set(_cpu_info()[1].split())
+    return " ".join(f for f in _ISA_OF_NOTE if f in flags)
 
 
 @lru_cache(maxsize=1)
@@ -53,14 +69,3 @@ def _extension():
 def paged_attention_kernel():
     ext = _extension()
     return None if ext is None else ext.paged_attention
-
-
-def skinny_linear_kernel():
-    ext = _extension()
-    return None if ext is None else ext.skinny_linear
-
-
-def fused_ops(x):
-    """The extension when `x` is on the CPU and the kernels are built (rms_norm, add_rms_norm, rotary_write_kv,
-    silu_mul), else None: callers then run the torch code."""
-    return _extension() if x.device.type == "cpu" else None

@@ -1,4 +1,6 @@
-"""Building blocks of the Llama family: RMSNorm, rotary embedding (with llama3 scaling), SwiGLU MLP."""
+"""Building blocks of the Llama family: RMSNorm, rotary embedding (with llama3 scaling), SwiGLU MLP.
+
+Each module holds its weights and says what it computes; the backend it is given computes it."""
 
 from __future__ import annotations
 
@@ -6,38 +8,25 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.model.cpu_kernels import fused_ops
+from tokenmill.model.backends import Backend, TorchBackend
 from tokenmill.model.linear import Linear
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, backend: Backend | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.backend = backend if backend is not None else TorchBackend()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = fused_ops(x)
-        if ops is not None and x.dim() == 2:
-            return ops.rms_norm(x, self.weight, self.eps)
-        return self._reference(x)
-
-    def _reference(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 as the reference does, then scale in the model's dtype.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.backend.rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual += x (in place), then the norm of residual: the residual add and the next norm in one pass."""
-        ops = fused_ops(x)
-        if ops is not None and x.dim() == 2:
-            return ops.add_rms_norm(x, residual, self.weight, self.eps)
-        residual.add_(x)
-        return self._reference(residual)
+        return self.backend.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -73,25 +62,14 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, backend: Backend | None = None):
         super().__init__()
-        self.intermediate = intermediate
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = Linear(intermediate, hidden, bias=False)
+        self.backend = backend if backend is not None else TorchBackend()
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False, backend=self.backend)
+        self.down_proj = Linear(intermediate, hidden, bias=False, backend=self.backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        ops = fused_ops(x)
-        if ops is not None and gate_up.dim() == 2:
-            return self.down_proj(ops.silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.backend.silu_mul(self.gate_up_proj(x)))

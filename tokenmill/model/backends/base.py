@@ -1,0 +1,83 @@
+"""The one interface between model code and the hardware.
+
+Model code (llama.py, layers.py, linear.py) describes *what* a layer computes, in the order the paper writes it;
+a `Backend` decides *how* each op runs on this machine. It is chosen once at start-up (`select_backend`), so no
+module ever asks which device it is on, and every fast implementation has the plain-PyTorch `TorchBackend` as
+the reference it is tested against.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from tokenmill.model.attention import AttentionMetadata
+
+
+class LinearWeights(Protocol):
+    """What `Backend.linear` reads from a layer: its weight [out, in], optional bias, and `packed_weight`, a
+    copy of the weight in the layout the backend prefers (set by `Backend.prepack`; None means use `weight`).
+    Quantized formats and tensor-parallel shards become other layouts behind this same call."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    packed_weight: torch.Tensor | None
+
+
+class Backend(ABC):
+    """The ops of a decoder layer over a flat token batch ([T, ...] rows, see model/attention.py)."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """weight * x / rms(x) over the last dim; normalised in float32, scaled in x's dtype (as HF does)."""
+
+    @abstractmethod
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """residual += x in place, then rms_norm(residual): the residual add and the next norm in one pass."""
+
+    @abstractmethod
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] (gate and up projections side by side) -> silu(gate) * up [T, I]."""
+
+    @abstractmethod
+    def rotary_and_write_kv(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor,
+                            sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Split the fused projection qkv [T, (H + 2 KVH) D] into q [T, H, D], k, v [T, KVH, D], rotate q and k
+        (cos, sin [T, 1, D]), and write k, v into the caches at slot_mapping [T]. May rotate qkv in place."""
+
+    @abstractmethod
+    def paged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H, D]; k, v [T, KVH, D] for the new tokens, already in the caches [blocks, block_size, KVH, D].
+        Paged tokens read their context through block tables, fresh prefills attend over their own k, v.
+        Returns [T, H, D]."""
+
+    @abstractmethod
+    def linear(self, x: torch.Tensor, layer: LinearWeights) -> torch.Tensor:
+        """x @ layer.weight.T (+ layer.bias), through whatever copy of the weight this backend keeps."""
+
+    def prepack(self, model: nn.Module) -> bool:
+        """Give each of `model.linear_layers()` the weight layout this backend multiplies fastest, once, after
+        loading and the dtype cast. Returns whether anything was packed; the default keeps the plain weights."""
+        return False
+
+    def decode_layers(self, model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+                      ) -> torch.Tensor | None:
+        """Optional fast path: run every decoder layer of `model` over the residual stream x [T, hidden] and
+        return it (before the final norm), or None, meaning "not here: run the modules". Exists because a
+        decode step is tiny and per-op Python overhead would dominate it."""
+        return None
+
+    def describe(self) -> str:
+        """One line for the start-up log: which backend, and on what."""
+        return self.name

@@ -1,0 +1,158 @@
+"""CpuBackend: the C++ kernels of model/csrc (built per CPU by model/cpu_kernels.py) where they apply, the torch
+reference op by op where they do not (another device, a shape or dtype a kernel does not take).
+
+Linear layers: three kernels serve three shapes (measured on 2 AVX2 cores, BENCHMARKS.md "Kernels"):
+- decode-shaped inputs (a few rows) go to the skinny kernel, which splits output features across cores and
+  streams the weight at memory speed (BLAS runs a one-row product on a single core);
+- batched decode (8-128 rows) goes to oneDNN with the weight prepacked once into its blocked layout: BLAS
+  repacks the weight on every call, which at these shapes costs as much as the arithmetic (1.5-3x slower);
+- large prefill chunks run as fast either way.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from tokenmill.model.backends.base import LinearWeights
+from tokenmill.model.backends.reference import TorchBackend, split_qkv
+from tokenmill.model.cpu_kernels import cpu_isa, cpu_tag
+
+if TYPE_CHECKING:
+    from tokenmill.model.attention import AttentionMetadata
+
+log = logging.getLogger("tokenmill")
+
+SKINNY_MAX_ROWS = 4  # measured on 2 AVX2 cores: at 8 rows BLAS gemm is already as fast (BENCHMARKS.md)
+PREPACK_ROWS_HINT = 64  # oneDNN picks its blocking for this many rows; measured best across 2-512 rows
+_LAYER_WEIGHTS = "cpu.decoder_layer_weights"  # key of this backend's entry in model.backend_cache
+
+
+def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [N, K] in oneDNN's blocked layout, or None where oneDNN cannot run it (not on the CPU, no
+    oneDNN in this torch build, or a dtype this CPU lacks instructions for, e.g. bfloat16 without AVX512)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PREPACK_ROWS_HINT)
+        probe = torch.zeros(1, weight.shape[1], dtype=weight.dtype)
+        torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+        return packed
+    except (RuntimeError, AttributeError) as e:
+        log.debug("no prepacked weights for %s %s: %s", weight.dtype, tuple(weight.shape), e)
+        return None
+
+
+def _rows(x: torch.Tensor) -> bool:
+    """A [T, D] CPU tensor with unit stride along D: the layout every fused kernel takes."""
+    return x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
+
+
+class CpuBackend(TorchBackend):
+    """`ops` is the compiled extension (cpu_kernels._extension()); tests may hand in a stand-in."""
+
+    name = "cpu"
+
+    def __init__(self, ops: Any):
+        self.ops = ops
+
+    def describe(self) -> str:
+        return f"cpu (C++ kernels, cpu {cpu_tag()}, isa: {cpu_isa() or 'baseline'})"
+
+    # ---- elementwise -----------------------------------------------------------------------------------
+    def rms_norm(self, x, weight, eps):
+        if _rows(x) and weight.dtype == x.dtype and weight.is_contiguous():
+            return self.ops.rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        if (_rows(x) and residual.is_contiguous() and x.shape == residual.shape and
+                x.dtype == residual.dtype == weight.dtype and weight.is_contiguous()):
+            return self.ops.add_rms_norm(x, residual, weight, eps)
+        return super().add_rms_norm(x, residual, weight, eps)
+
+    def silu_mul(self, gate_up):
+        if _rows(gate_up) and gate_up.is_contiguous():
+            return self.ops.silu_mul(gate_up)
+        return super().silu_mul(gate_up)
+
+    def rotary_and_write_kv(self, qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping):
+        t = qkv.shape[0]
+        if (_rows(qkv) and k_cache.is_contiguous() and v_cache.is_contiguous() and
+                qkv.dtype == cos.dtype == k_cache.dtype == v_cache.dtype and slot_mapping.dtype == torch.long):
+            # rotary in place and the K/V cache write, in one call
+            self.ops.rotary_write_kv(qkv, num_heads, num_kv_heads, cos.reshape(t, -1).contiguous(),
+                                     sin.reshape(t, -1).contiguous(), k_cache, v_cache, slot_mapping)
+            return split_qkv(qkv, num_heads, num_kv_heads, k_cache.shape[-1])
+        return super().rotary_and_write_kv(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache,
+                                           slot_mapping)
+
+    # ---- attention ---------------------------------------------------------------------------------------
+    def attend_paged(self, q, k_cache, v_cache, meta, scale):
+        if (q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype and k_cache.is_contiguous()
+                and v_cache.is_contiguous()):
+            idx = (meta.block_tables, meta.q_rows, meta.kv_lens)
+            if all(i.dtype == torch.long and i.is_contiguous() for i in idx):
+                return self.ops.paged_attention(q.contiguous(), k_cache, v_cache, *idx, scale)
+        return super().attend_paged(q, k_cache, v_cache, meta, scale)
+
+    # ---- matmuls -----------------------------------------------------------------------------------------
+    def linear(self, x: torch.Tensor, layer: LinearWeights) -> torch.Tensor:
+        if (x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and x.device.type == "cpu"
+                and torch.get_num_threads() > 1):
+            return self.ops.skinny_linear(x, layer.weight, layer.bias)
+        if layer.packed_weight is not None and x.dim() == 2:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.packed_weight, layer.bias, "none",
+                                                      [], "")
+        return super().linear(x, layer)
+
+    def prepack(self, model: nn.Module) -> bool:
+        """oneDNN-packed copies of every matmul weight (the plain weight stays: the skinny kernel and the state
+        dict read it). Returns False, changing nothing, where this device or dtype has no packed kernel."""
+        layers = model.linear_layers()
+        first = prepack_weight(layers[0].weight) if layers else None
+        if first is None:
+            return False
+        layers[0].packed_weight = first
+        for m in layers[1:]:
+            m.packed_weight = prepack_weight(m.weight)
+        model.backend_cache.pop(_LAYER_WEIGHTS, None)
+        return True
+
+    # ---- the whole-model decode path ---------------------------------------------------------------------
+    def decode_layers(self, model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+                      ) -> torch.Tensor | None:
+        """When every token reads the cache (decode steps, later prefill chunks), each Llama decoder layer is
+        one C++ call (`decoder_layer`: no Python between its ~10 ops), the same math as the modules."""
+        if meta.fresh_spans or not _rows(x) or not x.is_contiguous():
+            return None
+        cfg, t = model.config, x.shape[0]
+        cos, sin = cos.reshape(t, -1).contiguous(), sin.reshape(t, -1).contiguous()
+        for weights, (k_cache, v_cache) in zip(self._layer_weights(model), kv_caches):
+            self.ops.decoder_layer(x, weights, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, cos, sin,
+                                   k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.q_rows,
+                                   meta.kv_lens)
+        return x
+
+    def _layer_weights(self, model: nn.Module) -> list[list[torch.Tensor]]:
+        """Per layer, the 11 tensors `decoder_layer` takes (csrc/cpu_kernels.cpp), gathered once per model and
+        kept in model.backend_cache (which the model empties when its weights change)."""
+        cached = model.backend_cache.get(_LAYER_WEIGHTS)
+        if cached is None:
+            empty = torch.empty(0, dtype=model.norm.weight.dtype, device=model.norm.weight.device)
+
+            def packed(m: LinearWeights) -> torch.Tensor:
+                return empty if m.packed_weight is None else m.packed_weight
+
+            cached = model.backend_cache[_LAYER_WEIGHTS] = [
+                [l.input_layernorm.weight, l.self_attn.qkv_proj.weight,
+                 l.self_attn.qkv_proj.bias if l.self_attn.qkv_proj.bias is not None else empty,
+                 l.self_attn.o_proj.weight, l.post_attention_layernorm.weight,
+                 l.mlp.gate_up_proj.weight, l.mlp.down_proj.weight,
+                 packed(l.self_attn.qkv_proj), packed(l.self_attn.o_proj), packed(l.mlp.gate_up_proj),
+                 packed(l.mlp.down_proj)] for l in model.layers]
+        return cached
