@@ -14,7 +14,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[serve,test]'
 	touch $(STAMP)
 
+# The C++ kernels, built for this CPU (keyed by its instruction sets and the sources), before anything runs.
 setup: $(STAMP)
+	$(BIN)/python -m tokenmill.model.cpu_kernels
 
 test: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests

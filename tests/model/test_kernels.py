@@ -32,7 +32,8 @@ def test_each_cpu_gets_its_own_build(monkeypatch):
     """Built with -march=native: a build from another CPU (a shared cache, an image) must never be loaded here."""
     from tokenmill.model import cpu_kernels
 
-    assert ops.__name__ == f"tokenmill_cpu_kernels_{cpu_kernels.cpu_tag()}"
+    assert ops.__name__ == cpu_kernels.build_name()
+    assert ops.__name__.startswith(f"tokenmill_cpu_kernels_{cpu_kernels.cpu_tag()}_")
     tags = []
     for flags in ("fpu sse2 avx avx2 fma", "fpu sse2 avx avx2 fma avx512f avx512_bf16", "fpu sse2 avx avx2 fma"):
         fake = f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: {flags}\n"
@@ -160,3 +161,58 @@ def test_reloading_weights_drops_stale_packed_copies(tmp_path):
     model.load_hf_weights(load_weights(path, cfg))
     assert all(m.packed_weight is None for m in linears)
     assert model.backend_cache == {}
+
+
+# ---- the packed bfloat16 matmuls (csrc/bf16_linear.cpp) -------------------------------------------------------
+
+BF16_KERNEL = ops.bf16_kernel() if ops is not None else ""
+# Each kernel runs where the CPU has its instructions; elsewhere it is not built, and saying so is the truth.
+BF16_KERNELS = [pytest.param("amx_linear", marks=pytest.mark.skipif(BF16_KERNEL != "amx", reason="no AMX-BF16 here")),
+                pytest.param("dpbf16_linear",
+                             marks=pytest.mark.skipif(BF16_KERNEL == "", reason="no AVX512-BF16 here"))]
+
+
+@pytest.mark.parametrize("kernel", BF16_KERNELS)
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 33, 100])
+@pytest.mark.parametrize("n,k", [(960, 576), (48, 64), (16, 32), (1040, 96)])
+def test_packed_bf16_linear_matches_f_linear(kernel, m, n, k):
+    g = torch.Generator().manual_seed(m * n + k)
+    x, w, b = ((torch.randn(*s, generator=g) * 0.1).to(torch.bfloat16) for s in ((m, k), (n, k), (n,)))
+    packed = ops.bf16_pack(w)
+    assert packed.shape == (n // 16, k // 32, 16, 32)
+    fn = getattr(ops, kernel)
+    for bias in (None, b):
+        ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+        # float32 accumulation, one bfloat16 rounding of the result: within a bfloat16 ulp of the exact value
+        torch.testing.assert_close(fn(x, packed, bias).float(), ref, atol=1e-3 * k ** 0.5, rtol=8e-3)
+    strided = torch.randn(m, 2 * k, generator=g).to(torch.bfloat16)[:, :k]
+    assert torch.equal(fn(strided, packed, None), fn(strided.contiguous(), packed, None))
+
+
+@pytest.mark.parametrize("kernel", BF16_KERNELS)
+def test_packed_bf16_linear_rows_do_not_depend_on_the_batch(kernel):
+    """The property oneDNN lacks (a row in a batch of <= 32 and of >= 33 comes out different): each row's
+    result is bit for bit the same alone, in any batch size, at any position."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(130, 576, generator=g).to(torch.bfloat16)
+    packed = ops.bf16_pack((torch.randn(960, 576, generator=g) * 0.05).to(torch.bfloat16))
+    fn = getattr(ops, kernel)
+    alone = torch.cat([fn(x[i:i + 1], packed, None) for i in range(130)])
+    for m in (2, 4, 5, 15, 16, 17, 32, 33, 64, 130):
+        assert torch.equal(fn(x[:m], packed, None), alone[:m]), f"batch of {m}"
+    order = torch.randperm(130, generator=g)
+    assert torch.equal(fn(x[order], packed, None), alone[order])
+
+
+def test_prepack_picks_the_bf16_tiles_where_they_fit():
+    backend = CpuBackend(ops, BF16_KERNEL)
+    fits, odd = torch.randn(64, 96).to(torch.bfloat16), torch.randn(40, 96).to(torch.bfloat16)
+    if BF16_KERNEL:
+        assert backend.pack_weight(fits).shape == (4, 3, 16, 32)
+    odd_packed = backend.pack_weight(odd)  # 40 features: not whole 16-feature tiles, so oneDNN's or none
+    assert odd_packed is None or odd_packed.is_mkldnn
+    assert backend.pack_weight(torch.randn(64, 96)) is None or backend.pack_weight(torch.randn(64, 96)).is_mkldnn
+    x = torch.randn(7, 96).to(torch.bfloat16)
+    for w in (fits, odd):
+        layer = SimpleNamespace(weight=w, bias=None, packed_weight=backend.pack_weight(w))
+        torch.testing.assert_close(backend.linear(x, layer).float(), F.linear(x, w).float(), atol=0.1, rtol=2e-2)

@@ -73,8 +73,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         # Paged tokens (decodes, later prefill chunks) first, then fresh prefills: see model/attention.py.
-        paged = [s for s in out.scheduled if s.request.num_computed_tokens > 0 or s.num_new_tokens == 1]
-        fresh = [s for s in out.scheduled if s.request.num_computed_tokens == 0 and s.num_new_tokens > 1]
+        if self.backend.pages_fresh_prefills:
+            paged, fresh = list(out.scheduled), []
+        else:
+            paged = [s for s in out.scheduled if s.request.num_computed_tokens > 0 or s.num_new_tokens == 1]
+            fresh = [s for s in out.scheduled if s.request.num_computed_tokens == 0 and s.num_new_tokens > 1]
         ordered = paged + fresh
         input_ids, positions, slots = [], [], []
         bs = self.block_size

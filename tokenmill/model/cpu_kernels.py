@@ -14,7 +14,7 @@ from pathlib import Path
 
 log = logging.getLogger("tokenmill")
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp", "bf16_linear.cpp")]
 
 
 def _cpu_info() -> tuple[str, str]:
@@ -49,6 +49,13 @@ def cpu_isa() -> str:
     return " ".join(f for f in _ISA_OF_NOTE if f in flags)
 
 
+def build_name() -> str:
+    """The extension's name: keyed by this CPU (cpu_tag) and by the sources, so neither another CPU's build
+    nor another checkout's (an old tree benchmarked beside this one) is ever loaded, or rebuilt over, here."""
+    sources = hashlib.sha1(b"".join(s.read_bytes() for s in _SOURCES)).hexdigest()[:8]
+    return f"tokenmill_cpu_kernels_{cpu_tag()}_{sources}"
+
+
 @lru_cache(maxsize=1)
 def _extension():
     """The compiled module, or None (then callers use the torch reference)."""
@@ -59,7 +66,7 @@ def _extension():
 
         # fast-math lets the compiler vectorize exp (glibc's libmvec); infinities stay meaningful (masked scores).
         flags = ["-O3", "-fopenmp", "-march=native", "-ffast-math", "-fno-finite-math-only"]
-        return load(name=f"tokenmill_cpu_kernels_{cpu_tag()}", sources=[str(_SOURCE)], extra_cflags=flags,
+        return load(name=build_name(), sources=[str(s) for s in _SOURCES], extra_cflags=flags,
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, unsupported platform: stay correct, only slower
         log.warning("fast CPU kernels unavailable (%s); using the PyTorch reference", e)
@@ -69,3 +76,11 @@ def _extension():
 def paged_attention_kernel():
     ext = _extension()
     return None if ext is None else ext.paged_attention
+
+
+if __name__ == "__main__":  # `make setup` builds here, so the first start never waits for a compiler
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ext = _extension()
+    if ext is None:
+        raise SystemExit("the CPU kernels did not build: tokenmill will run its PyTorch reference (slower)")
+    print(f"built {build_name()} for isa: {cpu_isa() or 'baseline'}; bf16 matmuls: {ext.bf16_kernel() or 'oneDNN'}")

@@ -28,7 +28,7 @@ def select_backend(device: str | torch.device, use_kernels: bool = True) -> Back
     if use_kernels and device.type == "cpu":
         ops = cpu_kernels._extension()
         if ops is not None:
-            backend = CpuBackend(ops)
+            backend = CpuBackend(ops, ops.bf16_kernel())
     _log_once(f"backend: {backend.describe()} on {device}")
     return backend
 

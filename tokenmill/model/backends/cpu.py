@@ -55,12 +55,15 @@ class CpuBackend(TorchBackend):
     """`ops` is the compiled extension (cpu_kernels._extension()); tests may hand in a stand-in."""
 
     name = "cpu"
+    pages_fresh_prefills = True  # the paged kernel serves prefill too: batch-invariant, and one C++ call a layer
 
-    def __init__(self, ops: Any):
+    def __init__(self, ops: Any, bf16_kernel: str = ""):
         self.ops = ops
+        self.bf16_kernel = bf16_kernel  # ops.bf16_kernel(): "amx", "avx512_bf16", or "" (no packed bf16 kernel)
 
     def describe(self) -> str:
-        return f"cpu (C++ kernels, cpu {cpu_tag()}, isa: {cpu_isa() or 'baseline'})"
+        matmul = self.bf16_kernel or "oneDNN / skinny GEMV"
+        return f"cpu (C++ kernels, cpu {cpu_tag()}, isa: {cpu_isa() or 'baseline'}; bf16 matmuls: {matmul})"
 
     # ---- elementwise -----------------------------------------------------------------------------------
     def rms_norm(self, x, weight, eps):
@@ -101,24 +104,37 @@ class CpuBackend(TorchBackend):
 
     # ---- matmuls -----------------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, layer: LinearWeights) -> torch.Tensor:
+        packed = layer.packed_weight
+        if packed is not None and packed.dim() == 4 and x.dim() == 2:  # bf16_pack'ed: one kernel, any rows
+            return self.ops.bf16_linear(x, packed, layer.bias)
         if (x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and x.device.type == "cpu"
                 and torch.get_num_threads() > 1):
             return self.ops.skinny_linear(x, layer.weight, layer.bias)
-        if layer.packed_weight is not None and x.dim() == 2:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.packed_weight, layer.bias, "none",
-                                                      [], "")
+        if packed is not None and x.dim() == 2:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, layer.bias, "none", [], "")
         return super().linear(x, layer)
 
+    def pack_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """`weight` in the layout this CPU multiplies fastest: for bfloat16 where the CPU has AMX or AVX512-BF16,
+        the tile layout of csrc/bf16_linear.cpp (one kernel for every row count: batch-invariant); else oneDNN's
+        blocked layout; else None (keep the plain one)."""
+        if weight.device.type != "cpu":
+            return None
+        n, k = weight.shape
+        if weight.dtype == torch.bfloat16 and self.bf16_kernel and n % 16 == 0 and k % 32 == 0:
+            return self.ops.bf16_pack(weight)
+        return prepack_weight(weight)
+
     def prepack(self, model: nn.Module) -> bool:
-        """oneDNN-packed copies of every matmul weight (the plain weight stays: the skinny kernel and the state
-        dict read it). Returns False, changing nothing, where this device or dtype has no packed kernel."""
+        """Packed copies of every matmul weight (the plain weight stays: the skinny kernel and the state dict
+        read it). Returns False, changing nothing, where this device or dtype has no packed kernel."""
         layers = model.linear_layers()
-        first = prepack_weight(layers[0].weight) if layers else None
+        first = self.pack_weight(layers[0].weight) if layers else None
         if first is None:
             return False
         layers[0].packed_weight = first
         for m in layers[1:]:
-            m.packed_weight = prepack_weight(m.weight)
+            m.packed_weight = self.pack_weight(m.weight)
         model.backend_cache.pop(_LAYER_WEIGHTS, None)
         return True
 

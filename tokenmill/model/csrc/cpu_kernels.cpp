@@ -17,7 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
 #include <cstdint>
@@ -122,11 +122,33 @@ inline void axpy(float p, const float* x, float* y, int64_t n) {
   for (int64_t d = 0; d < n; ++d) y[d] += p * x[d];
 }
 
-// A cache row as floats: the row itself for float caches, else converted into `buf`.
+// bfloat16 -> float32 is the bit pattern shifted into the high half: 16 (AVX-512) or 8 (AVX2) at a time.
+inline void bf16_to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  for (; d + 16 <= n; d += 16) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + d)));
+    _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+  }
+#endif
+#if defined(__AVX2__)
+  for (; d + 8 <= n; d += 8) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + d)));
+    _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+  }
+#endif
+  for (; d < n; ++d) dst[d] = to_float(src[d]);
+}
+
+// A cache row as floats: the row itself for float caches, else converted into `buf` (bfloat16 vectorised).
 template <typename T>
 inline const float* as_float(const T* row, float* buf, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     return row;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    bf16_to_float(row, buf, n);
+    return buf;
   } else {
     for (int64_t d = 0; d < n; ++d) buf[d] = to_float(row[d]);
     return buf;
@@ -543,10 +565,20 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return op.call(x, packed, b, "none", c10::List<std::optional<at::Scalar>>(), std::optional<std::string_view>(""));
 }
 
-// The linear layer of the decode path: the skinny GEMV for a few rows (it reads the plain weight at memory
+// bf16_linear.cpp: the bfloat16 matmuls (AMX tiles, AVX512-BF16 dot products) over one packed weight layout.
+std::string bf16_kernel();
+torch::Tensor bf16_pack(const torch::Tensor& w);
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias);
+torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias);
+torch::Tensor dpbf16_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                            const c10::optional<torch::Tensor>& bias);
+
+// The linear layer of the decode path: a bf16_pack'ed weight ([N/16, K/32, 16, 32]) runs bf16_linear for any row
+// count; otherwise the skinny GEMV for a few rows (it reads the plain weight at memory
 // speed), oneDNN's prepacked GEMM when there is a packed copy (1.5-3x BLAS at 8-128 rows), else BLAS.
 torch::Tensor linear_any(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
                          c10::optional<torch::Tensor> b) {
+  if (packed.dim() == 4) return bf16_linear(x, packed, b);
   if (x.size(0) <= 4 && at::get_num_threads() > 1) return skinny_linear(x, w, b);
   if (packed.is_mkldnn()) return onednn_linear(x, packed, b);
   return at::linear(x, w, b);
@@ -581,5 +613,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMSNorm of residual");
   m.def("rotary_write_kv", &rotary_write_kv, "rotary on q and k in place, then k and v into the paged caches");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] projection");
+  m.def("bf16_kernel", &bf16_kernel, "the packed bfloat16 matmul kernel here: amx, avx512_bf16 or none");
+  m.def("bf16_pack", &bf16_pack, "a [N, K] bfloat16 weight in the tile layout [N/16, K/32, 16, 32]");
+  m.def("bf16_linear", &bf16_linear, "x @ w.T (+ b), w from bf16_pack, on bf16_kernel(); batch-invariant");
+  m.def("amx_linear", &amx_linear, "bf16_linear on AMX tiles");
+  m.def("dpbf16_linear", &dpbf16_linear, "bf16_linear with AVX512-BF16 dot products");
   m.def("decoder_layer", &decoder_layer, "a whole decoder layer for an all-paged batch, residual updated in place");
 }
