@@ -121,7 +121,7 @@ def paging_capacity(args, reqs) -> dict:
         engine.step()
         running = len(engine.core.scheduler.running)
         peak, running_sum, steps = max(peak, running), running_sum + running, steps + 1
-    for rid in list(engine._parents):
+    for rid in list(engine.processor.requests):
         engine.abort_request(rid)
     engine.core.check_idle_invariants()
     worst = 1024 + 256
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result["single_stream"], indent=1), flush=True)
     if "capacity" in parts:
         if args.capacity_kv_memory is None:
-            from tokenmill.engine.core import auto_dtype
+            from tokenmill.model.backends import auto_dtype
 
             dtype = auto_dtype("cpu") if args.dtype == "auto" else args.dtype
             dtype_bytes = 2 if dtype in ("bfloat16", "float16") else 4

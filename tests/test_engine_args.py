@@ -14,7 +14,7 @@ CHANGED = {"model": ("m.gguf", "m.gguf"), "tokenizer": ("tok", "tok"), "dtype": 
            "kv_cache_memory": ("1GiB", 1 << 30), "block_size": ("32", 32), "enable_prefix_caching": (None, False),
            "max_num_seqs": ("9", 9), "max_num_batched_tokens": ("1024", 1024),
            "long_prefill_token_threshold": ("100", 100), "max_model_len": ("4096", 4096),
-           "scheduling_policy": ("static", "static")}
+           "scheduling_policy": ("static", "static"), "batch_invariant": (True, True)}
 
 
 def config_value(config, field: dataclasses.Field):
@@ -36,7 +36,9 @@ def test_defaults_are_the_same_everywhere(command):
 def test_each_flag_reaches_its_config_entry(name):
     typed, expected = CHANGED[name]
     flag = EngineArgs.flag_of(name)
-    argv = ["serve", f"--no-{flag[2:]}"] if typed is None else ["serve", flag, typed]
+    # typed None: a flag on by default, turned off; True: a flag off by default, turned on
+    argv = (["serve", f"--no-{flag[2:]}"] if typed is None else ["serve", flag] if typed is True
+            else ["serve", flag, typed])
     args = EngineArgs.from_cli_args(build_parser().parse_args(argv))
     assert getattr(args, name) == expected
     field = next(f for f in dataclasses.fields(EngineArgs) if f.name == name)

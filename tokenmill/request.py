@@ -38,13 +38,11 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[dict[int, float]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
-    first_token_time: float | None = None
     stop_reason: int | str | None = None
     cache_salt: str | None = None  # requests with different salts never share cached KV blocks
     # prefix-cache state, kept by the KV cache manager: the deepest radix-tree node this request holds locked,

@@ -1,97 +1,234 @@
-"""AsyncEngine's API-process bookkeeping, without an engine process: aborts and the metrics they report."""
+"""AsyncEngine, the server's client, without an engine process: a fake process client records what is sent and
+lets the test play the engine's EngineOutputs. Streams, admission, queue limits, aborts, shutdown and death."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
 
 import pytest
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.async_engine import AsyncEngine, RequestGroup, _Tracked
-from tokenmill.engine.messages import AbortRequests
-from tokenmill.engine.output_processor import new_parent
-from tokenmill.model.paths import default_model_path
+from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, OutputStream
+from tokenmill.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineCoreOutput,
+    EngineOutputs,
+    EngineReady,
+    FinishRequest,
+)
+from tokenmill.engine.scheduler import SchedulerStats
+from tokenmill.errors import (
+    ContextTooLong,
+    InvalidRequest,
+    RequestFailed,
+    ServerOverloaded,
+    ServerShuttingDown,
+)
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.tokenizer import Tokenizer
+
+MAX_MODEL_LEN, CAPACITY = 64, 128  # 8 blocks of 16 tokens
+
+
+class FakeClient:
+    """Stands in for EngineProcessClient: ready at once, records sends; the test calls `play` as the engine."""
+
+    alive = True
+
+    def __init__(self):
+        self.sent: list = []
+
+    def spawn(self) -> None:
+        pass
+
+    def wait_ready(self, timeout: float) -> EngineReady:
+        return EngineReady(MAX_MODEL_LEN, 49152, [2], CAPACITY // 16, 16, "KV cache: fake", 1234)
+
+    def run(self, on_outputs, on_exit) -> None:
+        self.play, self.exit = on_outputs, on_exit
+
+    def send(self, msg) -> None:
+        self.sent.append(msg)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self.alive = False
+
+    def of_type(self, kind: type) -> list:
+        return [m for m in self.sent if isinstance(m, kind)]
 
 
 class Recorder:
     def __init__(self):
-        self.aborted, self.outcomes = 0, []
+        self.calls: dict[str, list] = {}
 
-    def on_aborted(self, count: int) -> None:
-        self.aborted += count
-
-    def on_outcomes(self, reasons: list[str]) -> None:
-        self.outcomes.extend(reasons)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return Tokenizer.load(default_model_path())
+    def __getattr__(self, name: str):
+        if not name.startswith("on_"):
+            raise AttributeError(name)
+        return lambda *args: self.calls.setdefault(name, []).append(args)
 
 
-def tracked_group(engine: AsyncEngine, tokenizer, n: int) -> tuple[RequestGroup, _Tracked]:
-    parent = new_parent("r", "x", [1, 2, 3], SamplingParams(n=n, max_tokens=4), 4, tokenizer, frozenset())
-    group = RequestGroup(engine)
-    tracked = _Tracked(parent, group, 0, [0] * n, [0] * n, [False] * n, [None] * n)
-    group.tracked.append(tracked)
-    group.remaining = 1
-    for s in parent.samples:
-        engine._by_core_id[s.core_id] = (tracked, s)
-    return group, tracked
+def stats(waiting: int = 0, waiting_tokens: int = 0) -> SchedulerStats:
+    return SchedulerStats(0, waiting, waiting_tokens, 0.0, 0)
 
 
-def test_abort_after_some_samples_finished_counts_every_sample(tokenizer):
-    """An n=3 request whose client leaves after two samples ended: those two count as they ended, one as abort."""
-    rec = Recorder()
-    engine = AsyncEngine(EngineConfig(), observer=rec)
-    group, tracked = tracked_group(engine, tokenizer, 3)
-    tracked.parent.samples[0].finish_reason = "length"
-    tracked.parent.samples[1].finish_reason = "stop"
-    group.abort()
-    group.abort()  # idempotent
-    assert rec.aborted == 1 and sorted(rec.outcomes) == ["abort", "length", "stop"]
-    msg = engine._send_q.get_nowait()
-    assert isinstance(msg, AbortRequests) and msg.request_ids == [tracked.parent.samples[2].core_id]
-    assert engine._by_core_id == {}
+def outputs(*outs: EngineCoreOutput, **kw) -> EngineOutputs:
+    return EngineOutputs(list(outs), stats=kw.pop("stats", stats()), **kw)
 
 
-def test_fail_all_ends_every_group_with_the_error(tokenizer):
-    import asyncio
+async def started_engine(observer=None, **kw) -> tuple[AsyncEngine, FakeClient]:
+    client = FakeClient()
+    engine = AsyncEngine(EngineConfig(), observer=observer, client=client, **kw)
+    engine.start()  # the real tokenizer of the default model; the fake engine is ready at once
+    engine.attach(asyncio.get_running_loop())
+    return engine, client
 
-    from tokenmill.errors import ServerShuttingDown
 
+def tok(engine: AsyncEngine, text: str) -> list[int]:
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+async def drain(stream: OutputStream) -> list:
+    return [u async for u in stream]
+
+
+def test_a_stream_gets_each_steps_deltas_and_its_usage():
     async def main():
-        engine = AsyncEngine(EngineConfig(), observer=Recorder())
-        engine._loop = asyncio.get_running_loop()
-        group, _ = tracked_group(engine, tokenizer, 2)
-        assert engine.fail_all(ServerShuttingDown("stopping")) == 1
-        with pytest.raises(ServerShuttingDown):
-            async for _ in group:
-                pass
-        assert engine._by_core_id == {} and isinstance(engine._send_q.get_nowait(), AbortRequests)
+        engine, client = await started_engine()
+        assert engine.info.token_capacity == CAPACITY and engine.healthy
+        stream = engine.add_requests("c", [("Hi", [1, 2, 3])], SamplingParams(max_tokens=4, stop=["!"]))
+        [add] = client.of_type(AddRequest)
+        assert (add.request_id, add.prompt_token_ids, add.max_tokens) == ("c", [1, 2, 3], 4)
+        hello, bang = tok(engine, "Hello"), tok(engine, "!")
+        client.play(outputs(started={"c": (time.monotonic(), 16)}))
+        client.play(outputs(EngineCoreOutput("c", hello)))
+        client.play(outputs(EngineCoreOutput("c", bang)))
+        updates = await drain(stream)
+        assert "".join(d.text for u in updates for d in u.samples) == "Hello"
+        assert updates[-1].finished and updates[-1].samples[-1].finish_reason == "stop"
+        assert client.of_type(FinishRequest) == [FinishRequest("c", "!")]  # the core still ran it: told to stop
+        assert stream.num_cached_tokens == 16
+        assert engine.num_waiting == (0, 0)
 
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("rejection,expected", [("ValueError: boom", "RequestFailed"),
-                                                 (None, "ContextTooLong")])
-def test_an_engine_rejection_keeps_its_kind(tokenizer, rejection, expected):
+def test_many_prompts_and_n_samples_share_one_stream():
+    async def main():
+        engine, client = await started_engine()
+        stream = engine.add_requests("m", [(None, [5, 6]), (None, [7, 8, 9])], SamplingParams(n=2, max_tokens=1))
+        ids = [m.request_id for m in client.of_type(AddRequest)]
+        assert ids == ["m-0#0", "m-0#1", "m-1#0", "m-1#1"]
+        client.play(outputs(*(EngineCoreOutput(rid, [100 + i], None, "length") for i, rid in enumerate(ids))))
+        updates = await drain(stream)
+        got = {(u.prompt_index, d.index): d.token_ids for u in updates for d in u.samples}
+        assert got == {(0, 0): [100], (0, 1): [101], (1, 0): [102], (1, 1): [103]}
+        assert client.of_type(AbortRequests) == []  # all ended on their own: nothing to abort
+
+    asyncio.run(main())
+
+
+def test_admission_refuses_with_nothing_queued():
+    async def main():
+        engine, client = await started_engine()
+        with pytest.raises(ContextTooLong, match=f"context window of {MAX_MODEL_LEN}"):
+            engine.add_requests("x", [(None, [1] * 10)], SamplingParams(max_tokens=60))
+        with pytest.raises(ContextTooLong, match=f"the context window is {MAX_MODEL_LEN}"):
+            engine.add_requests("x", [(None, [1] * 10), (None, [1] * MAX_MODEL_LEN)], SamplingParams(max_tokens=1))
+        with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+            engine.add_requests("x", [(None, [10**6])], SamplingParams(max_tokens=1))
+        assert client.sent == [] and engine.processor.requests == {}
+        stream = engine.add_requests("y", [(None, [1] * 10)], SamplingParams(max_tokens=None))
+        assert client.sent[0].max_tokens == MAX_MODEL_LEN - 10  # None: what the context window leaves
+        stream.abort()
+
+    asyncio.run(main())
+
+
+def test_the_waiting_queue_limits_refuse_and_free_up():
+    async def main():
+        engine, client = await started_engine(max_waiting_requests=3, max_waiting_tokens=40)
+        with pytest.raises(InvalidRequest, match="--max-waiting-requests 3"):  # could never fit: not a 429
+            engine.add_requests("big", [(None, [1])], SamplingParams(n=4, max_tokens=1))
+        a = engine.add_requests("a", [(None, [1] * 10)], SamplingParams(n=2, max_tokens=1))
+        assert engine.num_waiting == (2, 20)
+        with pytest.raises(ServerOverloaded, match="20 prompt tokens waiting"):
+            engine.add_requests("b", [(None, [1] * 25)], SamplingParams(max_tokens=1))
+        with pytest.raises(ServerOverloaded, match="2 requests waiting"):
+            engine.add_requests("b", [(None, [1])], SamplingParams(n=2, max_tokens=1))
+        client.play(outputs(started={"a#0": (time.monotonic(), 0)}))
+        await asyncio.sleep(0)
+        assert engine.num_waiting == (1, 10)  # scheduled: no longer waiting
+        a.abort()
+        assert engine.num_waiting == (0, 0) and engine.overloaded() is None
+        assert client.of_type(AbortRequests) == [AbortRequests(["a#0", "a#1"])]
+
+    asyncio.run(main())
+
+
+def test_abort_after_some_samples_ended_counts_every_sample():
+    """An n=3 request whose client leaves after two samples ended: those two count as they ended, one as abort."""
+    async def main():
+        rec = Recorder()
+        engine, client = await started_engine(observer=rec)
+        stream = engine.add_requests("r", [(None, [1, 2, 3])], SamplingParams(n=3, max_tokens=4))
+        client.play(outputs(EngineCoreOutput("r#0", [7], None, "length"), EngineCoreOutput("r#1", [8], None, "stop")))
+        stream.abort()
+        stream.abort()  # idempotent
+        assert rec.calls["on_aborted"] == [(1,)]
+        assert sorted(rec.calls["on_outcomes"][0][0]) == ["abort", "length", "stop"]
+        assert client.of_type(AbortRequests) == [AbortRequests(["r#2"])]
+        assert engine.processor.requests == {} and engine._streams == {}
+
+    asyncio.run(main())
+
+
+def test_fail_all_ends_every_stream_with_the_error():
+    async def main():
+        engine, client = await started_engine(observer=Recorder())
+        streams = [engine.add_requests(rid, [(None, [1, 2])], SamplingParams(n=2, max_tokens=4)) for rid in "ab"]
+        assert engine.fail_all(ServerShuttingDown("stopping")) == 2
+        for stream in streams:
+            with pytest.raises(ServerShuttingDown):
+                await drain(stream)
+        assert sorted(i for m in client.of_type(AbortRequests) for i in m.request_ids) == ["a#0", "a#1", "b#0", "b#1"]
+        assert engine.processor.requests == {}
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("rejection,expected", [("ValueError: boom", RequestFailed),
+                                                 (ContextTooLong("too long", param="prompt"), ContextTooLong)])
+def test_an_engine_rejection_keeps_its_kind(rejection, expected):
     """A refusal that crossed the process boundary as text is an internal failure, not 'context too long';
     a typed one keeps its type."""
-    import asyncio
-
-    from tokenmill.engine.messages import EngineOutputs
-    from tokenmill.engine.scheduler import SchedulerStats
-    from tokenmill.errors import ContextTooLong
-
     async def main():
-        engine = AsyncEngine(EngineConfig(), observer=None)
-        engine._loop = asyncio.get_running_loop()
-        group, tracked = tracked_group(engine, tokenizer, 1)
-        err = rejection if rejection is not None else ContextTooLong("too long", param="prompt")
-        engine._process(EngineOutputs([], {}, {tracked.parent.samples[0].core_id: err}, SchedulerStats(0, 0, 0, 0.0, 0)))
-        with pytest.raises(Exception) as e:
-            async for _ in group:
-                pass
-        assert type(e.value).__name__ == expected
+        engine, client = await started_engine()
+        stream = engine.add_requests("r", [(None, [1, 2])], SamplingParams(max_tokens=4))
+        client.play(outputs(rejected={"r": rejection}))
+        with pytest.raises(expected):
+            await drain(stream)
+        assert engine.num_waiting == (0, 0) and engine._streams == {}
+
+    asyncio.run(main())
+
+
+def test_when_the_engine_dies_every_request_fails_and_the_server_is_told():
+    async def main():
+        rec = Recorder()
+        engine, client = await started_engine(observer=rec)
+        told = []
+        engine.on_dead = told.append
+        stream = engine.add_requests("r", [(None, [1, 2])], SamplingParams(max_tokens=4))
+        client.exit("the engine process exited (code -9)")
+        with pytest.raises(EngineDeadError, match="code -9"):
+            await drain(stream)
+        assert told == ["the engine process exited (code -9)"] and not engine.healthy
+        assert rec.calls["on_engine_dead"] == [(1,)]
+        with pytest.raises(EngineDeadError):
+            engine.add_requests("late", [(None, [1])], SamplingParams(max_tokens=1))
 
     asyncio.run(main())
 
@@ -99,14 +236,11 @@ def test_an_engine_rejection_keeps_its_kind(tokenizer, rejection, expected):
 def test_the_api_process_never_loads_the_model_stack():
     """The server's process (app, launch, client, tokenizer) imports neither torch nor the engine core: it stays
     small and starts fast; the model lives in the engine process."""
-    import subprocess
-    import sys
-
     code = ("import sys; import tokenmill.server.app, tokenmill.server.launch; "
             "from tokenmill.tokenizer import Tokenizer; from tokenmill.model.paths import default_model_path; "
             "Tokenizer.load(default_model_path()); "
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'tokenmill.model.llama', "
-            "'tokenmill.engine.core', 'tokenmill.engine.runner'))))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'tokenmill.model.llama')) "
+            "or m in ('tokenmill.engine.core', 'tokenmill.engine.runner')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout

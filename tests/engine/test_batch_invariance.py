@@ -67,15 +67,16 @@ def test_preempted_and_resumed_output_equals_alone(model_dir, alone):
 
 @pytest.fixture(scope="module")
 def alone_bf16(model_dir):
-    llm = LLM(str(model_dir), dtype="bfloat16", kv_cache_memory=32 << 20, max_num_batched_tokens=512)
+    llm = LLM(str(model_dir), dtype="bfloat16", kv_cache_memory=32 << 20, max_num_batched_tokens=512,
+              batch_invariant=True)
     return [llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0].outputs[0] for p in batch_prompts()]
 
 
 @needs_bf16_kernel
 @pytest.mark.parametrize("chunk", [16, 64, 512])
 def test_bf16_batched_and_chunked_output_is_bitwise_alone(model_dir, alone_bf16, chunk):
-    llm, outs = run(model_dir, batch_prompts(), dtype="bfloat16", max_num_batched_tokens=chunk)
-    assert llm.engine.core.runner.backend.pages_fresh_prefills
+    llm, outs = run(model_dir, batch_prompts(), dtype="bfloat16", max_num_batched_tokens=chunk, batch_invariant=True)
+    assert llm.engine.core.runner.batch_invariant
     for i, (ref, out) in enumerate(zip(alone_bf16, outs)):
         assert out.token_ids == ref.token_ids, f"request {i}"
         assert out.logprobs == ref.logprobs, f"request {i}"
@@ -85,7 +86,7 @@ def test_bf16_batched_and_chunked_output_is_bitwise_alone(model_dir, alone_bf16,
 def test_bf16_preempted_and_resumed_output_is_bitwise_alone(model_dir, alone_bf16):
     # bfloat16 halves the bytes per token of the float32 case above: 80 blocks of 16 are still far too few
     llm, outs = run(model_dir, batch_prompts(), dtype="bfloat16", kv_cache_memory=80 * 16 * 384,
-                    max_num_batched_tokens=64)
+                    max_num_batched_tokens=64, batch_invariant=True)
     assert llm.engine.core.scheduler.num_preemptions > 0
     for ref, out in zip(alone_bf16, outs):
         assert out.token_ids == ref.token_ids and out.logprobs == ref.logprobs

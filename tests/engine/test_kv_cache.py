@@ -20,7 +20,7 @@ def request(rid: str, prompt: list[int], max_tokens: int = 4, salt: str | None =
 
 def scheduler(num_blocks=64, block_size=4, **cfg) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
-    return Scheduler(SchedulerConfig(**cfg), kv, max_model_len=100_000)
+    return Scheduler(SchedulerConfig(**cfg), kv)
 
 
 def step(sched: Scheduler, token: int = 7):

@@ -7,7 +7,7 @@ import pytest
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache import BlockPool, KVCacheManager
 from tokenmill.engine.scheduler import Scheduler
-from tokenmill.errors import ConfigError, ContextTooLong
+from tokenmill.errors import ConfigError
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 
@@ -57,7 +57,7 @@ def test_free_is_idempotent():
 
 def test_chunked_prefill_respects_budget_and_decodes_share_the_batch():
     kv = KVCacheManager(64, 4)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8), kv, max_model_len=256)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8), kv)
     sched.add_request(make_request("short", 3, 5))
     sched.add_request(make_request("long", 30, 5))
     out, _ = run_step(sched)
@@ -69,19 +69,9 @@ def test_chunked_prefill_respects_budget_and_decodes_share_the_batch():
     check_blocks_match_tokens(sched)
 
 
-def test_request_that_can_never_fit_is_refused_with_the_limit_named():
-    kv = KVCacheManager(4, 4)  # 16 tokens in the whole pool
-    sched = Scheduler(SchedulerConfig(), kv, max_model_len=1000)
-    with pytest.raises(ContextTooLong, match="KV cache capacity of 16 tokens"):
-        sched.add_request(make_request("big", 10, 10))
-    with pytest.raises(ContextTooLong, match="context window of 1000"):
-        Scheduler(SchedulerConfig(), KVCacheManager(1000, 4), 1000).add_request(make_request("x", 990, 20))
-    assert not sched.has_unfinished
-
-
 def test_preemption_frees_blocks_and_resumes_by_recompute():
     kv = KVCacheManager(6, 4)  # 24 tokens
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv, max_model_len=64)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv)
     a, b = make_request("a", 8, 8), make_request("b", 8, 8)
     sched.add_request(a)
     sched.add_request(b)
@@ -98,7 +88,7 @@ def test_preemption_frees_blocks_and_resumes_by_recompute():
 
 def test_static_policy_admits_no_one_until_the_batch_ends():
     kv = KVCacheManager(64, 4)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=2, policy="static"), kv, max_model_len=256)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, policy="static"), kv)
     for rid, n in (("a", 1), ("b", 6), ("c", 1)):
         sched.add_request(make_request(rid, 4, n))
     seen_c_while_b_runs = False
@@ -121,7 +111,7 @@ def test_random_workload_with_aborts_and_preemptions_leaves_the_pool_whole(seed,
     rng = random.Random(seed)
     kv = KVCacheManager(rng.randint(12, 40), rng.choice([1, 4, 16]))
     sched = Scheduler(SchedulerConfig(max_num_seqs=rng.randint(1, 8), max_num_batched_tokens=rng.randint(8, 64),
-                                      long_prefill_token_threshold=threshold), kv, max_model_len=10_000)
+                                      long_prefill_token_threshold=threshold), kv)
     capacity = kv.pool.num_blocks * kv.block_size
     n_added, preemptions = 0, 0
     for step in range(400):
@@ -147,7 +137,7 @@ def test_random_workload_with_aborts_and_preemptions_leaves_the_pool_whole(seed,
 # ---- long prefills share the step ---------------------------------------------------------------------------------
 def long_prefill_scheduler(threshold=None, num_blocks=1024) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_batched_tokens=512, long_prefill_token_threshold=threshold),
-                     KVCacheManager(num_blocks, 16), max_model_len=100_000)
+                     KVCacheManager(num_blocks, 16))
 
 
 def chunks(out) -> list[tuple[str, int]]:
@@ -246,8 +236,7 @@ def test_when_no_one_else_needs_it_a_long_prefill_gets_the_whole_budget():
 
 def test_a_chunk_the_pool_cannot_grow_stays_capped_and_preempts_no_one():
     kv = KVCacheManager(8, 4)  # 32 tokens
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=32, long_prefill_token_threshold=8), kv,
-                      max_model_len=64)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=32, long_prefill_token_threshold=8), kv)
     short, long = make_request("short", 8, 10), make_request("long", 28, 1)
     sched.add_request(short)
     run_step(sched)

@@ -216,3 +216,28 @@ def test_prepack_picks_the_bf16_tiles_where_they_fit():
     for w in (fits, odd):
         layer = SimpleNamespace(weight=w, bias=None, packed_weight=backend.pack_weight(w))
         torch.testing.assert_close(backend.linear(x, layer).float(), F.linear(x, w).float(), atol=0.1, rtol=2e-2)
+
+
+@pytest.mark.skipif(BF16_KERNEL == "", reason="no bfloat16 matmul kernel on this CPU")
+def test_bf16_tile_packing_releases_the_plain_weights_and_reloads(tmp_path):
+    """Where the tile copy serves every row count, the plain copy is not kept (the weights are held once); the
+    tied LM head keeps its weight (it is the embedding), and loading again brings the plain weights back."""
+    from tests.models.tiny import make_tiny_model
+    from tokenmill.model.llama import LlamaForCausalLM
+    from tokenmill.model.loader import load_model_config, load_weights
+
+    path = make_tiny_model(tmp_path, arch="llama", num_layers=1)
+    cfg = load_model_config(path)
+    backend = CpuBackend(ops, BF16_KERNEL)
+    model = LlamaForCausalLM(cfg, backend, torch.bfloat16)
+    model.load_hf_weights(load_weights(path, cfg, torch.bfloat16))
+    x = torch.randn(5, cfg.hidden_size).to(torch.bfloat16)
+    qkv = model.layers[0].self_attn.qkv_proj
+    before = F.linear(x, qkv.weight)
+    assert backend.prepack(model)
+    assert qkv.weight.is_meta and qkv.packed_weight.dim() == 4
+    assert not model.embed_tokens.weight.is_meta and model.tied_head.packed_weight.dim() == 4
+    torch.testing.assert_close(qkv(x), before, atol=0.05, rtol=2e-2)
+    model.load_hf_weights(load_weights(path, cfg, torch.bfloat16))
+    assert not any(p.is_meta for p in model.parameters()) and qkv.packed_weight is None
+    assert torch.equal(F.linear(x, qkv.weight), before)

@@ -8,6 +8,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, quants
 
+import tokenmill.quant.gguf as tm_gguf
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.loader import default_model_path
 from tokenmill.quant.gguf import GGUFFile, dequantize
@@ -88,6 +89,19 @@ def test_other_types_fall_back_to_gguf_package() -> None:
     assert torch.equal(dequantize(raw, T.Q6_K, (2, 768)), _ref(raw, T.Q6_K, (2, 768)))
 
 
+@pytest.mark.parametrize("qtype", [*OWN_TYPES, T.Q5_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_dequantize_into_a_narrower_dtype_goes_by_chunks(qtype: T, dtype: torch.dtype,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exactly the float32 decode, cast; 7 rows in chunks of 3 (the last one short), so several chunks run."""
+    data = _random_rows(11, (7, 256))
+    raw = quants.quantize(data, qtype)
+    monkeypatch.setattr(tm_gguf, "DEQUANTIZE_CHUNK", 3 * 256)
+    out = dequantize(raw, qtype, data.shape, dtype)
+    assert out.dtype == dtype and out.shape == data.shape
+    assert torch.equal(out, dequantize(raw, qtype, data.shape).to(dtype))
+
+
 def test_unknown_and_unsupported_types_raise() -> None:
     with pytest.raises(ModelLoadError, match=r"unknown GGML tensor type 99.*Q4_1"):
         dequantize(np.zeros(64, np.uint8), 99, (64,))
@@ -137,3 +151,9 @@ def test_real_tensors_match_gguf_package(smol_reader: GGUFReader, smol_file: GGU
     raw = smol_file.read_raw(name)
     assert np.array_equal(raw.numpy(), np.ascontiguousarray(t.data).reshape(-1).view(np.uint8))
     assert torch.equal(smol_file.read_tensor(name), _ref(np.asarray(t.data), t.tensor_type, info.shape))
+
+
+def test_real_tensor_read_in_bfloat16_is_the_float32_decode_cast(smol_file: GGUFFile) -> None:
+    name = "token_embd.weight"  # Q8_0, the largest tensor: read in chunks of rows
+    bf16 = smol_file.read_tensor(name, torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, smol_file.read_tensor(name).to(torch.bfloat16))

@@ -1,4 +1,4 @@
-"""Logprob token bytes (server/app.py _TokenText) for both vocabulary spellings, without a server."""
+"""Logprob token bytes (server/token_text.py) for both vocabulary spellings, without a server."""
 
 import pytest
 from tokenizers import Tokenizer as RawTokenizer
@@ -6,7 +6,7 @@ from tokenizers import decoders, models
 from transformers import PreTrainedTokenizerFast
 
 from tokenmill.model.loader import default_model_path
-from tokenmill.server.app import _TokenText
+from tokenmill.server.token_text import TokenText
 from tokenmill.tokenizer import Tokenizer
 
 
@@ -21,7 +21,7 @@ def sentencepiece_style():
 
 
 def test_sentencepiece_byte_tokens_are_their_byte(sentencepiece_style):
-    tt = _TokenText(sentencepiece_style)
+    tt = TokenText(sentencepiece_style)
     assert tt.bytes(1) == [0x0A]  # not the bytes of the text '<0x0A>'
     assert tt.bytes(2) == [0xE2] and tt.bytes(6) == [0x3C]
     assert tt.bytes(3) == list(b" the") and tt.bytes(5) == list(b"cat")
@@ -29,7 +29,7 @@ def test_sentencepiece_byte_tokens_are_their_byte(sentencepiece_style):
 
 def test_byte_level_tokens_are_their_bytes():
     tok = Tokenizer.load(default_model_path())
-    tt = _TokenText(tok)
+    tt = TokenText(tok)
     newline = tok.encode("\n", add_special_tokens=False)
     assert [b for t in newline for b in tt.bytes(t)] == [0x0A]
     word = tok.encode(" Paris", add_special_tokens=False)

@@ -13,26 +13,15 @@ import torch
 
 from tokenmill.config import EngineConfig, ModelConfig, default_kv_cache_memory
 from tokenmill.engine.kv_cache import KVCacheManager
-from tokenmill.engine.messages import EngineCoreOutput
+from tokenmill.engine.messages import AddRequest, EngineCoreOutput, EngineOutputs
 from tokenmill.engine.runner import DTYPES, ModelRunner, StepResult, kv_bytes_per_token
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 from tokenmill.errors import ConfigError
+from tokenmill.model.backends import auto_dtype
 from tokenmill.model.loader import load_model_config, load_weights, resolve_model_path
 from tokenmill.request import Request, RequestStatus
 
 log = logging.getLogger("tokenmill")
-
-
-def auto_dtype(device: str) -> str:
-    """bfloat16 where the hardware computes it natively (GPUs; CPUs with AVX512-BF16/AMX), else float32.
-    On a CPU without native bf16, bf16 matmuls are emulated and run about 2x slower than float32
-    (measured: BENCHMARKS.md, "dtype")."""
-    if torch.device(device).type != "cpu":
-        return "bfloat16"
-    try:
-        return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
-    except (AttributeError, RuntimeError):
-        return "float32"
 
 
 @dataclass
@@ -64,7 +53,7 @@ class EngineCore:
         self.model_path = path
         self.model_config: ModelConfig = load_model_config(path)
         self.dtype = DTYPES[auto_dtype(config.device) if config.dtype == "auto" else config.dtype]
-        weights = load_weights(path, self.model_config)
+        weights = load_weights(path, self.model_config, self.dtype)
         mc, cc = self.model_config, config.cache
         per_token = kv_bytes_per_token(mc, self.dtype)
         budget = cc.kv_cache_memory or default_kv_cache_memory()
@@ -79,17 +68,23 @@ class EngineCore:
             raise ConfigError(f"--max-model-len {max_len} exceeds the model's {mc.max_position_embeddings} positions")
         self.max_model_len = max_len
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, max_len)
-        self.runner = ModelRunner(mc, weights, self.dtype, config.device, num_blocks, cc.block_size, config.seed)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.runner = ModelRunner(mc, weights, self.dtype, config.device, num_blocks, cc.block_size, config.seed,
+                                  batch_invariant=config.batch_invariant)
         del weights
+        self._unstarted: set[str] = set()  # added, never scheduled yet: reported in `started` when first scheduled
 
     # ---- requests ----------------------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        """Raises ContextTooLong (nothing queued) when the request can never fit."""
-        self.scheduler.add_request(request)
+    def add_request(self, msg: AddRequest) -> None:
+        """Queue one sequence; it passed admission (engine/admission.py) at the edge, so it fits."""
+        self.scheduler.add_request(Request(msg.request_id, msg.prompt_token_ids, msg.params, msg.max_tokens,
+                                           msg.eos_token_ids, arrival_time=msg.arrival_time,
+                                           cache_salt=msg.cache_salt))
+        self._unstarted.add(msg.request_id)
 
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
+            self._unstarted.discard(rid)
             if self.scheduler.abort(rid) is not None:
                 self.runner.release(rid)
 
@@ -103,10 +98,17 @@ class EngineCore:
         return self.scheduler.has_unfinished
 
     # ---- one step ------------------------------------------------------------------------------------------
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self) -> EngineOutputs:
+        """Schedule and run one step: the tokens it sampled, and the sequences it scheduled for the first time."""
         sched = self.scheduler.schedule()
         if sched.empty:
-            return []
+            return EngineOutputs()
+        started = {}
+        for s in sched.scheduled:
+            req = s.request
+            if req.request_id in self._unstarted:
+                self._unstarted.discard(req.request_id)
+                started[req.request_id] = (req.first_scheduled_time, req.num_cached_tokens or 0)
         result = self._execute(sched)
         outputs = []
         for rid, why in result.failed.items():
@@ -121,10 +123,10 @@ class EngineCore:
                 continue
             token, lp = result.sampled[req.request_id]
             outputs.append(EngineCoreOutput(req.request_id, [token], [lp] if lp is not None else None,
-                                            req.finish_reason, req.stop_reason))
+                                            req.finish_reason, req.stop_reason, num_preemptions=req.num_preemptions))
         for req in finished:
             self.runner.release(req.request_id)
-        return outputs
+        return EngineOutputs(outputs, started)
 
     def _execute(self, sched: SchedulerOutput) -> StepResult:
         """Run the step; if it raises, run each request alone so only the one(s) at fault fail. Rerunning is
@@ -142,5 +144,5 @@ class EngineCore:
 
     def check_idle_invariants(self) -> None:
         """With nothing in flight every block must be free: a leak is a bug."""
-        assert not self.scheduler.has_unfinished
+        assert not self.scheduler.has_unfinished and not self._unstarted
         self.kv.check_idle()

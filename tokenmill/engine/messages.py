@@ -1,36 +1,32 @@
-"""The messages that cross the process boundary between the API process (engine/async_engine.py) and the
-engine-core process (engine/engine_process.py). Plain dataclasses, pickled through a multiprocessing Pipe; no
-torch, so the API process never loads the model stack.
+"""The messages that cross the boundary between the client side (engine/output_processor.py, used by the server's
+client in the API process and by the offline engine in-process) and the engine core (engine/core.py, run by
+engine/engine_process.py). Plain dataclasses, pickled through a multiprocessing Pipe; no torch, so the API process
+never loads the model stack.
 
-    API -> engine: [AddRequest | AbortRequests | FinishRequest | Shutdown] (a batch per send)
-    engine -> API: EngineReady | EngineFailed once at start-up, then EngineOutputs per step (and as a heartbeat)
+    client -> core: [AddRequest | AbortRequests | FinishRequest | Shutdown] (a batch per send)
+    core -> client: EngineReady | EngineFailed once at start-up, then EngineOutputs per step (and as a heartbeat)
 """
 
 from __future__ import annotations
 
-import time
+import pickle
 from dataclasses import dataclass, field
 
 from tokenmill.engine.scheduler import SchedulerStats
-from tokenmill.request import Request
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one step produced for one request (only requests that changed)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    error: str | None = None  # finish_reason "error": why this request could not be run
-
+from tokenmill.sampling_params import SamplingParams
 
 
 @dataclass
 class AddRequest:
-    request: Request
+    """One sequence for the core to run (one of a request's n samples); the core makes its `Request` from it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved at admission (engine/admission.py)
+    eos_token_ids: frozenset[int]
+    arrival_time: float
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -40,6 +36,8 @@ class AbortRequests:
 
 @dataclass
 class FinishRequest:
+    """A stop string matched on the client side: the core ends the sequence and frees its blocks."""
+
     request_id: str
     stop_reason: str
 
@@ -65,11 +63,34 @@ class EngineFailed:
     error: BaseException | str
 
 
+def picklable_error(e: BaseException) -> BaseException | str:
+    """An error as it can cross the boundary: itself (its type kept), or its text if it cannot be pickled."""
+    try:
+        pickle.dumps(e)
+        return e
+    except Exception:  # noqa: BLE001 - whatever pickling raises, the text still crosses
+        return f"{type(e).__name__}: {e}"
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one sequence (only sequences that changed)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None  # finish_reason "error": why this sequence could not be run
+    num_preemptions: int = 0  # times the sequence was preempted (and recomputed) so far
+
+
 @dataclass
 class EngineOutputs:
-    outputs: list[EngineCoreOutput]
-    # request id -> (first scheduled time (time.monotonic, same clock in both processes), prompt tokens cached)
-    started: dict[str, tuple[float, int]]
-    rejected: dict[str, BaseException]  # request id -> why the core refused it at add
-    stats: SchedulerStats
-    time: float = field(default_factory=time.monotonic)
+    """One engine step's news; an idle engine sends an empty one as its heartbeat."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    # sequence id -> (first scheduled time (time.monotonic, one clock on the machine), prompt tokens found cached)
+    started: dict[str, tuple[float, int]] = field(default_factory=dict)
+    rejected: dict[str, BaseException | str] = field(default_factory=dict)  # sequence id -> why the core refused it
+    stats: SchedulerStats | None = None  # set by the engine process; None in-process

@@ -1,25 +1,54 @@
-"""The text side of a request, shared by the offline engine (llm_engine.py) and the server's client
-(async_engine.py): checks before a request is queued, its n samples' state (incremental detokenizer, stop strings,
-logprobs), and folding each core output into it. Plain Python: no torch, no model.
+"""OutputProcessor: the client side of every request in flight, shared by the offline engine (llm_engine.py) and the
+server's client (async_engine.py). It splits a request into its n core sequences, folds each step's EngineOutputs
+into text (incremental detokenizer, stop strings), logprobs and per-request metrics, and hands results out whole
+(RequestOutput, offline) or as deltas (SampleDelta, streaming). Plain Python: no torch, no model.
+
+One request type per side of the boundary: the core has `Request`; this side has `RequestState` (with one
+`SampleState` per sample). Not thread-safe: the async client calls it under its lock.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
-from tokenmill.engine.detokenizer import IncrementalDetokenizer
-from tokenmill.engine.messages import EngineCoreOutput
-from tokenmill.errors import ContextTooLong, InvalidRequest
-from tokenmill.outputs import CompletionOutput, RequestMetrics
-from tokenmill.request import Request
+from tokenmill.engine.detokenizer import Decoder, IncrementalDetokenizer
+from tokenmill.engine.messages import AddRequest, EngineCoreOutput, EngineOutputs, FinishRequest
+from tokenmill.engine.scheduler import SchedulerStats
+from tokenmill.errors import RequestFailed, TokenmillError
+from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.tokenizer import Tokenizer
+
+
+class MetricsObserver(Protocol):
+    """Per-request metrics hooks (server/metrics.py implements them); times in seconds."""
+
+    def on_added(self, prompt_tokens: int) -> None: ...
+    def on_started(self, queue_time: float) -> None: ...
+    def on_first_token(self, ttft: float) -> None: ...
+    def on_inter_token(self, itl: float) -> None: ...
+    def on_finished(self, request: RequestState, e2e: float) -> None: ...
+    def on_aborted(self, count: int) -> None: ...
+    def on_outcomes(self, reasons: list[str]) -> None: ...
+    def on_stats(self, stats: SchedulerStats, generated_tokens: int) -> None: ...
 
 
 @dataclass
+class SampleDelta:
+    """What is new in one sample since its last delta."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(eq=False)
 class SampleState:
-    """One of the n samples of a request, as the frontend tracks it."""
+    """One of a request's n samples: one core sequence, `core_id`."""
 
     index: int
     core_id: str
@@ -30,97 +59,208 @@ class SampleState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    num_preemptions: int = 0
+    last_token_time: float | None = None
+    # what `delta` has handed out so far: characters of visible text, tokens, and whether the end
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    sent_finish: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
     def output(self) -> CompletionOutput:
-        text = self.detok.visible_text(self.finish_reason is not None)
+        text = self.detok.visible_text(self.finished)
         return CompletionOutput(self.index, text, list(self.token_ids), self.cumulative_logprob,
                                 self.logprobs, self.finish_reason, self.stop_reason, self.error)
 
+    def delta(self) -> SampleDelta | None:
+        """What is new since the last call, or None. Visible text only grows, so a delta is what is past it."""
+        if self.sent_finish:
+            return None
+        text = self.detok.visible_text(self.finished)
+        chars, tokens = self.sent_chars, self.sent_tokens
+        if len(text) == chars and len(self.token_ids) == tokens and not self.finished:
+            return None
+        self.sent_chars, self.sent_tokens, self.sent_finish = len(text), len(self.token_ids), self.finished
+        return SampleDelta(self.index, text[chars:], self.token_ids[tokens:],
+                           self.logprobs[tokens:] if self.logprobs is not None else None,
+                           self.finish_reason, self.stop_reason)
 
-@dataclass
+
+@dataclass(eq=False)
 class RequestState:
+    """A request as the client side tracks it: its prompt, its n samples and its metrics."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     samples: list[SampleState]
     metrics: RequestMetrics
-    core_requests: list[Request]
     num_cached_tokens: int = 0  # prompt tokens the prefix cache held when the first sample was first scheduled
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples)
+        return all(s.finished for s in self.samples)
+
+    @property
+    def error(self) -> RequestFailed | None:
+        """Why the engine could not run one of the samples, if it could not."""
+        failed = next((s.error for s in self.samples if s.error is not None), None)
+        return RequestFailed(f"the engine could not run this request: {failed}") if failed else None
+
+    def output(self) -> RequestOutput:
+        """The whole result so far, all n samples (offline use)."""
+        self.metrics.num_preemptions = sum(s.num_preemptions for s in self.samples)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [s.output() for s in self.samples],
+                             self.finished, self.metrics, self.num_cached_tokens)
+
+    def deltas(self) -> list[SampleDelta]:
+        """What is new in each sample since the last call (streaming)."""
+        return [d for s in self.samples if (d := s.delta()) is not None]
 
 
-def validate_prompt(token_ids: list[int], vocab_size: int) -> None:
-    if not token_ids:
-        raise InvalidRequest("the prompt is empty", param="prompt")
-    bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab_size})", param="prompt")
+@dataclass
+class ProcessedOutputs:
+    """What one EngineOutputs changed."""
+
+    requests: list[RequestState] = field(default_factory=list)  # with news; the finished ones are forgotten
+    stops: list[FinishRequest] = field(default_factory=list)  # for the core: stop strings ended these sequences
+    rejected: list[tuple[RequestState, TokenmillError]] = field(default_factory=list)  # refused by the core; forgotten
+    num_generated: int = 0  # new tokens, all requests together
 
 
-def validate_cache_salt(salt: object) -> str | None:
-    """A cache salt is a non-empty string (or absent): requests with different salts never share cached KV."""
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        raise InvalidRequest("cache_salt must be a non-empty string", param="cache_salt")
-    return salt
+class OutputProcessor:
+    def __init__(self, tokenizer: Decoder, eos_token_ids: frozenset[int], observer: MetricsObserver | None = None):
+        self.tokenizer, self.eos_token_ids, self.observer = tokenizer, eos_token_ids, observer
+        self.requests: dict[str, RequestState] = {}
+        self._samples: dict[str, tuple[RequestState, SampleState]] = {}  # core id -> its request and sample
 
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
 
-def resolve_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model_len: int, token_capacity: int) -> int:
-    """params.max_tokens, or (None) up to the context window or what the whole KV pool can hold if that is less.
-    Raises ContextTooLong when the prompt alone fills the context window."""
-    if num_prompt_tokens >= max_model_len:
-        raise ContextTooLong(f"the prompt has {num_prompt_tokens} tokens; the context window is {max_model_len}",
-                             param="prompt")
-    if params.max_tokens is not None:
-        return params.max_tokens
-    return min(max_model_len, token_capacity) - num_prompt_tokens
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                    max_tokens: int, arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> tuple[RequestState, list[AddRequest]]:
+        """Track a request that passed admission; returns it and its n sequences for the core (ids `request_id`,
+        or `request_id#i` for n > 1; seeded samples get seed + i). The n sequences share the prompt's KV blocks
+        through the prefix cache."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        now = time.monotonic() if arrival_time is None else arrival_time
+        state = RequestState(request_id, prompt, prompt_token_ids, params, [], RequestMetrics(arrival_time=now))
+        msgs = []
+        with_logprobs = params.logprobs is not None
+        for i in range(params.n):
+            core_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            sample_params = params
+            if params.n > 1 and params.seed is not None:
+                sample_params = replace(params, seed=params.seed + i)
+            msgs.append(AddRequest(core_id, prompt_token_ids, sample_params, max_tokens, self.eos_token_ids, now,
+                                   cache_salt))
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop_list,
+                                           params.include_stop_str_in_output, params.skip_special_tokens)
+            sample = SampleState(i, core_id, detok, logprobs=[] if with_logprobs else None,
+                                 cumulative_logprob=0.0 if with_logprobs else None)
+            state.samples.append(sample)
+            self._samples[core_id] = (state, sample)
+        self.requests[request_id] = state
+        if self.observer is not None:
+            self.observer.on_added(len(prompt_token_ids))
+        return state, msgs
 
+    def process(self, step: EngineOutputs) -> ProcessedOutputs:
+        """Fold one step's outputs in. Outputs for sequences no longer tracked (aborted, or a core in another
+        process running a step ahead of a stop string) are dropped."""
+        result = ProcessedOutputs()
+        now = time.monotonic()
+        obs = self.observer
+        for core_id, (scheduled_at, cached) in step.started.items():
+            entry = self._samples.get(core_id)
+            if entry is None:
+                continue
+            state, sample = entry
+            if sample.index == 0:
+                state.metrics.first_scheduled_time, state.num_cached_tokens = scheduled_at, cached
+            if obs is not None:
+                obs.on_started(scheduled_at - state.metrics.arrival_time)
+        for core_id, why in step.rejected.items():
+            entry = self._samples.get(core_id)
+            if entry is not None:
+                error = why if isinstance(why, TokenmillError) else RequestFailed(
+                    f"the engine refused this request: {why}")
+                result.rejected.append((entry[0], error))
+                self.pop(entry[0].request_id)
+        touched: dict[str, RequestState] = {}
+        for out in step.outputs:
+            entry = self._samples.get(out.request_id)
+            if entry is None or entry[1].finished:
+                continue
+            state, sample = entry
+            self._apply(state, sample, out, result.stops)
+            touched[state.request_id] = state
+            if out.new_token_ids:
+                result.num_generated += len(out.new_token_ids)
+                if state.metrics.first_token_time is None:
+                    state.metrics.first_token_time = now
+                if obs is not None and sample.last_token_time is None:
+                    obs.on_first_token(now - state.metrics.arrival_time)
+                elif obs is not None:
+                    obs.on_inter_token(now - sample.last_token_time)
+                sample.last_token_time = now
+        for state in touched.values():
+            if state.finished:
+                state.metrics.finished_time = now
+                self.pop(state.request_id)
+                if obs is not None:
+                    obs.on_finished(state, now - state.metrics.arrival_time)
+        result.requests = list(touched.values())
+        if obs is not None and step.stats is not None:
+            obs.on_stats(step.stats, result.num_generated)
+        return result
 
-def new_parent(request_id: str, text: str | None, ids: list[int], params: SamplingParams, max_tokens: int,
-               tokenizer: Tokenizer, eos_token_ids: frozenset[int], arrival_time: float | None = None,
-               cache_salt: str | None = None) -> RequestState:
-    """The frontend state of one request and its n core requests (ids `request_id`, or `request_id#i` for n > 1;
-    seeded children get seed + i), each with its own incremental detokenizer. The n core requests share the
-    prompt's KV blocks through the prefix cache."""
-    now = time.monotonic() if arrival_time is None else arrival_time
-    parent = RequestState(request_id, text, ids, params, [], RequestMetrics(arrival_time=now), [])
-    for i in range(params.n):
-        core_id = request_id if params.n == 1 else f"{request_id}#{i}"
-        child_params = params
-        if params.n > 1 and params.seed is not None:
-            child_params = replace(params, seed=params.seed + i)
-        req = Request(core_id, ids, child_params, max_tokens, eos_token_ids, arrival_time=now, cache_salt=cache_salt)
-        detok = IncrementalDetokenizer(tokenizer, ids, params.stop_list, params.include_stop_str_in_output,
-                                       params.skip_special_tokens)
-        parent.samples.append(SampleState(i, core_id, detok, logprobs=[] if params.logprobs is not None else None,
-                                      cumulative_logprob=0.0 if params.logprobs is not None else None))
-        parent.core_requests.append(req)
-    return parent
+    def abort_request(self, request_id: str) -> list[str]:
+        """End a request (client gone, server stopping); returns the core ids still running, for the core to
+        abort. Samples that ended before count as they ended."""
+        state = self.pop(request_id)
+        if state is None:
+            return []
+        running = [s for s in state.samples if not s.finished]
+        for s in running:
+            s.finish_reason = "abort"
+        if running and self.observer is not None:
+            self.observer.on_aborted(len(running))
+            self.observer.on_outcomes([s.finish_reason for s in state.samples])
+        return [s.core_id for s in running]
 
+    def pop(self, request_id: str) -> RequestState | None:
+        """Stop tracking a request, whatever its samples' state."""
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            for s in state.samples:
+                del self._samples[s.core_id]
+        return state
 
-def apply_output(parent: RequestState, sample: SampleState, out: EngineCoreOutput) -> str | None:
-    """Fold one core output into its sample. Returns a stop string that ended the sample while the core still
-    runs it, so the caller tells the core to finish it (`EngineCore.finish`). Outputs for a sample already
-    finished (a core in another process may run a step ahead of the frontend) are ignored."""
-    if sample.finish_reason is not None:
-        return None
-    sample.token_ids.extend(out.new_token_ids)
-    if sample.logprobs is not None and out.new_logprobs:
-        for tok, lp in zip(out.new_token_ids, out.new_logprobs):
-            sample.logprobs.append(lp)
-            sample.cumulative_logprob += lp[tok]
-    if parent.metrics.first_token_time is None and out.new_token_ids:
-        parent.metrics.first_token_time = time.monotonic()
-    text_ids = out.new_token_ids
-    if out.finish_reason == "stop" and not parent.params.include_stop_str_in_output:
-        text_ids = text_ids[:-1]  # the EOS / stop token ended it: its id is output, its text is not
-    stop = sample.detok.append(text_ids)
-    if stop is not None:  # a stop string wins, even over a length limit reached by the same token
-        sample.finish_reason, sample.stop_reason = "stop", stop
-        return stop if out.finish_reason is None else None
-    if out.finish_reason is not None:
-        sample.finish_reason, sample.stop_reason, sample.error = out.finish_reason, out.stop_reason, out.error
-    return None
+    @staticmethod
+    def _apply(state: RequestState, sample: SampleState, out: EngineCoreOutput, stops: list[FinishRequest]) -> None:
+        """Fold one core output into its sample. A stop string that ends the sample while the core still runs it
+        goes to `stops`, for the core to finish it."""
+        sample.token_ids.extend(out.new_token_ids)
+        sample.num_preemptions = out.num_preemptions
+        if sample.logprobs is not None and out.new_logprobs:
+            for tok, lp in zip(out.new_token_ids, out.new_logprobs):
+                sample.logprobs.append(lp)
+                sample.cumulative_logprob += lp[tok]
+        text_ids = out.new_token_ids
+        if out.finish_reason == "stop" and not state.params.include_stop_str_in_output:
+            text_ids = text_ids[:-1]  # the EOS / stop token ended it: its id is output, its text is not
+        stop = sample.detok.append(text_ids)
+        if stop is not None:  # a stop string wins, even over a length limit reached by the same token
+            sample.finish_reason, sample.stop_reason = "stop", stop
+            if out.finish_reason is None:
+                stops.append(FinishRequest(sample.core_id, stop))
+        elif out.finish_reason is not None:
+            sample.finish_reason, sample.stop_reason, sample.error = out.finish_reason, out.stop_reason, out.error

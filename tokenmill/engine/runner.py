@@ -7,6 +7,7 @@ random generator.
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +17,7 @@ from tokenmill.engine.sampler import Sampler, SamplingRow
 from tokenmill.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.backends import select_backend
+from tokenmill.model.loader import allocate_parameters
 from tokenmill.model.registry import model_class
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -36,17 +38,24 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str,
-                 num_blocks: int, block_size: int, seed: int = 0, use_kernel: bool = True):
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: str,
+                 num_blocks: int, block_size: int, seed: int = 0, use_kernel: bool = True,
+                 batch_invariant: bool = False):
         self.use_kernel = use_kernel
+        # Every prompt token reads its context through the block tables (its K/V written first), so its attention
+        # is the same computation however the prompt was chunked and whatever shares the step. Otherwise a
+        # prompt's first chunk attends over its own K/V (fast SDPA; model/attention.py "fresh" spans).
+        self.batch_invariant = batch_invariant
         self.cfg, self.dtype, self.device, self.block_size = cfg, dtype, torch.device(device), block_size
         # Chosen once: use_kernel=False is the plain-PyTorch reference, which runs no C++ op at all.
         self.backend = select_backend(self.device, use_kernels=use_kernel)
+        # Built in `dtype` on the meta device, then allocated uninitialised where it runs: each parameter is
+        # written once, in place, as `weights` (a lazy loader.Checkpoint, or any mapping) is read tensor by tensor.
         with torch.device("meta"):
-            model = model_class(cfg)(cfg, self.backend)
-        model = model.to_empty(device=self.device)  # no random init: every parameter is loaded next
+            model = model_class(cfg)(cfg, self.backend, dtype)
+        allocate_parameters(model, self.device)
         model.load_hf_weights(weights)
-        self.model = model.to(dtype=dtype).eval().requires_grad_(False)
+        self.model = model.eval()
         self.model.init_rotary(self.device)  # float32 tables, cast per step
         self.prepacked = self.backend.prepack(self.model)  # e.g. oneDNN layouts on CPU (model/backends/cpu.py)
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -61,7 +70,7 @@ class ModelRunner:
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
         gen = self.generators.get(request_id)
         if gen is None:
-            gen = torch.Generator(device="cpu")
+            gen = torch.Generator(device=self.device)  # sampling runs where the logits are
             gen.manual_seed(seed if seed is not None else self._seed_rng.getrandbits(63))
             self.generators[request_id] = gen
         return gen
@@ -73,7 +82,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         # Paged tokens (decodes, later prefill chunks) first, then fresh prefills: see model/attention.py.
-        if self.backend.pages_fresh_prefills:
+        if self.batch_invariant:
             paged, fresh = list(out.scheduled), []
         else:
             paged = [s for s in out.scheduled if s.request.num_computed_tokens > 0 or s.num_new_tokens == 1]
@@ -105,7 +114,7 @@ class ModelRunner:
                 sampling.append(s)
         if not sampling:
             return StepResult()
-        logits = self.model.compute_logits(hidden[self._long(last_rows)]).cpu()
+        logits = self.model.compute_logits(hidden[self._long(last_rows)])
         rows = [self._sampling_row(s) for s in sampling]
         try:
             results = self.sampler(logits, rows)

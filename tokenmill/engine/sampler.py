@@ -3,6 +3,8 @@
 Order: penalties (repetition on prompt+output, presence/frequency on output), min_tokens masking, then greedy
 argmax, or temperature -> top-k -> top-p -> min-p -> a draw from the request's own generator (so a seeded
 request samples the same tokens whatever else is in the batch). Logprobs are of the raw model distribution.
+Everything runs on the logits' device (each request's generator lives there too); only the chosen tokens and
+their logprobs come back to the host.
 
 The sampler is total: any valid parameters give a token. Filters always keep the most likely token, a mask
 that would remove every token is not applied, and temperature divides logits shifted so their maximum is 0
@@ -38,19 +40,21 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         if not p.has_penalties:
             continue
         if p.repetition_penalty != 1:
-            seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long)
+            seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long,
+                                device=logits.device)
             seen = seen[seen < vocab]
             vals = logits[i, seen]
             logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and row.output_token_ids:
-            counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
+            out_ids = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(out_ids, minlength=vocab)[:vocab]
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) tokens outside top-k, outside the top-p nucleus, or below min_p x the top probability.
     logits [R, V] already divided by temperature; top_k [R] (0 = off), top_p [R], min_p [R]."""
-    neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype)
+    neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
     if bool((top_k > 0).any()):
         k = torch.where(top_k > 0, top_k, logits.shape[1]).clamp(max=logits.shape[1])
         kth = logits.topk(int(k.max()), dim=1).values.gather(1, (k - 1).unsqueeze(1))
@@ -89,7 +93,7 @@ def mask_blocked(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     no token at all (stop ids covering the whole vocabulary): then the row is left as it was."""
     for i, r in enumerate(rows):
         if r.blocked_token_ids:
-            ids = torch.tensor(r.blocked_token_ids, dtype=torch.long)
+            ids = torch.tensor(r.blocked_token_ids, dtype=torch.long, device=logits.device)
             ids = ids[ids < logits.shape[1]]
             saved = logits[i, ids].clone()
             logits[i, ids] = float("-inf")
@@ -113,17 +117,17 @@ class Sampler:
         tokens = logits.argmax(dim=1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
-            idx = torch.tensor(random_rows)
-            sub = logits[idx]
+            dev = logits.device
+            sub = logits[torch.tensor(random_rows, device=dev)]
             if not bool(torch.isfinite(sub.max(dim=1).values).all()) or bool(sub.isnan().any()):
                 raise SamplingError("the model produced non-finite logits")
             sub = (sub - sub.max(dim=1, keepdim=True).values) / torch.tensor(
-                [rows[i].params.temperature for i in random_rows]).unsqueeze(1)
+                [rows[i].params.temperature for i in random_rows], device=dev).unsqueeze(1)
             sub = filter_logits(
                 sub,
-                torch.tensor([rows[i].params.top_k for i in random_rows]),
-                torch.tensor([rows[i].params.top_p for i in random_rows], dtype=torch.float32),
-                torch.tensor([rows[i].params.min_p for i in random_rows], dtype=torch.float32),
+                torch.tensor([rows[i].params.top_k for i in random_rows], device=dev),
+                torch.tensor([rows[i].params.top_p for i in random_rows], dtype=torch.float32, device=dev),
+                torch.tensor([rows[i].params.min_p for i in random_rows], dtype=torch.float32, device=dev),
             )
             probs = sub.softmax(dim=1)
             for j, i in enumerate(random_rows):

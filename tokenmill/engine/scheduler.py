@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache import KVCacheManager, PrefixCacheStats
-from tokenmill.errors import ContextTooLong
 from tokenmill.request import Request, RequestStatus
 
 LPM_MAX_QUEUE = 128  # longest waiting queue ranked by cached prefix; longer ones are served first come first
@@ -78,10 +77,9 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config = config
         self.kv = kv
-        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -92,22 +90,9 @@ class Scheduler:
         self.long_prefill_threshold = (config.long_prefill_token_threshold
                                        or max(config.max_num_batched_tokens // 4, kv.block_size))
 
-    # ---- admission -------------------------------------------------------------------------------------
-    def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Refuse at once what can never run: longer than the context window or than the whole KV pool."""
-        total = num_prompt_tokens + max_tokens
-        if total > self.max_model_len:
-            raise ContextTooLong(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the context "
-                f"window of {self.max_model_len} tokens", param="max_tokens")
-        capacity = self.kv.pool.num_blocks * self.kv.block_size
-        if total > capacity:
-            raise ContextTooLong(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the KV cache "
-                f"capacity of {capacity} tokens; raise --kv-cache-memory", param="max_tokens")
-
+    # ---- requests ------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        self.check_admissible(request.num_prompt_tokens, request.max_tokens)
+        """Queue a request that passed admission (engine/admission.py): it fits the context window and the pool."""
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -273,7 +258,6 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: dict[str, tuple[int, dict[int, float] | None]]) -> list[Request]:
         """Advance computed tokens, append sampled tokens; return the requests that finished this step."""
         finished = []
-        now = time.monotonic()
         for s in out.scheduled:
             req = s.request
             if req.status.finished:  # aborted while its step ran
@@ -284,12 +268,8 @@ class Scheduler:
             self.kv.cache_blocks(req)
             if req.request_id not in sampled:
                 continue
-            token, logprobs = sampled[req.request_id]
+            token, _ = sampled[req.request_id]
             req.output_token_ids.append(token)
-            if logprobs is not None:
-                req.output_logprobs.append(logprobs)
-            if req.first_token_time is None:
-                req.first_token_time = now
             if req.check_stop():
                 self._finish(req)
                 finished.append(req)

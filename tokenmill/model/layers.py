@@ -1,4 +1,4 @@
-"""Building blocks of the Llama family: RMSNorm, rotary embedding (with llama3 scaling), SwiGLU MLP.
+"""Building blocks of the Llama family: vocab embedding, RMSNorm, rotary embedding (with llama3 scaling), SwiGLU MLP.
 
 Each module holds its weights and says what it computes; the backend it is given computes it."""
 
@@ -8,16 +8,30 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.model.backends import Backend, TorchBackend
 from tokenmill.model.linear import Linear
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, backend: Backend | None = None):
+class VocabEmbedding(nn.Module):
+    """Token ids -> rows of a [vocab, hidden] weight (the LM head's too, when tied)."""
+
+    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype | None = None):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden, dtype=dtype))
+        # finite when built off the meta device; not nn.init.normal_, which on meta imports torch._dynamo (1 s, 36 MB)
+        nn.init.uniform_(self.weight, -1.0, 1.0)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, backend: Backend | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
         self.eps = eps
         self.backend = backend if backend is not None else TorchBackend()
 
@@ -65,11 +79,13 @@ class RotaryEmbedding(nn.Module):
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
 
-    def __init__(self, hidden: int, intermediate: int, backend: Backend | None = None):
+    def __init__(self, hidden: int, intermediate: int, backend: Backend | None = None,
+                 dtype: torch.dtype | None = None):
         super().__init__()
         self.backend = backend if backend is not None else TorchBackend()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False, backend=self.backend)
-        self.down_proj = Linear(intermediate, hidden, bias=False, backend=self.backend)
+        self.gate_up_proj = Linear(hidden, [intermediate, intermediate], bias=False, backend=self.backend,
+                                   dtype=dtype)
+        self.down_proj = Linear(intermediate, hidden, bias=False, backend=self.backend, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.backend.silu_mul(self.gate_up_proj(x)))

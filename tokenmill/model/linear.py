@@ -1,28 +1,110 @@
-"""Linear layers behind one interface: the model says "project x", the backend's `linear` decides how (dense
-now; quantized formats and tensor-parallel shards become other weight layouts behind the same call).
+"""Linear layers behind one interface: the model says "project x"; the layer's LinearMethod owns how the weight is
+stored, loaded from a checkpoint and multiplied, and the backend's `linear` runs the matmul. Dense is the one method
+now; a quantized format (INT8, INT4, FP8) or a tensor-parallel shard is one more LinearMethod subclass.
 model/backends/cpu.py says which CPU kernel serves which shape."""
 
 from __future__ import annotations
 
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from itertools import accumulate
+
 import torch
 from torch import nn
 
+from tokenmill.errors import ModelLoadError
 from tokenmill.model.backends import Backend, TorchBackend
 from tokenmill.model.backends.cpu import prepack_weight  # noqa: F401 - the oneDNN layout; benchmarks/kernels.py
 
 
-class Linear(nn.Linear):
-    """nn.Linear whose matmul is the backend's. `packed_weight` is a backend-owned copy of the weight in its
-    preferred layout (Backend.prepack); the plain weight stays, so the state dict never changes."""
+@torch.no_grad()
+def copy_checked(target: torch.Tensor, loaded: torch.Tensor) -> None:
+    """target <- loaded, cast to target's dtype on target's device. A shape mismatch is an error, never a
+    broadcast: a checkpoint that does not fit must not load quietly."""
+    if loaded.shape != target.shape:
+        raise ModelLoadError(f"shape disagrees with the model's: {tuple(loaded.shape)} != {tuple(target.shape)}")
+    target.copy_(loaded)
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+    """The loader of a parameter that is one checkpoint tensor as it is (norms, the embedding)."""
+    if shard_id is not None:
+        raise ModelLoadError(f"shard {shard_id} given for a parameter that has no shards")
+    copy_checked(param, loaded)
+
+
+class LinearMethod(ABC):
+    """One weight format: which parameters hold a linear layer's weight, how checkpoint tensors are written into
+    them, and how x is multiplied by them. A quantized format subclasses this: `create_weights` registers its own
+    parameters (e.g. packed integers and scales), `weight_loader` quantizes a checkpoint shard or copies its
+    blocks as they are, `apply` calls a backend op that reads them."""
+
+    @abstractmethod
+    def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
+        """Register the layer's parameters on the current device (meta while the runner builds the model)."""
+
+    @abstractmethod
+    def weight_loader(self, layer: Linear, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
+        """Write checkpoint tensor `loaded` into `param`: whole, or as shard `shard_id` of a fused projection
+        (layer.output_sizes[shard_id] rows from layer.shard_offsets[shard_id])."""
+
+    @abstractmethod
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T (+ bias)."""
+
+
+class DenseLinearMethod(LinearMethod):
+    """A plain [out, in] weight (and optional bias) in the model's dtype; the shards of a fused projection are row
+    blocks of it, so q/k/v and gate/up load in place with no concatenation."""
+
+    def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
+        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=dtype))
+        layer.register_parameter("bias", nn.Parameter(torch.empty(layer.out_features, dtype=dtype))
+                                 if layer.has_bias else None)
+        # nn.Linear's init, so a layer built off the meta device computes something finite (free on meta)
+        bound = 1 / math.sqrt(layer.in_features)
+        for p in (layer.weight, layer.bias):
+            if p is not None:
+                nn.init.uniform_(p, -bound, bound)
+
+    def weight_loader(self, layer: Linear, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
+        target = param if shard_id is None else param.narrow(0, layer.shard_offsets[shard_id],
+                                                             layer.output_sizes[shard_id])
+        copy_checked(target, loaded)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return layer.backend.linear(x, layer)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), its weight in the format of `method` (dense by default).
+
+    `output_sizes` lists the output blocks of a fused projection (q, k, v or gate, up): checkpoint shard i lands in
+    output rows [shard_offsets[i], shard_offsets[i] + output_sizes[i]). `packed_weight` is a backend-owned copy of
+    the weight in its preferred layout (Backend.prepack); the plain weight stays, so the state dict never changes."""
 
     packed_weight: torch.Tensor | None = None
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, backend: Backend | None = None):
-        super().__init__(in_features, out_features, bias=bias)
+    def __init__(self, in_features: int, output_sizes: int | Sequence[int], bias: bool = True,
+                 backend: Backend | None = None, method: LinearMethod | None = None,
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
+        self.shard_offsets = [0, *accumulate(self.output_sizes)][:-1]
+        self.in_features, self.out_features, self.has_bias = in_features, sum(self.output_sizes), bias
         self.backend = backend if backend is not None else TorchBackend()
+        self.method = method if method is not None else DenseLinearMethod()
+        self.method.create_weights(self, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        self.method.weight_loader(self, param, loaded, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backend.linear(x, self)
+        return self.method.apply(self, x)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, output_sizes={self.output_sizes}, bias={self.has_bias}"
 
 
 class TiedLMHead:
@@ -33,7 +115,7 @@ class TiedLMHead:
     bias = None
     packed_weight: torch.Tensor | None = None
 
-    def __init__(self, embedding: nn.Embedding):
+    def __init__(self, embedding: nn.Module):
         self.embedding = embedding
 
     @property

@@ -6,25 +6,33 @@ does it know the device: every op goes through the backend it is built with (mod
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.errors import ModelLoadError
 from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.backends import Backend, LinearWeights, TorchBackend
-from tokenmill.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
-from tokenmill.model.linear import Linear, TiedLMHead
+from tokenmill.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, VocabEmbedding
+from tokenmill.model.linear import Linear, TiedLMHead, default_weight_loader
+from tokenmill.model.loader import allocate_parameters, one_torch_thread
+
+# A fused projection's checkpoint tensors in row order: checkpoint `q_proj` is shard 0 of our `qkv_proj`.
+FUSED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+WeightTarget = tuple[nn.Module, nn.Parameter, int | None]  # the parameter's owner, the parameter, its shard
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: Backend):
+    def __init__(self, cfg: ModelConfig, backend: Backend, dtype: torch.dtype | None = None):
         super().__init__()
         self.backend = backend
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias,
-                               backend=backend)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False, backend=backend)
+        self.qkv_proj = Linear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+                               bias=cfg.attention_bias, backend=backend, dtype=dtype)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False, backend=backend, dtype=dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -36,12 +44,12 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: Backend):
+    def __init__(self, cfg: ModelConfig, backend: Backend, dtype: torch.dtype | None = None):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
-        self.self_attn = Attention(cfg, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, backend)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, dtype)
+        self.self_attn = Attention(cfg, backend, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, dtype)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, backend, dtype)
 
     def forward(self, x, cos, sin, meta, kv_cache):
         """Updates the residual stream `x` in place and returns it."""
@@ -51,16 +59,19 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: Backend | None = None):
+    """`dtype` is the parameters' dtype from the start (the runner builds on the meta device, then loads every
+    parameter in place), so no copy of the model in another dtype ever exists."""
+
+    def __init__(self, cfg: ModelConfig, backend: Backend | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         self.config = cfg
         self.backend = backend = backend if backend is not None else TorchBackend()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, dtype) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, dtype)
         self.rotary: RotaryEmbedding | None = None  # built by init_rotary once the model is on its device
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False,
-                                                                   backend=backend)
+                                                                   backend=backend, dtype=dtype)
         self.tied_head = TiedLMHead(self.embed_tokens) if cfg.tie_word_embeddings else None
         self.backend_cache: dict[str, object] = {}  # the backend's per-model state; emptied when weights change
 
@@ -91,38 +102,50 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(hidden).float()
         return self.backend.linear(hidden, self.tied_head).float()
 
+    def weight_targets(self) -> dict[str, WeightTarget]:
+        """Where each checkpoint tensor goes, by Hugging Face name. HF names are ours with `model.` in front (the
+        LM head aside), and each fused projection is split into the shards FUSED_SHARDS lists."""
+        targets: dict[str, WeightTarget] = {}
+        for name, param in self.named_parameters():
+            module_name, _, leaf = name.rpartition(".")
+            module = self.get_submodule(module_name)
+            hf_module = module_name if module_name == "lm_head" else f"model.{module_name}"
+            parent, _, proj = hf_module.rpartition(".")
+            shards = FUSED_SHARDS.get(proj)
+            if shards is None:
+                targets[f"{hf_module}.{leaf}"] = (module, param, None)
+            else:
+                targets.update({f"{parent}.{shard}.{leaf}": (module, param, i) for i, shard in enumerate(shards)})
+        return targets
+
     @torch.no_grad()
-    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Every parameter must be covered. Packed
+    def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Write Hugging Face-named tensors into the parameters one at a time, each through its owner's
+        `weight_loader` (Linear: its LinearMethod's, so q/k/v and gate/up land in their rows of the fused weight;
+        others: a checked copy), cast to the parameter's dtype in place. A lazy loader.Checkpoint is read as this
+        goes, so the model is never held twice. Every parameter must be covered and every tensor used; packed
         copies of the old weights and the backend's cache are dropped (call backend.prepack again)."""
-        cfg, loaded = self.config, set()
+        if any(p.is_meta for p in self.parameters()):  # plain weights a backend released after packing
+            allocate_parameters(self, self.embed_tokens.weight.device)
+        targets = self.weight_targets()
+        missing = sorted(set(targets) - set(weights))
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+        unused = sorted(n for n in weights if n not in targets and not _recomputed(n))
+        if unused:
+            raise ModelLoadError(f"checkpoint has tensors this model does not use: {unused[:5]}")
         for m in self.linear_layers():
             m.packed_weight = None
         self.backend_cache.clear()
+        with one_torch_thread():
+            for name, (module, param, shard) in targets.items():
+                loader = getattr(module, "weight_loader", default_weight_loader)
+                try:
+                    loader(param, weights[name], shard)
+                except ModelLoadError as e:
+                    raise ModelLoadError(f"checkpoint tensor {name!r}: {e}") from None
 
-        def take(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise KeyError(f"checkpoint is missing tensor {name}")
-            loaded.add(name)
-            return weights[name]
 
-        self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
-        self.norm.weight.copy_(take("model.norm.weight"))
-        if self.lm_head is not None:
-            self.lm_head.weight.copy_(take("lm_head.weight"))
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
-            layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
-            attn = layer.self_attn
-            attn.qkv_proj.weight.copy_(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
-            if cfg.attention_bias:
-                attn.qkv_proj.bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-            attn.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
-            mlp = layer.mlp
-            mlp.gate_up_proj.weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
-            mlp.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
-        unused = set(weights) - loaded - {"lm_head.weight"}
-        unused = {n for n in unused if not n.endswith("rotary_emb.inv_freq")}
-        if unused:
-            raise KeyError(f"checkpoint has tensors this model does not use: {sorted(unused)[:5]}")
+def _recomputed(name: str) -> bool:
+    """Tensors some checkpoints carry that the model recomputes (rotary tables) or shares (a tied LM head)."""
+    return name.endswith("rotary_emb.inv_freq") or name == "lm_head.weight"

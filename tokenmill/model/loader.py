@@ -1,19 +1,22 @@
 """Find a model, read its shape (ModelConfig) and its weights under Hugging Face parameter names.
 
 Two on-disk forms are supported: a Hugging Face directory (config.json + *.safetensors) and a llama.cpp
-GGUF file. Everything downstream sees one state-dict layout, whichever form the model came in.
+GGUF file. Everything downstream sees one state-dict layout, whichever form the model came in, as a Checkpoint:
+checked when opened, read one tensor at a time as the model loads it.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from abc import abstractmethod
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ConfigError, ModelLoadError
@@ -155,22 +158,60 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """All parameters under HF names, checked against the config's shapes, in `dtype`."""
+def allocate_parameters(model: nn.Module, device: torch.device) -> None:
+    """Give a model built on the meta device real, uninitialised parameters on `device`, in their dtype, for
+    load_hf_weights to fill in place. Module.to_empty would do, but its torch.empty_like of a meta tensor imports
+    sympy (0.4 s and 30 MB the engine otherwise never needs). Parameters only: the models have no buffers yet.
+    A parameter shared by two modules stays shared."""
+    fresh: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) not in fresh:
+                fresh[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=False)
+            setattr(module, name, fresh[id(p)])
+
+
+def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """The model's parameters under HF names, in `dtype`: names and shapes are checked against the config now,
+    from the file headers; each tensor is read when it is asked for (see Checkpoint)."""
     path = Path(path)
-    weights = _load_gguf_weights(path, config, dtype) if is_gguf(path) else _load_safetensors(path, config, dtype)
-    _check_shapes(path, weights, config)
-    return weights
+    return GGUFCheckpoint(path, config, dtype) if is_gguf(path) else SafetensorsCheckpoint(path, config, dtype)
 
 
-def _check_shapes(path: Path, weights: dict[str, torch.Tensor], config: ModelConfig) -> None:
-    expected = expected_shapes(config)
-    missing = sorted(set(expected) - set(weights))
-    if missing:
-        raise ModelLoadError(f"{path} lacks {len(missing)} weights the config needs, e.g. {missing[:4]}")
-    wrong = [f"{n}: {tuple(w.shape)} != {expected[n]}" for n, w in weights.items() if tuple(w.shape) != expected[n]]
-    if wrong:
-        raise ModelLoadError(f"{path} has weights whose shape disagrees with its config: {wrong[:4]}")
+class Checkpoint(Mapping[str, torch.Tensor]):
+    """A checkpoint's tensors by HF name, read from disk on each access and never kept.
+
+    Why lazy: the model loads one tensor at a time straight into its parameter (LlamaForCausalLM.load_hf_weights),
+    so at no point does a second copy of the whole model exist. Opening checks every name and shape, so a
+    checkpoint that does not fit the config fails before any tensor is read."""
+
+    def __init__(self, path: Path, config: ModelConfig, dtype: torch.dtype, shapes: dict[str, tuple[int, ...]]):
+        self.path, self.dtype, self._shapes = path, dtype, shapes
+        expected = expected_shapes(config)
+        missing = sorted(set(expected) - set(shapes))
+        if missing:
+            raise ModelLoadError(f"{path} lacks {len(missing)} weights the config needs, e.g. {missing[:4]}")
+        wrong = [f"{n}: {s} != {expected[n]}" for n, s in shapes.items() if s != expected[n]]
+        if wrong:
+            raise ModelLoadError(f"{path} has weights whose shape disagrees with its config: {wrong[:4]}")
+
+    @abstractmethod
+    def _read(self, name: str) -> torch.Tensor:
+        """The tensor `name` (a known one), in self.dtype."""
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._shapes:
+            raise KeyError(name)
+        return self._read(name)
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
+        return name in self._shapes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._shapes)
+
+    def __len__(self) -> int:
+        return len(self._shapes)
 
 
 def _ignorable_hf_name(name: str, config: ModelConfig) -> bool:
@@ -178,24 +219,40 @@ def _ignorable_hf_name(name: str, config: ModelConfig) -> bool:
     return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings)
 
 
-def _load_safetensors(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+class SafetensorsCheckpoint(Checkpoint):
+    """A Hugging Face directory. Each read opens its shard afresh: safetensors maps the file and hands out a tensor
+    over the mapping, so the pages a tensor touched leave memory with it, not when the whole shard is done."""
 
-    expected = expected_shapes(config)
-    weights: dict[str, torch.Tensor] = {}
-    for file in _safetensors_files(path):
-        try:
-            tensors = load_file(file)
-        except (SafetensorError, OSError, RuntimeError) as e:
-            raise ModelLoadError(f"cannot read {file}: {e}") from e
-        for name, tensor in tensors.items():
-            if name in expected:
-                weights[name] = tensor.to(dtype)
-            elif not _ignorable_hf_name(name, config):
-                raise ModelLoadError(f"{file} holds tensor {name!r}, which a {config.architecture} "
-                                     "model does not have")
-    return weights
+    def __init__(self, path: Path, config: ModelConfig, dtype: torch.dtype):
+        expected = expected_shapes(config)
+        self._files: dict[str, Path] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        for file in _safetensors_files(path):
+            with _reading(file) as f:
+                for name in f.keys():  # noqa: SIM118 - a safe_open handle is not iterable
+                    if name in expected:
+                        self._files[name] = file
+                        shapes[name] = tuple(f.get_slice(name).get_shape())
+                    elif not _ignorable_hf_name(name, config):
+                        raise ModelLoadError(f"{file} holds tensor {name!r}, which a {config.architecture} "
+                                             "model does not have")
+        super().__init__(path, config, dtype, shapes)
+
+    def _read(self, name: str) -> torch.Tensor:
+        with _reading(self._files[name]) as f:
+            return f.get_tensor(name).to(self.dtype)
+
+
+@contextmanager
+def _reading(file: Path) -> Iterator[Any]:
+    """safe_open, with unreadable files reported as ModelLoadError naming the file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(file, framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise ModelLoadError(f"cannot read {file}: {e}") from e
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -254,38 +311,42 @@ def unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+class GGUFCheckpoint(Checkpoint):
+    """A llama.cpp GGUF file: each read dequantizes one tensor (a chunk of rows at a time when `dtype` is not
+    float32, quant/gguf.py) and undoes llama.cpp's rotary row order for llama q/k."""
+
+    def __init__(self, path: Path, config: ModelConfig, dtype: torch.dtype):
+        self._gguf = gguf = GGUFFile.open(path)
+        arch, _ = gguf_architecture(gguf)
+        self._names: dict[str, str] = {}  # HF name -> GGUF name
+        self._rope_heads: dict[str, int] = {}  # HF name -> heads, for the rows llama.cpp permuted
+        for name in gguf.tensors:
+            hf_name = hf_name_for_gguf(name)
+            if hf_name is None:
+                raise ModelLoadError(f"GGUF file {path} holds tensor {name!r}, which tokenmill cannot map to a "
+                                     f"{config.architecture} parameter")
+            if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+                continue
+            self._names[hf_name] = name
+            if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+                self._rope_heads[hf_name] = config.num_heads if ".attn_q." in name else config.num_kv_heads
+        super().__init__(path, config, dtype, {n: gguf.tensors[g].shape for n, g in self._names.items()})
+
+    def _read(self, name: str) -> torch.Tensor:
+        w = self._gguf.read_tensor(self._names[name], self.dtype)
+        heads = self._rope_heads.get(name)
+        return w if heads is None else unpermute_rope_rows(w, heads)
+
+
 @contextmanager
-def _one_torch_thread() -> Iterator[None]:
-    """Dequantizing is a few memory-bound elementwise ops per tensor, which gain little from intra-op
-    threads, while every parallel region waits for its slowest thread: on a busy 2-core machine loading
-    SmolLM2 took 25 s with 2 threads and 1.7 s with 1. Restored afterwards."""
+def one_torch_thread() -> Iterator[None]:
+    """For loading weights. Dequantizing and copying tensors into place are memory-bound elementwise ops, which
+    gain little from intra-op threads, while every parallel region waits for its slowest thread: on a busy 2-core
+    machine SmolLM2 took 25 s to dequantize with 2 threads and 1.7 s with 1, and 2.6-3.2 s to load into the model
+    with 2 threads and 0.4-0.8 s with 1. Restored afterwards."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def _load_gguf_weights(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    gguf = GGUFFile.open(path)
-    arch, _ = gguf_architecture(gguf)
-    with _one_torch_thread():
-        return _dequantize_all(gguf, arch, config, dtype)
-
-
-def _dequantize_all(gguf: GGUFFile, arch: str, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    path = gguf.path
-    weights: dict[str, torch.Tensor] = {}
-    for name in gguf.tensors:
-        hf_name = hf_name_for_gguf(name)
-        if hf_name is None:
-            raise ModelLoadError(f"GGUF file {path} holds tensor {name!r}, which tokenmill cannot map to a "
-                                 f"{config.architecture} parameter")
-        w = gguf.read_tensor(name)  # float32
-        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
-            w = unpermute_rope_rows(w, config.num_heads if ".attn_q." in name else config.num_kv_heads)
-        weights[hf_name] = w if dtype == torch.float32 else w.to(dtype)
-    if config.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
-    return weights

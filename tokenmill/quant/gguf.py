@@ -135,10 +135,10 @@ class GGUFFile:
             raise ModelLoadError(f"GGUF file {self.path} is truncated inside tensor {name!r}")
         return buf
 
-    def read_tensor(self, name: str) -> torch.Tensor:
-        """The tensor dequantized to float32, in torch shape order."""
+    def read_tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor dequantized to `dtype` (float32 if None), in torch shape order."""
         info = self.tensors[name]
-        return dequantize(self.read_raw(name), info.ggml_type, info.shape)
+        return dequantize(self.read_raw(name), info.ggml_type, info.shape, dtype)
 
 
 def _parse_header(buf: Any, size: int) -> tuple[int, dict[str, Any], dict[str, GGUFTensorInfo]]:
@@ -276,16 +276,38 @@ _DEQUANTIZERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
 SUPPORTED_TYPE_NAMES = tuple(GGMLQuantizationType(t).name for t in _DEQUANTIZERS)
 
 
-def dequantize(raw: np.ndarray | torch.Tensor, ggml_type: int, shape: Sequence[int]) -> torch.Tensor:
-    """Decode a tensor's raw GGML bytes into a float32 tensor of `shape` (torch order, blocks along rows)."""
+DEQUANTIZE_CHUNK = 1 << 20  # elements decoded at a time into a narrower dtype: 4 MiB of float32 in flight
+
+
+def dequantize(raw: np.ndarray | torch.Tensor, ggml_type: int, shape: Sequence[int],
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Decode a tensor's raw GGML bytes into a tensor of `shape` (torch order, blocks along rows) in `dtype`
+    (float32 if None). Decoding is in float32; for another dtype it goes a chunk of rows at a time, so no float32
+    copy of the whole tensor exists (on SmolLM2 the embedding alone is 113 MB of float32)."""
+    import torch
     shape = tuple(int(s) for s in shape)
     raw_u8 = _as_uint8(raw)
     expected = tensor_nbytes(ggml_type, shape)
     if raw_u8.numel() != expected:
         raise ModelLoadError(f"{_type_name(ggml_type)} tensor of shape {list(shape)} needs {expected} bytes, "
                              f"got {raw_u8.numel()}")
-    fn = _DEQUANTIZERS.get(int(ggml_type))
-    out = fn(raw_u8) if fn is not None else _dequantize_with_gguf(raw_u8, int(ggml_type), shape)
+    if dtype is None or dtype == torch.float32 or len(shape) < 2:
+        out = _decode(raw_u8, int(ggml_type), shape)
+        return out if dtype is None else out.to(dtype)
+    out = torch.empty(shape, dtype=dtype)
+    rows, cols = out.view(-1, shape[-1]), shape[-1]
+    raw_rows = raw_u8.view(rows.shape[0], -1)
+    step = max(1, DEQUANTIZE_CHUNK // cols)
+    for start in range(0, rows.shape[0], step):
+        chunk = raw_rows[start:start + step]
+        rows[start:start + step].copy_(_decode(chunk.reshape(-1), int(ggml_type), (chunk.shape[0], cols)))
+    return out
+
+
+def _decode(raw_u8: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """float32 values of `shape` from exactly the bytes they take."""
+    fn = _DEQUANTIZERS.get(ggml_type)
+    out = fn(raw_u8) if fn is not None else _dequantize_with_gguf(raw_u8, ggml_type, shape)
     return out.reshape(shape)
 
 

@@ -4,15 +4,21 @@
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+from collections.abc import Callable
 
-from tokenmill.engine.async_engine import EngineDeadError
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenmill.engine.process_client import EngineDeadError
 from tokenmill.errors import (
     ContextTooLong,
     InvalidRequest,
     RequestFailed,
     ServerOverloaded,
     ServerShuttingDown,
+    TokenmillError,
 )
 
 
@@ -89,3 +95,34 @@ def error_response(exc: BaseException) -> JSONResponse:
     if status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def install_error_handlers(app: FastAPI, on_rejected: Callable[[int], None]) -> None:
+    """Every error an endpoint raises (ours, FastAPI's validation, no route) as an OpenAI-style body; never 422.
+    `on_rejected` counts each by status."""
+
+    def respond(exc: BaseException) -> JSONResponse:
+        response = error_response(exc)
+        on_rejected(response.status_code)
+        return response
+
+    @app.exception_handler(TokenmillError)
+    async def _tokenmill_error(request: Request, exc: TokenmillError):
+        return respond(exc)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return respond(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        return respond(BadRequest(str(exc.errors()[0].get("msg", "invalid request")) if exc.errors() else
+                                  "invalid request"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            return respond(NotFound(f"no route {request.method} {request.url.path}"))
+        if exc.status_code == 405:
+            return respond(MethodNotAllowed(f"method {request.method} is not allowed on {request.url.path}"))
+        return JSONResponse(error_body(str(exc.detail), "invalid_request_error"), status_code=exc.status_code)

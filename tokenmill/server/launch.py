@@ -9,21 +9,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import logging
 import signal
 import sys
 from pathlib import Path
 
-import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine_args import EngineArgs
-from tokenmill.errors import ServerShuttingDown
-
-log = logging.getLogger("tokenmill")
+from tokenmill.server.http_server import JSONErrorH11Protocol, Server
 
 
 def default_served_name(model: str | None) -> str:
@@ -66,11 +60,11 @@ def serve(args: argparse.Namespace) -> int:
         settings = ServerSettings(names, model_path=str(args.model or default_served_name(None)),
                                   api_key=args.api_key or None, max_request_bytes=args.max_request_bytes)
         app = create_app(engine, settings, metrics)
-        # uvicorn's own timeout is only the backstop: _Server ends what is left at --shutdown-timeout with a 503
+        # uvicorn's own timeout is only the backstop: Server ends what is left at --shutdown-timeout with a 503
         uconfig = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on",
                                  access_log=args.access_log, timeout_graceful_shutdown=args.shutdown_timeout + 5,
                                  timeout_keep_alive=5, http=JSONErrorH11Protocol)
-        server = _Server(uconfig, names[0], engine, args.shutdown_timeout)
+        server = Server(uconfig, names[0], engine, args.shutdown_timeout)
         state["server"] = server
 
         def on_dead(reason: str) -> None:
@@ -87,51 +81,3 @@ def serve(args: argparse.Namespace) -> int:
         for s, h in old.items():
             signal.signal(s, h)
     return state["exit_code"]
-
-
-class _Server(uvicorn.Server):
-    """uvicorn.Server that prints one ready line, with the port it really bound, once it listens, and on
-    shutdown ends the requests still running after `drain_timeout` with a 503 (or a stream's error event)
-    instead of letting uvicorn cancel them into a plain-text 500 or a cut stream."""
-
-    def __init__(self, config: uvicorn.Config, model_name: str, engine: AsyncEngine, drain_timeout: float):
-        super().__init__(config)
-        self.model_name, self.engine, self.drain_timeout = model_name, engine, drain_timeout
-
-    async def shutdown(self, sockets=None) -> None:
-        stopping = asyncio.ensure_future(super().shutdown(sockets))
-        done, _ = await asyncio.wait({stopping}, timeout=self.drain_timeout)
-        if not done:
-            n = self.engine.fail_all(ServerShuttingDown(
-                f"the server is shutting down and could not finish this request within --shutdown-timeout "
-                f"{self.drain_timeout:g} s; retry on another replica"))
-            if n:
-                log.warning("shutdown: %d request(s) still running after %g s were ended with 503", n,
-                            self.drain_timeout)
-        await stopping
-
-    async def startup(self, sockets=None) -> None:
-        await super().startup(sockets)
-        if self.started:
-            host, port = self.config.host, self.config.port
-            for srv in self.servers:
-                for sock in srv.sockets:
-                    port = sock.getsockname()[1]
-            shown = f"[{host}]" if ":" in host else host
-            print(f"tokenmill serving {self.model_name} at http://{shown}:{port}", flush=True)
-
-
-class JSONErrorH11Protocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol, answering a malformed request (bad Content-Length, a header without a colon
-    or with a NUL, HTTP/1.1 without Host) with an OpenAI-style JSON 400 instead of plain text."""
-
-    def send_400_response(self, msg: str) -> None:
-        body = json.dumps({"error": {"message": "malformed HTTP request (request line, headers or Content-Length)",
-                                     "type": "invalid_request_error", "param": None,
-                                     "code": "malformed_http"}}).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"connection", b"close")]
-        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
-                      h11.EndOfMessage()):
-            self.transport.write(self.conn.send(event))
-        self.transport.close()

@@ -1,5 +1,6 @@
-"""Prometheus metrics, one registry per app. The AsyncEngine calls the `on_*` hooks (from its reader thread or the
-event loop; prometheus-client is thread-safe); /metrics renders the registry."""
+"""Prometheus metrics, one registry per app. The AsyncEngine and its OutputProcessor call the `on_*` hooks
+(engine/output_processor.py's MetricsObserver; from the reader thread or the event loop, prometheus-client is
+thread-safe); /metrics renders the registry."""
 
 from __future__ import annotations
 

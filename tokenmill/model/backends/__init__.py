@@ -1,6 +1,7 @@
 """Backends: how the model's ops run on this machine (base.py says why there is one seam).
 
     select_backend(device)      # once, at start-up: CpuBackend on a CPU with the kernels built, else TorchBackend
+    auto_dtype(device)          # what `--dtype auto` means on this device
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from tokenmill.model.backends.base import Backend, LinearWeights
 from tokenmill.model.backends.cpu import CpuBackend
 from tokenmill.model.backends.reference import TorchBackend
 
-__all__ = ["Backend", "CpuBackend", "LinearWeights", "TorchBackend", "select_backend"]
+__all__ = ["Backend", "CpuBackend", "LinearWeights", "TorchBackend", "auto_dtype", "select_backend"]
 
 log = logging.getLogger("tokenmill")
 
@@ -31,6 +32,17 @@ def select_backend(device: str | torch.device, use_kernels: bool = True) -> Back
             backend = CpuBackend(ops, ops.bf16_kernel())
     _log_once(f"backend: {backend.describe()} on {device}")
     return backend
+
+
+def auto_dtype(device: str | torch.device) -> str:
+    """bfloat16 on GPUs, and on CPUs where our bfloat16 matmul kernel runs (AMX or AVX512-BF16, kernels built):
+    there it is fast and a request's greedy output is bit-for-bit the same whatever else is batched with it.
+    Elsewhere float32: bfloat16 would be emulated (about 2x slower, BENCHMARKS.md "dtype"), or run on oneDNN,
+    whose result for a row changes with the batch size (csrc/bf16_linear.cpp says why)."""
+    if torch.device(device).type != "cpu":
+        return "bfloat16"
+    ops = cpu_kernels._extension()
+    return "bfloat16" if ops is not None and ops.bf16_kernel() else "float32"
 
 
 @cache

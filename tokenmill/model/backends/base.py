@@ -33,10 +33,6 @@ class Backend(ABC):
     """The ops of a decoder layer over a flat token batch ([T, ...] rows, see model/attention.py)."""
 
     name: str = "abstract"
-    # True: every token, a prompt's first chunk included, reads its context through the block tables (its
-    # K/V is written first), so a token's attention is the same computation however its prompt was chunked
-    # and whatever shares the step. False: first chunks attend over their own K/V (meta.fresh_spans).
-    pages_fresh_prefills: bool = False
 
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

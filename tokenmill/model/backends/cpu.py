@@ -55,7 +55,6 @@ class CpuBackend(TorchBackend):
     """`ops` is the compiled extension (cpu_kernels._extension()); tests may hand in a stand-in."""
 
     name = "cpu"
-    pages_fresh_prefills = True  # the paged kernel serves prefill too: batch-invariant, and one C++ call a layer
 
     def __init__(self, ops: Any, bf16_kernel: str = ""):
         self.ops = ops
@@ -126,8 +125,10 @@ class CpuBackend(TorchBackend):
         return prepack_weight(weight)
 
     def prepack(self, model: nn.Module) -> bool:
-        """Packed copies of every matmul weight (the plain weight stays: the skinny kernel and the state dict
-        read it). Returns False, changing nothing, where this device or dtype has no packed kernel."""
+        """Packed copies of every matmul weight. A oneDNN copy sits beside the plain weight (the skinny kernel
+        reads that for a few rows); a bfloat16 tile copy serves every row count, so the plain weight is released
+        (left on the meta device: shape and dtype, no memory; load_hf_weights allocates it again), except the
+        tied LM head's, which is the embedding. Returns False, changing nothing, where nothing can be packed."""
         layers = model.linear_layers()
         first = self.pack_weight(layers[0].weight) if layers else None
         if first is None:
@@ -135,6 +136,9 @@ class CpuBackend(TorchBackend):
         layers[0].packed_weight = first
         for m in layers[1:]:
             m.packed_weight = self.pack_weight(m.weight)
+        for m in layers:
+            if isinstance(m, nn.Module) and m.packed_weight is not None and m.packed_weight.dim() == 4:
+                m.weight = nn.Parameter(m.weight.to("meta"), requires_grad=False)
         model.backend_cache.pop(_LAYER_WEIGHTS, None)
         return True
 

@@ -223,9 +223,96 @@ bool block_avx(bool values, const float* x, const float* const* rows, float* y, 
 }
 #endif
 
+#if defined(__AVX512F__)
+// The four sums of a, b, c, d's 16 lanes, as one 4-lane vector: three horizontal adds serve four reductions.
+inline __m128 hsum4_512(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const auto fold = [](__m512 v) {  // 16 -> 8 lanes (AVX512F alone: no 32x8 extract)
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  };
+  const __m256 ab = _mm256_hadd_ps(fold(a), fold(b)), cd = _mm256_hadd_ps(fold(c), fold(d));
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);  // [a b c d] partial sums in each 128-bit half
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// block_scores_avx with 16 lanes: four keys per pass, their G x 4 dot products reduced four at a time.
+template <int G>
+void block_scores_avx512(const float* qf, const float* const* k_rows, float* s, int64_t n, int64_t bs, int64_t D) {
+  int64_t j = 0;
+  if constexpr (G <= 6) {  // 4 G accumulators + 4 keys + 1 query within 32 registers
+    for (; j + 4 <= n; j += 4) {
+      __m512 acc[4][G];
+      for (int u = 0; u < 4; ++u)
+        for (int g = 0; g < G; ++g) acc[u][g] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) {
+        __m512 kv[4];
+        for (int u = 0; u < 4; ++u) kv[u] = _mm512_loadu_ps(k_rows[j + u] + d);
+        for (int g = 0; g < G; ++g) {
+          const __m512 qv = _mm512_loadu_ps(qf + g * D + d);
+          for (int u = 0; u < 4; ++u) acc[u][g] = _mm512_fmadd_ps(qv, kv[u], acc[u][g]);
+        }
+      }
+      for (int g = 0; g < G; ++g) _mm_storeu_ps(s + g * bs + j, hsum4_512(acc[0][g], acc[1][g], acc[2][g], acc[3][g]));
+    }
+  }
+  for (; j < n; ++j) {
+    for (int g = 0; g < G; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + d), _mm512_loadu_ps(k_rows[j] + d), acc);
+      s[g * bs + j] = _mm512_reduce_add_ps(acc);
+    }
+  }
+}
+
+// block_values_avx with 16 lanes.
+template <int G>
+void block_values_avx512(const float* p, const float* const* v_rows, float* acc, int64_t n, int64_t bs, int64_t D) {
+  constexpr int U = G <= 4 ? 2 : 1;  // 16-float column groups per pass: U * G independent FMA chains
+  int64_t d = 0;
+  for (; d + 16 * U <= D; d += 16 * U) {
+    __m512 a[U][G];
+    for (int u = 0; u < U; ++u)
+      for (int g = 0; g < G; ++g) a[u][g] = _mm512_loadu_ps(acc + g * D + d + 16 * u);
+    for (int64_t j = 0; j < n; ++j) {
+      for (int u = 0; u < U; ++u) {
+        const __m512 vv = _mm512_loadu_ps(v_rows[j] + d + 16 * u);
+        for (int g = 0; g < G; ++g) a[u][g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * bs + j]), vv, a[u][g]);
+      }
+    }
+    for (int u = 0; u < U; ++u)
+      for (int g = 0; g < G; ++g) _mm512_storeu_ps(acc + g * D + d + 16 * u, a[u][g]);
+  }
+  for (; d < D; d += 16) {
+    __m512 a[G];
+    for (int g = 0; g < G; ++g) a[g] = _mm512_loadu_ps(acc + g * D + d);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512 vv = _mm512_loadu_ps(v_rows[j] + d);
+      for (int g = 0; g < G; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * bs + j]), vv, a[g]);
+    }
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(acc + g * D + d, a[g]);
+  }
+}
+
+template <int G>
+bool block_avx512(bool values, const float* x, const float* const* rows, float* y, int64_t group, int64_t n,
+                  int64_t bs, int64_t D) {
+  if constexpr (G > 8) {
+    return false;
+  } else {
+    if (group != G) return block_avx512<G + 1>(values, x, rows, y, group, n, bs, D);
+    if (values) block_values_avx512<G>(x, rows, y, n, bs, D);
+    else block_scores_avx512<G>(x, rows, y, n, bs, D);
+    return true;
+  }
+}
+#endif
+
 // Scores of one block for the G query heads of a KV head (see block_scores_avx).
 inline void block_scores(const float* qf, const float* const* k_rows, float* s, int64_t group, int64_t n,
                          int64_t bs, int64_t D) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0 && block_avx512<1>(false, qf, k_rows, s, group, n, bs, D)) return;
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (D % 8 == 0 && block_avx<1>(false, qf, k_rows, s, group, n, bs, D)) return;
 #endif
@@ -236,6 +323,9 @@ inline void block_scores(const float* qf, const float* const* k_rows, float* s, 
 // The block's probability-weighted values added into the G heads' accumulators (see block_values_avx).
 inline void block_values(const float* p, const float* const* v_rows, float* acc, int64_t group, int64_t n,
                          int64_t bs, int64_t D) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0 && block_avx512<1>(true, p, v_rows, acc, group, n, bs, D)) return;
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (D % 8 == 0 && block_avx<1>(true, p, v_rows, acc, group, n, bs, D)) return;
 #endif
@@ -251,19 +341,22 @@ inline void prefetch_rows(const void* base, int64_t row_stride_bytes, int64_t ro
 #endif
 }
 
-// One work item is a (query token, KV head) pair: its G query heads walk the token's context block by block
-// with an online softmax. Blocks sit anywhere in the pool, so the next block's rows are prefetched while this
-// one is computed (a hardware prefetcher cannot guess the jump).
+// One work item is a (query token, KV head) pair: its G query heads walk the token's context a span of keys
+// at a time (a few cache blocks: the online-softmax bookkeeping is paid once per span, not once per block) with
+// an online softmax. Blocks sit anywhere in the pool, so the next span's rows are prefetched while this one is
+// computed (a hardware prefetcher cannot guess the jump). A token's arithmetic depends only on its own
+// context length, never on the other tokens of the batch: decode and prefill, alone or batched, agree bit for bit.
 template <typename T>
 void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables, const int64_t* q_rows,
             const int64_t* kv_lens, T* out, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
             int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale) {
   const int64_t group = num_heads / num_kv_heads, D = head_dim, bs = block_size;
+  const int64_t span = std::max<int64_t>(1, 64 / bs) * bs;  // keys per online-softmax step: whole blocks
   const int64_t row_stride = num_kv_heads * D;  // elements between consecutive tokens' rows of one head
   at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * D), acc(group * D), scores(group * bs), m(group), l(group), res(D);
-    std::vector<float> kbuf(std::is_same_v<T, float> ? 0 : bs * D), vbuf(kbuf.size());
-    std::vector<const float*> k_rows(bs), v_rows(bs);
+    std::vector<float> qf(group * D), acc(group * D), scores(group * span), m(group), l(group), res(D);
+    std::vector<float> kbuf(std::is_same_v<T, float> ? 0 : span * D), vbuf(kbuf.size());
+    std::vector<const float*> k_rows(span), v_rows(span);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t len = kv_lens[t];
@@ -275,23 +368,24 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
         l[g] = 0.f;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t start = 0; start < len; start += bs) {
-        const int64_t n = std::min(bs, len - start);
-        const T* k_blk = k_cache + (table[start / bs] * bs * num_kv_heads + h) * D;
-        const T* v_blk = v_cache + (table[start / bs] * bs * num_kv_heads + h) * D;
-        if (start + bs < len) {
-          const int64_t next = table[start / bs + 1] * bs * num_kv_heads + h;
-          const int64_t next_n = std::min(bs, len - start - bs);
+      for (int64_t start = 0; start < len; start += span) {
+        const int64_t n = std::min(span, len - start);
+        for (int64_t b0 = 0; b0 < n; b0 += bs) {  // this span's rows, block by block
+          const int64_t base = (table[(start + b0) / bs] * bs * num_kv_heads + h) * D;
+          for (int64_t j = b0; j < std::min(n, b0 + bs); ++j) {
+            k_rows[j] = as_float(k_cache + base + (j - b0) * row_stride, kbuf.data() + j * D, D);
+            v_rows[j] = as_float(v_cache + base + (j - b0) * row_stride, vbuf.data() + j * D, D);
+          }
+        }
+        for (int64_t b = start + span; b < std::min(len, start + 2 * span); b += bs) {  // the next span's
+          const int64_t next = table[b / bs] * bs * num_kv_heads + h;
+          const int64_t next_n = std::min(bs, len - b);
           prefetch_rows(k_cache + next * D, row_stride * sizeof(T), next_n, D * sizeof(T));
           prefetch_rows(v_cache + next * D, row_stride * sizeof(T), next_n, D * sizeof(T));
         }
-        for (int64_t j = 0; j < n; ++j) {
-          k_rows[j] = as_float(k_blk + j * row_stride, kbuf.data() + j * D, D);
-          v_rows[j] = as_float(v_blk + j * row_stride, vbuf.data() + j * D, D);
-        }
-        block_scores(qf.data(), k_rows.data(), scores.data(), group, n, bs, D);
+        block_scores(qf.data(), k_rows.data(), scores.data(), group, n, span, D);
         for (int64_t g = 0; g < group; ++g) {
-          float* sg = scores.data() + g * bs;
+          float* sg = scores.data() + g * span;
           const float new_m = std::max(m[g], *std::max_element(sg, sg + n));
           const float correction = std::exp(m[g] - new_m);
           if (correction != 1.f) {
@@ -302,7 +396,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
           l[g] += exp_shifted(sg, n, new_m);
           m[g] = new_m;
         }
-        block_values(scores.data(), v_rows.data(), acc.data(), group, n, bs, D);
+        block_values(scores.data(), v_rows.data(), acc.data(), group, n, span, D);
       }
       for (int64_t g = 0; g < group; ++g) {
         const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;

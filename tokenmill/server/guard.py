@@ -1,0 +1,109 @@
+"""The ASGI guard in front of the app: API key, body size and load shedding before any parsing, and a JSON 500
+for whatever escapes the app. Rejections are answered here, without running the app."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import Callable
+
+from tokenmill.server.errors import BadRequest, InternalError, RequestTooLarge, Unauthorized, classify
+from tokenmill.server.settings import ServerSettings
+
+log = logging.getLogger("tokenmill")
+
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+class Guard:
+    """ASGI middleware; `overloaded` says why a generate request cannot be queued now (or None)."""
+
+    def __init__(self, app, settings: ServerSettings, on_reject: Callable[[int], None],
+                 overloaded: Callable[[], Exception | None]):
+        self.app, self.settings, self.on_reject, self.overloaded = app, settings, on_reject, overloaded
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        key = self.settings.api_key
+        if key and scope["path"].startswith(PROTECTED_PREFIXES):
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(given.encode(), key.encode()):
+                msg = "missing API key" if not auth else "invalid API key"
+                return await self._reject(Unauthorized(f"{msg}: send the header 'Authorization: Bearer <key>'"),
+                                          receive, send)
+        limit = self.settings.max_request_bytes
+        try:
+            length = int(headers.get(b"content-length", b"0"))
+        except ValueError:
+            return await self._reject(BadRequest("invalid Content-Length header"), receive, send)
+        if length > limit:
+            return await self._reject(_too_large(limit), receive, send)
+        if scope["method"] == "POST" and scope["path"] in GENERATE_PATHS:
+            full = self.overloaded()  # the queue has no room even for one request: shed it before parsing
+            if full is not None:
+                return await self._reject(full, receive, send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    if message.get("more_body"):
+                        await _drain(receive, limit)
+                    raise _too_large(limit)
+            return message
+
+        started = False
+
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracked_send)
+        except Exception as exc:
+            log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                await self._reject(InternalError(f"internal error: {type(exc).__name__}"), receive, send,
+                                   drain=False)
+
+    async def _reject(self, exc: Exception, receive, send, drain: bool = True) -> None:
+        """Answer without running the app. The body is read and dropped first (up to a bound): a server that
+        closes with a request body still arriving makes the client see a reset instead of the answer."""
+        status, body = classify(exc)
+        self.on_reject(status)
+        data = json.dumps(body).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+        if status in (429, 503):
+            headers.append((b"retry-after", b"1"))
+        if drain and not await _drain(receive, self.settings.max_request_bytes):
+            headers.append((b"connection", b"close"))
+        if status == 401:
+            headers.append((b"www-authenticate", b"Bearer"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": data})
+
+
+async def _drain(receive, limit: int) -> bool:
+    """Read and drop the rest of a request body, up to max(4 x limit, 64 MiB); True if it all came."""
+    budget = max(4 * limit, 64 << 20)
+    while budget > 0:
+        message = await receive()
+        if message["type"] != "http.request":
+            return False
+        budget -= len(message.get("body", b""))
+        if not message.get("more_body"):
+            return True
+    return False
+
+
+def _too_large(limit: int) -> RequestTooLarge:
+    return RequestTooLarge(f"the request body exceeds {limit} bytes (--max-request-bytes)")
