@@ -9,8 +9,9 @@ Each measurement runs in a fresh subprocess, so one load's freed memory cannot h
     wrapping the backend's prepack; `runner` is the whole ModelRunner(...) (one KV block, so the cache is
     negligible), prepack included;
   - final bytes: the model's parameters, and separately the backend's packed copies (Backend.prepack).
-Two paths per dtype: `engine` loads as EngineCore does (load_weights with its default float32, then the runner
-casts), `typed` passes the runner's dtype to load_weights as well.
+Two paths per dtype: `engine` calls load_weights with its default float32 (how EngineCore loaded before
+issue 12), `typed` passes the runner's dtype to load_weights as well (how EngineCore loads now).
+Parameters a backend released after packing (left on the meta device) hold no memory and are not counted.
 
     python benchmarks/load_memory.py [--model PATH] [--dtypes float32 bfloat16] [--repeat 1] [--baseline-tree DIR]
 
@@ -93,7 +94,7 @@ def measure(model_path: str, dtype_name: str, path_kind: str) -> dict[str, float
     peak = peak_bytes() - before
     held = _status_kib("VmRSS") * 1024 - before
     model = runner.model
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    params = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)  # meta: released
     packed = sum(m.packed_weight.numel() * m.packed_weight.element_size() for m in model.linear_layers()
                  if m.packed_weight is not None)
     return {"dtype": dtype_name, "path": path_kind, "load_s": loaded["seconds"], "load_peak": loaded["peak"],

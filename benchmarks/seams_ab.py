@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 
 DECODE = """
-import statistics, time
+import statistics, sys, time
 from tokenmill import LLM, SamplingParams
 llm = LLM(dtype="auto", kv_cache_memory=64 << 20)
 engine, prompt = llm.engine, {"prompt_token_ids": list(range(1000, 1128))}
@@ -43,7 +43,7 @@ print(statistics.median(times))
 BATCH = """
 import json, sys, time
 from tokenmill import LLM, SamplingParams
-reqs = json.load(open(sys.argv[1]))
+reqs = json.load(open(sys.argv[2]))
 llm = LLM(dtype="auto", kv_cache_memory=1 << 30, max_num_seqs=64)
 llm.generate([{"prompt_token_ids": reqs[0][0][:16]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
 prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
@@ -54,7 +54,7 @@ print(sum(n for _, n in reqs) / (time.perf_counter() - t0))
 """
 
 API_RSS = """
-import re
+import re, sys
 from tokenmill.server import app
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.model.paths import default_model_path
@@ -63,9 +63,18 @@ print(int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group
 """
 
 
+VERIFY = """
+import pathlib, sys
+import tokenmill
+assert pathlib.Path(tokenmill.__file__).resolve().is_relative_to(pathlib.Path(sys.argv[1]).resolve()), tokenmill.__file__
+"""
+
+
 def run(tree: Path, code: str, *args: str) -> float:
     env = dict(os.environ, PYTHONPATH=str(tree), HF_HUB_OFFLINE="1")
-    out = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, check=False)
+    # cwd=tree: `python -c` puts the working directory first on sys.path, ahead of PYTHONPATH
+    out = subprocess.run([sys.executable, "-c", VERIFY + code, str(tree), *args], cwd=tree, env=env,
+                         capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise SystemExit(f"{tree}: {out.stderr[-2000:]}")
     return float(out.stdout.strip().splitlines()[-1])

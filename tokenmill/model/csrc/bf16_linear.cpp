@@ -9,9 +9,9 @@
 //
 // Packed layout, [N/16, K/32, 16, 32] bfloat16: for output block nb and K block kb, a 16 x 64-byte tile whose
 // row r holds, for each of the 16 output features n, the pair (w[n][32 kb + 2r], w[n][32 kb + 2r + 1]) -- the
-// "VNNI" order the tile dot product reads B in. Inputs are copied into a zero-padded buffer of whole 16-row
-// tiles (the padding rows are computed and discarded: a decode step is bound by reading the weight, not by
-// tile arithmetic).
+// "VNNI" order the tile dot product reads B in. Inputs are read in whole 16-row tiles, the last one from a
+// zero-padded copy (its padding rows are computed and discarded: a decode step is bound by reading the weight,
+// not by tile arithmetic).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -64,8 +64,8 @@ void configure_tiles() {
 // C tiles of output rows [m0, m0 + 16 * row_blocks) and features [16 nb, 16 nb + 16 * col_blocks), stored as
 // float32 into c [32, 32] (row stride 32 floats).
 template <int RowBlocks, int ColBlocks>
-void tile_block(const uint16_t* xpad, int64_t x_stride_bytes, const uint16_t* wp, int64_t KB, int64_t m0,
-                int64_t nb, float* c) {
+void tile_block(const uint16_t* a0, int64_t a0_stride, const uint16_t* a1, int64_t a1_stride, const uint16_t* wp,
+                int64_t KB, int64_t nb, float* c) {
   _tile_zero(4);
   if constexpr (ColBlocks > 1) _tile_zero(5);
   if constexpr (RowBlocks > 1) _tile_zero(6);
@@ -73,11 +73,9 @@ void tile_block(const uint16_t* xpad, int64_t x_stride_bytes, const uint16_t* wp
   const int64_t tile_elems = kTileRows * kTileK;
   const uint16_t* b0 = wp + nb * KB * tile_elems;
   const uint16_t* b1 = b0 + KB * tile_elems;
-  const uint16_t* a0 = xpad + m0 * (x_stride_bytes / 2);
-  const uint16_t* a1 = a0 + kTileRows * (x_stride_bytes / 2);
   for (int64_t kb = 0; kb < KB; ++kb) {
-    _tile_loadd(0, a0 + kb * kTileK, x_stride_bytes);
-    if constexpr (RowBlocks > 1) _tile_loadd(1, a1 + kb * kTileK, x_stride_bytes);
+    _tile_loadd(0, a0 + kb * kTileK, a0_stride);
+    if constexpr (RowBlocks > 1) _tile_loadd(1, a1 + kb * kTileK, a1_stride);
     _tile_loadd(2, b0 + kb * tile_elems, 64);
     if constexpr (ColBlocks > 1) _tile_loadd(3, b1 + kb * tile_elems, 64);
     _tile_dpbf16ps(4, 0, 2);
@@ -223,11 +221,16 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, co
 #ifdef TOKENMILL_AMX
   TORCH_CHECK(request_amx(), "the OS did not grant the AMX tile state");
   if (p.M == 0) return p.y;
-  const int64_t Mpad = (p.M + kTileRows - 1) / kTileRows * kTileRows;
-  auto xpad = torch::zeros({Mpad, p.K}, x.options());
-  xpad.narrow(0, 0, p.M).copy_(x);
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xpad.data_ptr<at::BFloat16>());
-  const int64_t x_stride = p.K * sizeof(uint16_t);
+  // Whole 16-row tiles load straight from x; a last partial tile from a zero-padded copy of its rows.
+  const int64_t Mpad = (p.M + kTileRows - 1) / kTileRows * kTileRows, full = p.M / kTileRows * kTileRows;
+  const auto xs = x.stride(1) == 1 ? x : x.contiguous();
+  auto tail = torch::zeros({kTileRows, p.K}, x.options());
+  if (full < p.M) tail.narrow(0, 0, p.M - full).copy_(xs.narrow(0, full, p.M - full));
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>());
+  const uint16_t* tp = reinterpret_cast<const uint16_t*>(tail.data_ptr<at::BFloat16>());
+  const int64_t x_stride = xs.stride(0) * sizeof(uint16_t), tail_stride = p.K * sizeof(uint16_t);
+  const auto rows_at = [&](int64_t m) { return m < full ? xp + m * xs.stride(0) : tp; };
+  const auto stride_at = [&](int64_t m) { return m < full ? x_stride : tail_stride; };
   for_column_pairs(p.NB, [&](int64_t begin, int64_t end) {
     configure_tiles();
     alignas(64) float c[32 * 32];
@@ -236,10 +239,13 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, co
       const bool two_cols = nb + 1 < p.NB;
       for (int64_t m0 = 0; m0 < Mpad; m0 += 2 * kTileRows) {
         const bool two_rows = m0 + kTileRows < Mpad;
-        if (two_rows && two_cols) tile_block<2, 2>(xp, x_stride, p.wp, p.KB, m0, nb, c);
-        else if (two_rows) tile_block<2, 1>(xp, x_stride, p.wp, p.KB, m0, nb, c);
-        else if (two_cols) tile_block<1, 2>(xp, x_stride, p.wp, p.KB, m0, nb, c);
-        else tile_block<1, 1>(xp, x_stride, p.wp, p.KB, m0, nb, c);
+        const int64_t m1 = m0 + kTileRows;
+        const uint16_t *a0 = rows_at(m0), *a1 = two_rows ? rows_at(m1) : nullptr;
+        const int64_t s0 = stride_at(m0), s1 = two_rows ? stride_at(m1) : 0;
+        if (two_rows && two_cols) tile_block<2, 2>(a0, s0, a1, s1, p.wp, p.KB, nb, c);
+        else if (two_rows) tile_block<2, 1>(a0, s0, a1, s1, p.wp, p.KB, nb, c);
+        else if (two_cols) tile_block<1, 2>(a0, s0, a1, s1, p.wp, p.KB, nb, c);
+        else tile_block<1, 1>(a0, s0, a1, s1, p.wp, p.KB, nb, c);
         write_rows(c, p.bias, p.yp, p.N, m0, std::min<int64_t>(2 * kTileRows, p.M - m0), nb * kTileN,
                    two_cols ? 2 * kTileN : kTileN);
       }

@@ -341,22 +341,19 @@ inline void prefetch_rows(const void* base, int64_t row_stride_bytes, int64_t ro
 #endif
 }
 
-// One work item is a (query token, KV head) pair: its G query heads walk the token's context a span of keys
-// at a time (a few cache blocks: the online-softmax bookkeeping is paid once per span, not once per block) with
-// an online softmax. Blocks sit anywhere in the pool, so the next span's rows are prefetched while this one is
-// computed (a hardware prefetcher cannot guess the jump). A token's arithmetic depends only on its own
-// context length, never on the other tokens of the batch: decode and prefill, alone or batched, agree bit for bit.
+// One work item is a (query token, KV head) pair: its G query heads walk the token's context block by block
+// with an online softmax. Blocks sit anywhere in the pool, so the next block's rows are prefetched while this
+// one is computed (a hardware prefetcher cannot guess the jump).
 template <typename T>
 void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables, const int64_t* q_rows,
             const int64_t* kv_lens, T* out, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
             int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale) {
   const int64_t group = num_heads / num_kv_heads, D = head_dim, bs = block_size;
-  const int64_t span = std::max<int64_t>(1, 64 / bs) * bs;  // keys per online-softmax step: whole blocks
   const int64_t row_stride = num_kv_heads * D;  // elements between consecutive tokens' rows of one head
   at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * D), acc(group * D), scores(group * span), m(group), l(group), res(D);
-    std::vector<float> kbuf(std::is_same_v<T, float> ? 0 : span * D), vbuf(kbuf.size());
-    std::vector<const float*> k_rows(span), v_rows(span);
+    std::vector<float> qf(group * D), acc(group * D), scores(group * bs), m(group), l(group), res(D);
+    std::vector<float> kbuf(std::is_same_v<T, float> ? 0 : bs * D), vbuf(kbuf.size());
+    std::vector<const float*> k_rows(bs), v_rows(bs);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t len = kv_lens[t];
@@ -368,24 +365,23 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
         l[g] = 0.f;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t start = 0; start < len; start += span) {
-        const int64_t n = std::min(span, len - start);
-        for (int64_t b0 = 0; b0 < n; b0 += bs) {  // this span's rows, block by block
-          const int64_t base = (table[(start + b0) / bs] * bs * num_kv_heads + h) * D;
-          for (int64_t j = b0; j < std::min(n, b0 + bs); ++j) {
-            k_rows[j] = as_float(k_cache + base + (j - b0) * row_stride, kbuf.data() + j * D, D);
-            v_rows[j] = as_float(v_cache + base + (j - b0) * row_stride, vbuf.data() + j * D, D);
-          }
-        }
-        for (int64_t b = start + span; b < std::min(len, start + 2 * span); b += bs) {  // the next span's
-          const int64_t next = table[b / bs] * bs * num_kv_heads + h;
-          const int64_t next_n = std::min(bs, len - b);
+      for (int64_t start = 0; start < len; start += bs) {
+        const int64_t n = std::min(bs, len - start);
+        const T* k_blk = k_cache + (table[start / bs] * bs * num_kv_heads + h) * D;
+        const T* v_blk = v_cache + (table[start / bs] * bs * num_kv_heads + h) * D;
+        if (start + bs < len) {
+          const int64_t next = table[start / bs + 1] * bs * num_kv_heads + h;
+          const int64_t next_n = std::min(bs, len - start - bs);
           prefetch_rows(k_cache + next * D, row_stride * sizeof(T), next_n, D * sizeof(T));
           prefetch_rows(v_cache + next * D, row_stride * sizeof(T), next_n, D * sizeof(T));
         }
-        block_scores(qf.data(), k_rows.data(), scores.data(), group, n, span, D);
+        for (int64_t j = 0; j < n; ++j) {
+          k_rows[j] = as_float(k_blk + j * row_stride, kbuf.data() + j * D, D);
+          v_rows[j] = as_float(v_blk + j * row_stride, vbuf.data() + j * D, D);
+        }
+        block_scores(qf.data(), k_rows.data(), scores.data(), group, n, bs, D);
         for (int64_t g = 0; g < group; ++g) {
-          float* sg = scores.data() + g * span;
+          float* sg = scores.data() + g * bs;
           const float new_m = std::max(m[g], *std::max_element(sg, sg + n));
           const float correction = std::exp(m[g] - new_m);
           if (correction != 1.f) {
@@ -396,7 +392,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
           l[g] += exp_shifted(sg, n, new_m);
           m[g] = new_m;
         }
-        block_values(scores.data(), v_rows.data(), acc.data(), group, n, span, D);
+        block_values(scores.data(), v_rows.data(), acc.data(), group, n, bs, D);
       }
       for (int64_t g = 0; g < group; ++g) {
         const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
