@@ -1,10 +1,12 @@
 """Kernel microbenchmarks behind BENCHMARKS.md "Kernels": each fast path against what it replaces, same process.
 
     python benchmarks/kernels.py                      # all parts
-    python benchmarks/kernels.py --parts matmul       # matmul | attention | silu
+    python benchmarks/kernels.py --parts matmul       # matmul | bf16 | attention | silu
 
 - matmul: one of each SmolLM2 matmul (qkv, o, gate_up, down; plus the 49,152-row LM head up to 128 rows) at M
   rows, `F.linear` (BLAS, repacks the weight every call) vs oneDNN on a weight prepacked once vs the skinny GEMV.
+- bf16: the same matmuls in bfloat16, our packed kernel (csrc/bf16_linear.cpp: AMX tiles, or AVX512-BF16 dot
+  products; one kernel for every row count, so batch-invariant) vs oneDNN on a prepacked weight, per shape.
 - attention: the paged-attention kernel for B decode tokens over `--context` keys each, blocks scattered over
   the pool, with the K/V bytes it reads per second.
 - silu: the fused SiLU-and-multiply kernel against torch's two ops.
@@ -90,9 +92,30 @@ def silu(rows: list[int]) -> None:
         print(f"silu_mul, {m} rows x 1536: kernel {fused:.3f} ms, torch {torch_ms:.3f} ms")
 
 
+def bf16(rows: list[int]) -> None:
+    ops = _extension()
+    if ops is None or not ops.bf16_kernel():
+        print("no bfloat16 matmul kernel on this CPU (needs AMX or AVX512-BF16); skipping bf16")
+        return
+    weights = {k: (torch.randn(n, k_) * 0.05).to(torch.bfloat16) for k, (k_, n) in SHAPES.items()}
+    ours = {k: ops.bf16_pack(w) for k, w in weights.items()}
+    onednn = {k: prepack_weight(w) for k, w in weights.items()}
+    print(f"bf16, ours ({ops.bf16_kernel()}) / oneDNN prepacked, ms per matmul")
+    print("rows | " + " | ".join(SHAPES))
+    for m in rows:
+        cells = []
+        for k, (k_, _) in SHAPES.items():
+            x = torch.randn(m, k_).to(torch.bfloat16)
+            a = best_ms(lambda k=k, x=x: ops.bf16_linear(x, ours[k], None))
+            b = (best_ms(lambda k=k, x=x: torch.ops.mkldnn._linear_pointwise(x, onednn[k], None, "none", [], ""))
+                 if onednn[k] is not None else float("nan"))
+            cells.append(f"{a:.3f} / {b:.3f}")
+        print(f"{m} | " + " | ".join(cells), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", default="matmul,attention,silu")
+    p.add_argument("--parts", default="matmul,bf16,attention,silu")
     p.add_argument("--rows", default="1,4,8,16,32,64,128,256,512")
     p.add_argument("--batch", type=int, default=49)
     p.add_argument("--context", type=int, default=370)
@@ -105,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         if "matmul" in parts:
             matmul(rows)
+        if "bf16" in parts:
+            bf16(rows)
         if "attention" in parts:
             attention(args.batch, args.context)
         if "silu" in parts:

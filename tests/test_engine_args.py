@@ -14,7 +14,7 @@ CHANGED = {"model": ("m.gguf", "m.gguf"), "tokenizer": ("tok", "tok"), "dtype": 
            "kv_cache_memory": ("1GiB", 1 << 30), "block_size": ("32", 32), "enable_prefix_caching": (None, False),
            "max_num_seqs": ("9", 9), "max_num_batched_tokens": ("1024", 1024),
            "long_prefill_token_threshold": ("100", 100), "max_model_len": ("4096", 4096),
-           "scheduling_policy": ("static", "static"), "batch_invariant": (True, True)}
+           "scheduling_policy": ("static", "static"), "batch_invariant": (None, False)}
 
 
 def config_value(config, field: dataclasses.Field):

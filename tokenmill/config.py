@@ -136,7 +136,7 @@ class EngineConfig:
     model: str | None = None  # HF directory or .gguf file; None = the embedded SmolLM2 GGUF
     dtype: str = "auto"  # float32 | bfloat16 | auto
     device: str = "cpu"
-    batch_invariant: bool = False  # prompt tokens read their context through the paged kernel (runner.py)
+    batch_invariant: bool = True  # prompt tokens read their context through the paged kernel (runner.py)
     seed: int = 0
     tokenizer: str | None = None
     num_threads: int | None = None  # compute threads (torch intra-op); None = torch's default (the cores)

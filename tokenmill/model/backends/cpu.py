@@ -133,11 +133,10 @@ class CpuBackend(TorchBackend):
         first = self.pack_weight(layers[0].weight) if layers else None
         if first is None:
             return False
-        layers[0].packed_weight = first
-        for m in layers[1:]:
-            m.packed_weight = self.pack_weight(m.weight)
-        for m in layers:
+        for i, m in enumerate(layers):
+            m.packed_weight = first if i == 0 else self.pack_weight(m.weight)
             if isinstance(m, nn.Module) and m.packed_weight is not None and m.packed_weight.dim() == 4:
+                # released as soon as its copy exists: the peak stays one layer above the final weights
                 m.weight = nn.Parameter(m.weight.to("meta"), requires_grad=False)
         model.backend_cache.pop(_LAYER_WEIGHTS, None)
         return True
