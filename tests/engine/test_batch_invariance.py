@@ -1,9 +1,10 @@
 """One request's greedy output does not depend on what else runs: alone, in a batch of 16 mixed-length
 requests, under chunk sizes 16/64/512, after preemption; the pool ends whole every time.
 
-float32: the same up to float32 near-ties (a decode of <= 4 rows and a batch run different matmul kernels).
-bfloat16 on a CPU with AMX or AVX512-BF16 (what `--dtype auto` picks there): bit for bit, tokens and logprobs,
-since one matmul kernel serves every row count and every token reads its context through the paged kernel."""
+With --batch-invariant (the default): bit for bit, tokens and logprobs, in float32 and in bfloat16 (where the CPU has
+AMX or AVX512-BF16, what `--dtype auto` picks there), since one matmul kernel serves every row count and every
+token reads its context through the paged kernel. Without it: the same up to float32 near-ties (a decode of <= 4
+rows and a batch run different matmul kernels; a prompt's first chunk runs SDPA, its later ones the paged kernel)."""
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from tokenmill.model.cpu_kernels import _extension
 _ops = _extension()
 needs_bf16_kernel = pytest.mark.skipif(_ops is None or not _ops.bf16_kernel(),
                                        reason="this CPU has neither AMX nor AVX512-BF16: auto picks float32 here")
+DTYPES = ["float32", pytest.param("bfloat16", marks=needs_bf16_kernel)]
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
 
@@ -32,64 +34,62 @@ def batch_prompts() -> list[list[int]]:
     return [torch.randint(3, 1024, (n,), generator=g).tolist() for n in lengths]
 
 
-def run(model_dir, prompts, dtype="float32", **engine_kw):
+def run(model_dir, prompts, dtype, **engine_kw):
     llm = LLM(str(model_dir), dtype=dtype, **({"kv_cache_memory": 32 << 20} | engine_kw))
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     llm.engine.core.check_idle_invariants()
     return llm, [o.outputs[0] for o in outs]
 
 
-@pytest.fixture(scope="module")
-def alone(model_dir):
-    """Each request run by itself with a large chunk size: the reference."""
-    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=32 << 20, max_num_batched_tokens=512)
-    return [llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0].outputs[0] for p in batch_prompts()]
+_alone: dict[tuple, list] = {}
 
 
-@pytest.mark.parametrize("chunk", [16, 64, 512])
-def test_batched_and_chunked_output_equals_alone(model_dir, alone, chunk):
-    llm, outs = run(model_dir, batch_prompts(), max_num_batched_tokens=chunk)
-    # batches of 16 decodes run the oneDNN prepacked matmuls, the reference's single rows the skinny GEMV
-    assert llm.engine.core.runner.prepacked == torch.backends.mkldnn.is_available()
-    for ref, out in zip(alone, outs):
+def alone(model_dir, dtype, batch_invariant=True):
+    """Each request run by itself with a large chunk size: the reference (computed once per setting)."""
+    key = (dtype, batch_invariant)
+    if key not in _alone:
+        llm = LLM(str(model_dir), dtype=dtype, kv_cache_memory=32 << 20, max_num_batched_tokens=512,
+                  batch_invariant=batch_invariant)
+        _alone[key] = [llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0].outputs[0]
+                       for p in batch_prompts()]
+    return _alone[key]
+
+
+def assert_bitwise(refs, outs):
+    for i, (ref, out) in enumerate(zip(refs, outs)):
         assert len(out.token_ids) == 40
-        assert_same_greedy(ref, out)
-
-
-def test_preempted_and_resumed_output_equals_alone(model_dir, alone):
-    # 3 layers x 2 KV heads x 16 dims x 2 (K, V) x 4 bytes = 768 bytes/token; 40 blocks of 16 = 640 tokens,
-    # far below the ~1,500 the batch needs at once, so requests are preempted and recomputed.
-    llm, outs = run(model_dir, batch_prompts(), kv_cache_memory=40 * 16 * 768, max_num_batched_tokens=64)
-    assert llm.engine.core.scheduler.num_preemptions > 0
-    for ref, out in zip(alone, outs):
-        assert_same_greedy(ref, out)
-
-
-@pytest.fixture(scope="module")
-def alone_bf16(model_dir):
-    llm = LLM(str(model_dir), dtype="bfloat16", kv_cache_memory=32 << 20, max_num_batched_tokens=512,
-              batch_invariant=True)
-    return [llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0].outputs[0] for p in batch_prompts()]
-
-
-@needs_bf16_kernel
-@pytest.mark.parametrize("chunk", [16, 64, 512])
-def test_bf16_batched_and_chunked_output_is_bitwise_alone(model_dir, alone_bf16, chunk):
-    llm, outs = run(model_dir, batch_prompts(), dtype="bfloat16", max_num_batched_tokens=chunk, batch_invariant=True)
-    assert llm.engine.core.runner.batch_invariant
-    for i, (ref, out) in enumerate(zip(alone_bf16, outs)):
         assert out.token_ids == ref.token_ids, f"request {i}"
         assert out.logprobs == ref.logprobs, f"request {i}"
 
 
-@needs_bf16_kernel
-def test_bf16_preempted_and_resumed_output_is_bitwise_alone(model_dir, alone_bf16):
-    # bfloat16 halves the bytes per token of the float32 case above: 80 blocks of 16 are still far too few
-    llm, outs = run(model_dir, batch_prompts(), dtype="bfloat16", kv_cache_memory=80 * 16 * 384,
-                    max_num_batched_tokens=64, batch_invariant=True)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunk", [16, 64, 512])
+def test_batched_and_chunked_output_is_bitwise_alone(model_dir, dtype, chunk):
+    llm, outs = run(model_dir, batch_prompts(), dtype, max_num_batched_tokens=chunk)
+    assert llm.engine.core.runner.batch_invariant  # the default
+    assert_bitwise(alone(model_dir, dtype), outs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_preempted_and_resumed_output_is_bitwise_alone(model_dir, dtype):
+    # 3 layers x 2 KV heads x 16 dims x 2 (K, V) x 4 bytes = 768 bytes/token in float32 (384 in bfloat16); 40 blocks
+    # of 16 = 640 tokens, far below the ~1,500 the batch needs at once, so requests are preempted and recomputed.
+    per_token = 768 if dtype == "float32" else 384
+    llm, outs = run(model_dir, batch_prompts(), dtype, kv_cache_memory=40 * 16 * per_token, max_num_batched_tokens=64)
     assert llm.engine.core.scheduler.num_preemptions > 0
-    for ref, out in zip(alone_bf16, outs):
-        assert out.token_ids == ref.token_ids and out.logprobs == ref.logprobs
+    assert_bitwise(alone(model_dir, dtype), outs)
+
+
+@pytest.mark.parametrize("chunk", [16, 512])
+def test_without_batch_invariance_float32_agrees_up_to_near_ties(model_dir, chunk):
+    """--no-batch-invariant runs the skinny GEMV / oneDNN pair and SDPA first chunks: still the same greedy
+    tokens unless the top two were within float32 noise."""
+    llm, outs = run(model_dir, batch_prompts(), "float32", max_num_batched_tokens=chunk, batch_invariant=False)
+    assert not llm.engine.core.runner.batch_invariant
+    assert llm.engine.core.runner.prepacked == torch.backends.mkldnn.is_available()
+    for ref, out in zip(alone(model_dir, "float32", batch_invariant=False), outs):
+        assert len(out.token_ids) == 40
+        assert_same_greedy(ref, out)
 
 
 @pytest.mark.slow
@@ -100,11 +100,11 @@ def test_real_model_bf16_greedy_is_the_same_among_32_concurrent_streams():
     llm = LLM(dtype="bfloat16", kv_cache_memory=128 << 20)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
     prompt = "Monday, Tuesday, Wednesday,"
-    alone = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    alone_out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     others = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 5, 8,"]
     batch = [prompt if i % 2 == 0 else others[i % len(others)] for i in range(64)]
     outs = [o.outputs[0] for o, p in zip(llm.generate(batch, params, use_tqdm=False), batch) if p == prompt]
     assert len(outs) == 32
-    assert sum(o.token_ids != alone.token_ids for o in outs) == 0
+    assert sum(o.token_ids != alone_out.token_ids for o in outs) == 0
     # bit for bit: the logprobs too, not only the argmax (which a small numeric difference rarely flips)
-    assert sum(o.logprobs != alone.logprobs for o in outs) == 0
+    assert sum(o.logprobs != alone_out.logprobs for o in outs) == 0

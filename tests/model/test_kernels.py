@@ -241,3 +241,48 @@ def test_bf16_tile_packing_releases_the_plain_weights_and_reloads(tmp_path):
     model.load_hf_weights(load_weights(path, cfg, torch.bfloat16))
     assert not any(p.is_meta for p in model.parameters()) and qkv.packed_weight is None
     assert torch.equal(F.linear(x, qkv.weight), before)
+
+
+# ---- the float32 panel matmul (csrc/f32_linear.cpp) -------------------------------------------------------------
+
+needs_f32_panels = pytest.mark.skipif(ops is None or not ops.f32_panels_available(), reason="no AVX2/FMA here")
+
+
+@needs_f32_panels
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 33, 100])
+@pytest.mark.parametrize("n,k", [(960, 576), (48, 77), (16, 5)])
+def test_f32_panel_linear_matches_f_linear(m, n, k):
+    g = torch.Generator().manual_seed(m * n + k)
+    x, w, b = (torch.randn(*s, generator=g) for s in ((m, k), (n, k), (n,)))
+    packed = ops.f32_pack(w)
+    assert packed.shape == (n // 16, k, 16)
+    for bias in (None, b):
+        torch.testing.assert_close(ops.f32_linear(x, packed, bias), F.linear(x, w, bias), **tol(torch.float32, k))
+    strided = torch.randn(m, 2 * k, generator=g)[:, :k]
+    assert torch.equal(ops.f32_linear(strided, packed, None), ops.f32_linear(strided.contiguous(), packed, None))
+
+
+@needs_f32_panels
+def test_f32_panel_linear_rows_do_not_depend_on_the_batch():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(70, 576, generator=g)
+    packed = ops.f32_pack(torch.randn(960, 576, generator=g))
+    alone = torch.cat([ops.f32_linear(x[i:i + 1], packed, None) for i in range(70)])
+    for m in (2, 4, 7, 8, 9, 16, 33, 70):
+        assert torch.equal(ops.f32_linear(x[:m], packed, None), alone[:m]), f"batch of {m}"
+    order = torch.randperm(70, generator=g)
+    assert torch.equal(ops.f32_linear(x[order], packed, None), alone[order])
+
+
+@needs_f32_panels
+def test_batch_invariant_backend_packs_float32_into_panels_and_holds_them_once():
+    backend, plain = CpuBackend(ops, BF16_KERNEL, f32_panels=True), CpuBackend(ops, BF16_KERNEL)
+    w = torch.randn(64, 40)
+    assert backend.pack_weight(w).shape == (4, 40, 16)
+    assert plain.pack_weight(w) is None or plain.pack_weight(w).is_mkldnn  # oneDNN's, beside the plain weight
+    layer = Linear(40, 64, bias=True, backend=backend)
+    x = torch.randn(6, 40)
+    before = F.linear(x, layer.weight, layer.bias)
+    model = SimpleNamespace(linear_layers=lambda: [layer], backend_cache={})
+    assert backend.prepack(model) and layer.weight.is_meta
+    torch.testing.assert_close(layer(x), before, **tol(torch.float32, 40))

@@ -42,13 +42,14 @@ class ModelRunner:
                  num_blocks: int, block_size: int, seed: int = 0, use_kernel: bool = True,
                  batch_invariant: bool = False):
         self.use_kernel = use_kernel
-        # Every prompt token reads its context through the block tables (its K/V written first), so its attention
-        # is the same computation however the prompt was chunked and whatever shares the step. Otherwise a
-        # prompt's first chunk attends over its own K/V (fast SDPA; model/attention.py "fresh" spans).
+        # batch_invariant: every prompt token reads its context through the block tables (its K/V written first),
+        # so its attention is the same computation however the prompt was chunked and whatever shares the step,
+        # and the backend picks matmul kernels whose rows do not depend on the batch. Otherwise a prompt's first
+        # chunk attends over its own K/V (SDPA; model/attention.py "fresh" spans).
         self.batch_invariant = batch_invariant
         self.cfg, self.dtype, self.device, self.block_size = cfg, dtype, torch.device(device), block_size
         # Chosen once: use_kernel=False is the plain-PyTorch reference, which runs no C++ op at all.
-        self.backend = select_backend(self.device, use_kernels=use_kernel)
+        self.backend = select_backend(self.device, use_kernels=use_kernel, batch_invariant=batch_invariant)
         # Built in `dtype` on the meta device, then allocated uninitialised where it runs: each parameter is
         # written once, in place, as `weights` (a lazy loader.Checkpoint, or any mapping) is read tensor by tensor.
         with torch.device("meta"):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 log = logging.getLogger("tokenmill")
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp", "bf16_linear.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp", "bf16_linear.cpp", "f32_linear.cpp")]
 
 
 def _cpu_info() -> tuple[str, str]:

@@ -21,15 +21,17 @@ __all__ = ["Backend", "CpuBackend", "LinearWeights", "TorchBackend", "auto_dtype
 log = logging.getLogger("tokenmill")
 
 
-def select_backend(device: str | torch.device, use_kernels: bool = True) -> Backend:
+def select_backend(device: str | torch.device, use_kernels: bool = True, batch_invariant: bool = False) -> Backend:
     """The backend for `device`: the C++ CPU kernels where they are built (and wanted), otherwise the torch
-    reference. `use_kernels=False` always gives the reference, which then runs no C++ op at all."""
+    reference. `use_kernels=False` always gives the reference, which then runs no C++ op at all.
+    `batch_invariant`: float32 matmuls on the panel kernel (one kernel for every row count) rather than the
+    skinny GEMV + oneDNN pair (faster for large batches, but a row's result depends on its batch's size)."""
     device = torch.device(device)
     backend: Backend = TorchBackend()
     if use_kernels and device.type == "cpu":
         ops = cpu_kernels._extension()
         if ops is not None:
-            backend = CpuBackend(ops, ops.bf16_kernel())
+            backend = CpuBackend(ops, ops.bf16_kernel(), f32_panels=batch_invariant and ops.f32_panels_available())
     _log_once(f"backend: {backend.describe()} on {device}")
     return backend
 

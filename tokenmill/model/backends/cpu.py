@@ -1,7 +1,12 @@
 """CpuBackend: the C++ kernels of model/csrc (built per CPU by model/cpu_kernels.py) where they apply, the torch
 reference op by op where they do not (another device, a shape or dtype a kernel does not take).
 
-Linear layers: three kernels serve three shapes (measured on 2 AVX2 cores, BENCHMARKS.md "Kernels"):
+Linear layers. Where a packed kernel of our own takes the weight, it serves every row count, so a row's result
+never depends on its batch (greedy output is batch-invariant), and the weight is held once:
+- bfloat16 on a CPU with AMX or AVX512-BF16: csrc/bf16_linear.cpp (faster than oneDNN at 1-64 rows, BENCHMARKS.md
+  "Engine seams");
+- float32 with batch_invariant: csrc/f32_linear.cpp's panels (AVX2 or AVX-512).
+Otherwise three kernels serve three shapes (measured on 2 AVX2 cores, BENCHMARKS.md "Kernels"):
 - decode-shaped inputs (a few rows) go to the skinny kernel, which splits output features across cores and
   streams the weight at memory speed (BLAS runs a one-row product on a single core);
 - batched decode (8-128 rows) goes to oneDNN with the weight prepacked once into its blocked layout: BLAS
@@ -56,13 +61,16 @@ class CpuBackend(TorchBackend):
 
     name = "cpu"
 
-    def __init__(self, ops: Any, bf16_kernel: str = ""):
+    def __init__(self, ops: Any, bf16_kernel: str = "", f32_panels: bool = False):
         self.ops = ops
         self.bf16_kernel = bf16_kernel  # ops.bf16_kernel(): "amx", "avx512_bf16", or "" (no packed bf16 kernel)
+        self.f32_panels = f32_panels  # float32 weights in csrc/f32_linear.cpp's panels (batch-invariant)
 
     def describe(self) -> str:
-        matmul = self.bf16_kernel or "oneDNN / skinny GEMV"
-        return f"cpu (C++ kernels, cpu {cpu_tag()}, isa: {cpu_isa() or 'baseline'}; bf16 matmuls: {matmul})"
+        bf16 = self.bf16_kernel or "oneDNN / skinny GEMV"
+        f32 = "panels" if self.f32_panels else "oneDNN / skinny GEMV"
+        return (f"cpu (C++ kernels, cpu {cpu_tag()}, isa: {cpu_isa() or 'baseline'}; matmuls: bf16 {bf16}, "
+                f"f32 {f32})")
 
     # ---- elementwise -----------------------------------------------------------------------------------
     def rms_norm(self, x, weight, eps):
@@ -106,6 +114,8 @@ class CpuBackend(TorchBackend):
         packed = layer.packed_weight
         if packed is not None and packed.dim() == 4 and x.dim() == 2:  # bf16_pack'ed: one kernel, any rows
             return self.ops.bf16_linear(x, packed, layer.bias)
+        if packed is not None and packed.dim() == 3 and x.dim() == 2:  # f32_pack'ed panels: the same
+            return self.ops.f32_linear(x, packed, layer.bias)
         if (x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and x.device.type == "cpu"
                 and torch.get_num_threads() > 1):
             return self.ops.skinny_linear(x, layer.weight, layer.bias)
@@ -122,11 +132,14 @@ class CpuBackend(TorchBackend):
         n, k = weight.shape
         if weight.dtype == torch.bfloat16 and self.bf16_kernel and n % 16 == 0 and k % 32 == 0:
             return self.ops.bf16_pack(weight)
+        if weight.dtype == torch.float32 and self.f32_panels and n % 16 == 0:
+            return self.ops.f32_pack(weight)
         return prepack_weight(weight)
 
     def prepack(self, model: nn.Module) -> bool:
         """Packed copies of every matmul weight. A oneDNN copy sits beside the plain weight (the skinny kernel
-        reads that for a few rows); a bfloat16 tile copy serves every row count, so the plain weight is released
+        reads that for a few rows); a bfloat16 tile or float32 panel copy serves every row count, so the plain
+        weight is released
         (left on the meta device: shape and dtype, no memory; load_hf_weights allocates it again), except the
         tied LM head's, which is the embedding. Returns False, changing nothing, where nothing can be packed."""
         layers = model.linear_layers()
@@ -135,7 +148,7 @@ class CpuBackend(TorchBackend):
             return False
         for i, m in enumerate(layers):
             m.packed_weight = first if i == 0 else self.pack_weight(m.weight)
-            if isinstance(m, nn.Module) and m.packed_weight is not None and m.packed_weight.dim() == 4:
+            if isinstance(m, nn.Module) and m.packed_weight is not None and m.packed_weight.dim() in (3, 4):
                 # released as soon as its copy exists: the peak stays one layer above the final weights
                 m.weight = nn.Parameter(m.weight.to("meta"), requires_grad=False)
         model.backend_cache.pop(_LAYER_WEIGHTS, None)

@@ -662,6 +662,10 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias);
 torch::Tensor dpbf16_linear(const torch::Tensor& x, const torch::Tensor& packed,
                             const c10::optional<torch::Tensor>& bias);
+// f32_linear.cpp: the float32 matmul over 16-feature panels.
+bool f32_panels_available();
+torch::Tensor f32_pack(const torch::Tensor& w);
+torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias);
 
 // The linear layer of the decode path: a bf16_pack'ed weight ([N/16, K/32, 16, 32]) runs bf16_linear for any row
 // count; otherwise the skinny GEMV for a few rows (it reads the plain weight at memory
@@ -669,6 +673,7 @@ torch::Tensor dpbf16_linear(const torch::Tensor& x, const torch::Tensor& packed,
 torch::Tensor linear_any(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
                          c10::optional<torch::Tensor> b) {
   if (packed.dim() == 4) return bf16_linear(x, packed, b);
+  if (packed.dim() == 3) return f32_linear(x, packed, b);
   if (x.size(0) <= 4 && at::get_num_threads() > 1) return skinny_linear(x, w, b);
   if (packed.is_mkldnn()) return onednn_linear(x, packed, b);
   return at::linear(x, w, b);
@@ -708,5 +713,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &bf16_linear, "x @ w.T (+ b), w from bf16_pack, on bf16_kernel(); batch-invariant");
   m.def("amx_linear", &amx_linear, "bf16_linear on AMX tiles");
   m.def("dpbf16_linear", &dpbf16_linear, "bf16_linear with AVX512-BF16 dot products");
+  m.def("f32_panels_available", &f32_panels_available, "whether this build has the float32 panel matmul");
+  m.def("f32_pack", &f32_pack, "a [N, K] float32 weight in 16-feature panels [N/16, K, 16]");
+  m.def("f32_linear", &f32_linear, "x @ w.T (+ b), w from f32_pack; batch-invariant");
   m.def("decoder_layer", &decoder_layer, "a whole decoder layer for an all-paged batch, residual updated in place");
 }
