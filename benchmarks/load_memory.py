@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import os
 import resource
@@ -89,7 +90,9 @@ def measure(model_path: str, dtype_name: str, path_kind: str) -> dict[str, float
     before = _status_kib("VmRSS") * 1024
     t0 = time.perf_counter()
     weights = load_weights(path, cfg) if path_kind == "engine" else load_weights(path, cfg, dtype)
-    runner = ModelRunner(cfg, weights, dtype, "cpu", num_blocks=1, block_size=16)
+    # as the engine builds it: batch_invariant is its default (a tree that predates the option has no such argument)
+    kw = {"batch_invariant": True} if "batch_invariant" in inspect.signature(ModelRunner).parameters else {}
+    runner = ModelRunner(cfg, weights, dtype, "cpu", num_blocks=1, block_size=16, **kw)
     del weights
     seconds = time.perf_counter() - t0
     peak = peak_bytes() - before
