@@ -82,6 +82,12 @@ def test_generate_prints_paris_and_the_kv_cache_line():
     assert per_token == kv_bytes_per_token(load_model_config(default_model_path()), torch.float32)
     assert block_size == 16 and tokens == blocks * block_size
     assert blocks == (64 << 20) // (per_token * block_size)
+    # start-up names the compute path: which backend, on which instruction sets, and the batch-invariance mode
+    from tokenmill.model.cpu_kernels import cpu_isa
+
+    backend = re.search(r"^backend: (.*)$", proc.stderr, re.M)
+    assert backend and backend.group(1).endswith("; batch-invariant"), proc.stderr
+    assert ("isa: " + (cpu_isa() or "baseline")) in backend.group(1) or backend.group(1).startswith("torch")
 
 
 @pytest.mark.slow

@@ -41,7 +41,7 @@ def _load_engine(args: argparse.Namespace):
     from tokenmill.llm import LLM
 
     llm = LLM(engine_args=EngineArgs.from_cli_args(args))
-    print(llm.engine.core.cache_info.describe(), file=sys.stderr)
+    print(llm.engine.core.startup_summary(), file=sys.stderr)
     return llm.engine
 
 

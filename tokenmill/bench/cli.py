@@ -288,7 +288,7 @@ def _offline(args: argparse.Namespace) -> int:
     opts = dataset_options(args)  # checked before the model loads
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(engine_args=engine_args)
-    print(llm.engine.core.cache_info.describe(), file=sys.stderr)
+    print(llm.engine.core.startup_summary(), file=sys.stderr)
     requests = _sample(opts, llm.get_tokenizer())
     numbers = run_offline(llm, requests, progress=not args.disable_tqdm)
     model = str(args.model) if args.model else "default (SmolLM2-135M-Instruct GGUF)"

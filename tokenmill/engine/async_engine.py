@@ -86,7 +86,7 @@ class EngineInfo:
     vocab_size: int
     eos_token_ids: frozenset[int]
     token_capacity: int
-    cache_description: str
+    startup_summary: str
     pid: int
 
 
@@ -141,7 +141,7 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         eos = frozenset(tokenizer.eos_token_ids) | frozenset(msg.eos_token_ids)
         self.info = EngineInfo(msg.max_model_len, msg.vocab_size, eos, msg.num_blocks * msg.block_size,
-                               msg.cache_description, msg.pid)
+                               msg.startup_summary, msg.pid)
         self.limits = ContextLimits(msg.max_model_len, msg.vocab_size, self.info.token_capacity)
         self.processor = OutputProcessor(tokenizer, eos, self._observer)
         if self.max_waiting_tokens is None:  # as many prompt tokens may wait as the KV cache holds

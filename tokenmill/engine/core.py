@@ -93,6 +93,12 @@ class EngineCore:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, stop_reason)
         self.runner.release(request_id)
 
+    def startup_summary(self) -> str:
+        """What a user should see at start-up: the compute path (backend, instruction sets, matmul kernels, batch
+        invariance) and the KV cache."""
+        mode = "batch-invariant" if self.runner.batch_invariant else "not batch-invariant"
+        return f"backend: {self.runner.backend.describe()}; {mode}\n{self.cache_info.describe()}"
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished

@@ -42,7 +42,7 @@ def run_engine_core(config: EngineConfig, inputs: Any, outputs: Any) -> None:
         return
     info = core.cache_info
     outputs.send(EngineReady(core.max_model_len, core.model_config.vocab_size, list(core.model_config.eos_token_ids),
-                             info.num_blocks, info.block_size, info.describe(), os.getpid()))
+                             info.num_blocks, info.block_size, core.startup_summary(), os.getpid()))
     serve(core, inputs, outputs)
 
 

@@ -54,7 +54,7 @@ class EngineReady:
     eos_token_ids: list[int]
     num_blocks: int
     block_size: int
-    cache_description: str
+    startup_summary: str
     pid: int
 
 

@@ -56,7 +56,7 @@ def serve(args: argparse.Namespace) -> int:
                          max_waiting_tokens=args.max_waiting_tokens, observer=metrics)
     try:
         info = engine.start()
-        print(info.cache_description, file=sys.stderr, flush=True)
+        print(info.startup_summary, file=sys.stderr, flush=True)
         settings = ServerSettings(names, model_path=str(args.model or default_served_name(None)),
                                   api_key=args.api_key or None, max_request_bytes=args.max_request_bytes)
         app = create_app(engine, settings, metrics)
