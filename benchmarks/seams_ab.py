@@ -93,9 +93,8 @@ def main() -> None:
     from tokenmill.tokenizer import Tokenizer
 
     reqs = load_sharegpt(Tokenizer.load(default_model_path()), 64, seed=0, max_prompt_len=1024, max_output_len=128)
-    workload = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
-    json.dump([[r.prompt_token_ids, r.output_len] for r in reqs], workload)
-    workload.close()
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as workload:
+        json.dump([[r.prompt_token_ids, r.output_len] for r in reqs], workload)
 
     parts = {"decode": ("single-stream decode, ms/step", DECODE, ()),
              "batch": ("64 concurrent ShareGPT, output tok/s", BATCH, (workload.name,)),
