@@ -50,11 +50,11 @@ class EngineArgs:
                               "else float32)", choices=["auto", "float32", "bfloat16", "float16"])
     device: str = _opt("cpu", "torch device (cpu, cuda, ...)")
     batch_invariant: bool = _opt(True, "bit-for-bit the same output for a request whatever else is batched and "
-                                       "however its prompt is chunked (with the bfloat16 kernels of CPUs with AMX "
-                                       "or AVX512-BF16; float32 up to near-ties): prompt tokens read their context "
-                                       "through the paged-attention kernel like decodes. --no-batch-invariant "
-                                       "lets a prompt's first chunk use SDPA instead (no faster on CPU at the "
-                                       "default chunk size: BENCHMARKS.md)")
+                                       "however its prompt is chunked: matmul kernels whose rows do not depend on "
+                                       "the batch (bfloat16 with AMX or AVX512-BF16, float32 with AVX2), and prompt "
+                                       "tokens read their context through the paged-attention kernel like decodes. "
+                                       "--no-batch-invariant: SDPA for a prompt's first chunk, and the skinny GEMV "
+                                       "+ oneDNN pair in float32 (faster float32 batches; BENCHMARKS.md)")
     seed: int = _opt(0, "engine seed for unseeded sampling", type=int)
     num_threads: int | None = _opt(None, "compute threads (default: all cores). On a machine busy with other work, "
                                          "fewer threads than cores avoids stalls: a step waits for its slowest "
