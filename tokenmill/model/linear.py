@@ -82,7 +82,8 @@ class Linear(nn.Module):
 
     `output_sizes` lists the output blocks of a fused projection (q, k, v or gate, up): checkpoint shard i lands in
     output rows [shard_offsets[i], shard_offsets[i] + output_sizes[i]). `packed_weight` is a backend-owned copy of
-    the weight in its preferred layout (Backend.prepack); the plain weight stays, so the state dict never changes."""
+    the weight in its preferred layout (Backend.prepack). Where that copy serves every row count the backend releases
+    the plain weight (left on the meta device: its shape and dtype, no memory); load_hf_weights allocates it again."""
 
     packed_weight: torch.Tensor | None = None
 
