@@ -54,7 +54,7 @@ class EngineArgs:
                                        "the batch (bfloat16 with AMX or AVX512-BF16, float32 with AVX2), and prompt "
                                        "tokens read their context through the paged-attention kernel like decodes. "
                                        "--no-batch-invariant: SDPA for a prompt's first chunk, and the skinny GEMV "
-                                       "+ oneDNN pair in float32 (a lone long prompt prefills up to 2x faster; "
+                                       "+ oneDNN pair in float32 (a lone long prompt prefills up to 1.55x faster; "
                                        "BENCHMARKS.md)")
     seed: int = _opt(0, "engine seed for unseeded sampling", type=int)
     num_threads: int | None = _opt(None, "compute threads (default: all cores). On a machine busy with other work, "

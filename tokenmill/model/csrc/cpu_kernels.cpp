@@ -341,8 +341,30 @@ inline void prefetch_rows(const void* base, int64_t row_stride_bytes, int64_t ro
 #endif
 }
 
-// One work item is a (query token, KV head) pair: its G query heads walk the token's context block by block
-// with an online softmax. Blocks sit anywhere in the pool, so the next block's rows are prefetched while this
+// Online-softmax update of heads [g0, g0 + heads) with the scores of a block of n keys (s[g * stride + j]), then
+// their probability-weighted values added into acc.
+inline void softmax_block(float* scores, const float* const* v_rows, float* acc, float* m, float* l, int64_t g0,
+                          int64_t heads, int64_t n, int64_t stride, int64_t D) {
+  for (int64_t g = g0; g < g0 + heads; ++g) {
+    float* sg = scores + g * stride;
+    const float new_m = std::max(m[g], *std::max_element(sg, sg + n));
+    const float correction = std::exp(m[g] - new_m);
+    if (correction != 1.f) {
+      l[g] *= correction;
+      float* ag = acc + g * D;
+      for (int64_t d = 0; d < D; ++d) ag[d] *= correction;
+    }
+    l[g] += exp_shifted(sg, n, new_m);
+    m[g] = new_m;
+  }
+  block_values(scores + g0 * stride, v_rows, acc + g0 * D, heads, n, stride, D);
+}
+
+// One work item is a KV head of a tile of query tokens: one token, or two consecutive tokens of one request
+// (a prefill), whose 2G query heads then share each K/V row's load and conversion. A token's G query heads walk
+// its context block by block with an online softmax, and its arithmetic is the same in a tile as alone (a tile is
+// only formed where the 2G-head kernels take the same path as the G-head ones), so decode and prefill, alone or
+// batched, agree bit for bit. Blocks sit anywhere in the pool, so the next block's rows are prefetched while this
 // one is computed (a hardware prefetcher cannot guess the jump).
 template <typename T>
 void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables, const int64_t* q_rows,
@@ -350,21 +372,33 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
             int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale) {
   const int64_t group = num_heads / num_kv_heads, D = head_dim, bs = block_size;
   const int64_t row_stride = num_kv_heads * D;  // elements between consecutive tokens' rows of one head
-  at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * D), acc(group * D), scores(group * bs), m(group), l(group), res(D);
-    std::vector<float> kbuf(std::is_same_v<T, float> ? 0 : bs * D), vbuf(kbuf.size());
+  const bool pairs = 2 * group <= 6;  // block_scores_avx512 reduces four keys at once up to 6 heads
+  std::vector<int64_t> tiles;  // first token of each tile; a tile is 1 or 2 tokens
+  for (int64_t t = 0; t < num_tokens;) {
+    tiles.push_back(t);
+    t += pairs && t + 1 < num_tokens && q_rows[t + 1] == q_rows[t] && kv_lens[t + 1] == kv_lens[t] + 1 ? 2 : 1;
+  }
+  tiles.push_back(num_tokens);
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1;
+  at::parallel_for(0, num_tiles * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    const int64_t heads_max = 2 * group;
+    std::vector<float> qf(heads_max * D), acc(heads_max * D), scores(heads_max * bs), m(heads_max), l(heads_max);
+    std::vector<float> res(D), kbuf(std::is_same_v<T, float> ? 0 : bs * D), vbuf(kbuf.size());
     std::vector<const float*> k_rows(bs), v_rows(bs);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / num_kv_heads, h = item % num_kv_heads;
-      const int64_t len = kv_lens[t];
-      const int64_t* table = block_tables + q_rows[t] * max_blocks;
-      for (int64_t g = 0; g < group; ++g) {
-        const T* qp = q + (t * num_heads + h * group + g) * D;
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qp[d]) * scale;
-        m[g] = -std::numeric_limits<float>::infinity();
-        l[g] = 0.f;
+      const int64_t tile = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t t0 = tiles[tile], ntok = tiles[tile + 1] - t0, heads = ntok * group;
+      const int64_t len = kv_lens[t0 + ntok - 1];  // the tile's longest context (its last token's)
+      const int64_t* table = block_tables + q_rows[t0] * max_blocks;
+      for (int64_t i = 0; i < ntok; ++i) {
+        for (int64_t g = 0; g < group; ++g) {
+          const T* qp = q + ((t0 + i) * num_heads + h * group + g) * D;
+          for (int64_t d = 0; d < D; ++d) qf[(i * group + g) * D + d] = to_float(qp[d]) * scale;
+        }
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.begin() + heads, -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.begin() + heads, 0.f);
+      std::fill(acc.begin(), acc.begin() + heads * D, 0.f);
       for (int64_t start = 0; start < len; start += bs) {
         const int64_t n = std::min(bs, len - start);
         const T* k_blk = k_cache + (table[start / bs] * bs * num_kv_heads + h) * D;
@@ -379,25 +413,26 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
           k_rows[j] = as_float(k_blk + j * row_stride, kbuf.data() + j * D, D);
           v_rows[j] = as_float(v_blk + j * row_stride, vbuf.data() + j * D, D);
         }
-        block_scores(qf.data(), k_rows.data(), scores.data(), group, n, bs, D);
-        for (int64_t g = 0; g < group; ++g) {
-          float* sg = scores.data() + g * bs;
-          const float new_m = std::max(m[g], *std::max_element(sg, sg + n));
-          const float correction = std::exp(m[g] - new_m);
-          if (correction != 1.f) {
-            l[g] *= correction;
-            float* ag = acc.data() + g * D;
-            for (int64_t d = 0; d < D; ++d) ag[d] *= correction;
+        const int64_t n_first = std::min(bs, kv_lens[t0] - start);  // keys of this block the first token sees
+        if (ntok == 1 || n_first == n) {  // every token of the tile sees the whole block
+          block_scores(qf.data(), k_rows.data(), scores.data(), heads, n, bs, D);
+          softmax_block(scores.data(), v_rows.data(), acc.data(), m.data(), l.data(), 0, heads, n, bs, D);
+        } else {  // the tile's last block: each token alone, with the keys it sees
+          for (int64_t i = 0; i < ntok; ++i) {
+            const int64_t ni = std::min(bs, kv_lens[t0 + i] - start);
+            if (ni <= 0) continue;
+            block_scores(qf.data() + i * group * D, k_rows.data(), scores.data() + i * group * bs, group, ni, bs, D);
+            softmax_block(scores.data(), v_rows.data(), acc.data(), m.data(), l.data(), i * group, group, ni, bs, D);
           }
-          l[g] += exp_shifted(sg, n, new_m);
-          m[g] = new_m;
         }
-        block_values(scores.data(), v_rows.data(), acc.data(), group, n, bs, D);
       }
-      for (int64_t g = 0; g < group; ++g) {
-        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        for (int64_t d = 0; d < D; ++d) res[d] = acc[g * D + d] * inv;
-        from_float(res.data(), out + (t * num_heads + h * group + g) * D, D);
+      for (int64_t i = 0; i < ntok; ++i) {
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t hg = i * group + g;
+          const float inv = l[hg] > 0.f ? 1.f / l[hg] : 0.f;
+          for (int64_t d = 0; d < D; ++d) res[d] = acc[hg * D + d] * inv;
+          from_float(res.data(), out + ((t0 + i) * num_heads + h * group + g) * D, D);
+        }
       }
     }
   });
