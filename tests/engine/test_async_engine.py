@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from tests.engine.recorder import Recorder
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, OutputStream
 from tokenmill.engine.messages import (
@@ -59,15 +60,6 @@ class FakeClient:
     def of_type(self, kind: type) -> list:
         return [m for m in self.sent if isinstance(m, kind)]
 
-
-class Recorder:
-    def __init__(self):
-        self.calls: dict[str, list] = {}
-
-    def __getattr__(self, name: str):
-        if not name.startswith("on_"):
-            raise AttributeError(name)
-        return lambda *args: self.calls.setdefault(name, []).append(args)
 
 
 def stats(waiting: int = 0, waiting_tokens: int = 0) -> SchedulerStats:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.engine.recorder import Recorder
 from tokenmill.engine.messages import EngineCoreOutput, EngineOutputs, FinishRequest
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.scheduler import SchedulerStats
@@ -19,17 +20,6 @@ class CharDecoder:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join("" if i == EOS and skip_special_tokens else chr(i) for i in ids)
 
-
-class Recorder:
-    """Every metrics hook call, by name."""
-
-    def __init__(self):
-        self.calls: dict[str, list] = {}
-
-    def __getattr__(self, name: str):
-        if not name.startswith("on_"):
-            raise AttributeError(name)
-        return lambda *args: self.calls.setdefault(name, []).append(args)
 
 
 def ids(text: str) -> list[int]:

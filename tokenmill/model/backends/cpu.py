@@ -137,22 +137,19 @@ class CpuBackend(TorchBackend):
         return prepack_weight(weight)
 
     def prepack(self, model: nn.Module) -> bool:
-        """Packed copies of every matmul weight. A oneDNN copy sits beside the plain weight (the skinny kernel
-        reads that for a few rows); a bfloat16 tile or float32 panel copy serves every row count, so the plain
-        weight is released
-        (left on the meta device: shape and dtype, no memory; load_hf_weights allocates it again), except the
-        tied LM head's, which is the embedding. Returns False, changing nothing, where nothing can be packed."""
-        layers = model.linear_layers()
-        first = self.pack_weight(layers[0].weight) if layers else None
-        if first is None:
-            return False
-        for i, m in enumerate(layers):
-            m.packed_weight = first if i == 0 else self.pack_weight(m.weight)
+        """Packed copies of every matmul weight; returns whether any was packed. A oneDNN copy sits beside the
+        plain weight (the skinny kernel reads that for a few rows); a bfloat16 tile or float32 panel copy serves
+        every row count, so the plain weight is released as soon as its copy exists (left on the meta device: shape
+        and dtype, no memory; load_hf_weights allocates it again), which keeps the peak one layer above the final
+        weights. The tied LM head's weight is the embedding and stays."""
+        packed_any = False
+        for m in model.linear_layers():
+            m.packed_weight = self.pack_weight(m.weight)
+            packed_any |= m.packed_weight is not None
             if isinstance(m, nn.Module) and m.packed_weight is not None and m.packed_weight.dim() in (3, 4):
-                # released as soon as its copy exists: the peak stays one layer above the final weights
                 m.weight = nn.Parameter(m.weight.to("meta"), requires_grad=False)
         model.backend_cache.pop(_LAYER_WEIGHTS, None)
-        return True
+        return packed_any
 
     # ---- the whole-model decode path ---------------------------------------------------------------------
     def decode_layers(self, model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
