@@ -3,7 +3,15 @@
 import pytest
 import torch
 
-from tokenmill.engine.sampler import Sampler, SamplingError, SamplingRow, apply_penalties
+from tokenmill.engine.sampler import (
+    Sampler,
+    SamplingError,
+    SamplingRow,
+    apply_penalties,
+    draw,
+    nucleus,
+    weights_of,
+)
 from tokenmill.errors import InvalidRequest
 from tokenmill.sampling_params import SamplingParams
 
@@ -163,3 +171,46 @@ def test_non_finite_logits_raise_a_sampling_error_not_a_crash_in_multinomial():
     with pytest.raises(SamplingError):
         Sampler()(logits, rows)
     assert 0 <= Sampler()(logits[:1], rows[:1])[0][0] < VOCAB
+
+
+def test_draw_follows_the_distribution_across_blocks_and_never_picks_a_zero_weight():
+    """The two-level inverse CDF: a vocabulary that is not a whole number of blocks (the last token sits in the
+    padded block), mass spread over many tiny tokens, zero-weight and -inf tokens never drawn."""
+    vocab, n = 1000, 24_000
+    probs = torch.full((vocab,), 0.05 / 995)
+    probs[0], probs[500], probs[999] = 0.25, 0.45, 0.25
+    probs[998] = probs[3] = probs[997] = 0.0
+    logits = probs.log()  # -inf where the probability is 0
+    logits -= logits.max()
+    gens = [torch.Generator().manual_seed(i) for i in range(2000)]
+    drawn = torch.cat([draw(weights_of(logits.repeat(len(gens), 1)), gens) for _ in range(n // len(gens))])
+    counts = torch.bincount(drawn, minlength=vocab).double() / n
+    assert counts[[3, 997, 998]].sum() == 0
+    for token, p in ((0, 0.25), (500, 0.45), (999, 0.25)):
+        assert abs(counts[token] - p) < 0.015, (token, counts[token])
+    assert abs(counts.sum() - counts[[0, 500, 999]].sum() - 0.05) < 0.01
+
+
+@pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])  # flat rows reach past the candidates, peaked ones do not
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.995])
+def test_nucleus_is_what_a_full_sort_gives(scale, top_p):
+    torch.manual_seed(int(scale * 10) + int(top_p * 1000))
+    logits = torch.randn(6, 5000) * scale
+    p = torch.full((6,), top_p)
+    probs = logits.softmax(dim=1)
+    sorted_probs, order = probs.sort(dim=1, descending=True)
+    keep_sorted = (sorted_probs.cumsum(dim=1) - sorted_probs) < top_p
+    keep_sorted[:, 0] = True
+    expected = torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
+    assert torch.equal(nucleus(logits, p), expected)
+
+
+@pytest.mark.parametrize("vocab", [1000, 4096])
+def test_seeded_draws_do_not_depend_on_the_batch_for_any_vocabulary_size(vocab):
+    logits = torch.randn(8, vocab) * 2
+    p = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
+    alone_row, batched_row = row(p), row(p)
+    others = [row(SamplingParams(temperature=1.1, top_k=40), seed=i) for i in range(7)]
+    alone = [Sampler()(logits[3:4], [alone_row])[0][0] for _ in range(30)]
+    batched = [Sampler()(logits, others[:3] + [batched_row] + others[3:])[3][0] for _ in range(30)]
+    assert alone == batched and len(set(alone)) > 1
