@@ -24,8 +24,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("inv"), arch="llama", num_heads=4, num_kv_heads=2,
-                           num_layers=3, vocab_size=1024)
+    # head_dim 32: bfloat16 attention then runs on AMX tiles where the CPU has them (csrc/amx_attention.cpp)
+    return make_tiny_model(tmp_path_factory.mktemp("inv"), arch="llama", hidden_size=128, num_heads=4,
+                           num_kv_heads=2, num_layers=3, vocab_size=1024)
 
 
 def batch_prompts() -> list[list[int]]:

@@ -273,3 +273,62 @@ def test_paged_attention_only_paged_tokens_and_only_fresh_spans(backend):
     for i, pos in enumerate([5, 3]):
         want = naive_causal(q2[i:i + 1], full_k[i], full_v[i], pos)
         torch.testing.assert_close(out2[i:i + 1].double(), want, atol=1e-5, rtol=1e-5)
+
+
+# ---- the AMX tile kernel (csrc/amx_attention.cpp): bfloat16 caches, 16-token blocks -----------------------------
+
+AMX_ATTENTION = _extension() is not None and _extension().amx_attention_applies(16, 64, 9, 3)
+needs_amx = pytest.mark.skipif(not AMX_ATTENTION, reason="no AMX on this CPU: paged attention runs the vector kernel")
+
+
+def test_amx_attention_applies_where_the_cpu_has_amx():
+    ops = _extension()
+    assert ops.amx_attention_applies(16, 64, 9, 3) == (ops.bf16_kernel() == "amx")
+    assert not ops.amx_attention_applies(32, 64, 9, 3)  # tiles hold 16 keys
+    assert not ops.amx_attention_applies(16, 80, 8, 2)  # head_dim in 32-element tile rows
+    assert not ops.amx_attention_applies(16, 64, 34, 2)  # at most 16 query heads per tile
+
+
+@needs_amx
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 4), (64, 1), (32, 16)])
+def test_amx_attention_rows_do_not_depend_on_their_tile(head_dim, group):
+    """A prefill chunk's tokens share tiles of up to 16 / group tokens; each token's output is bit-identical
+    to the token computed alone (a decode), and to the chunk split at other points."""
+    kernel = paged_attention_kernel()
+    contexts = [(2 * 16 + 5, 19), (40, 1), (16, 16), (70, 33)]
+    q, kc, vc, tables, rows, lens, scale = make_paged_batch(11 + group, torch.bfloat16, group, head_dim, 16, contexts)
+    together = kernel(q, kc, vc, tables, rows, lens, scale)
+    alone = torch.cat([kernel(q[t:t + 1], kc, vc, tables, rows[t:t + 1], lens[t:t + 1], scale)
+                       for t in range(q.shape[0])])
+    assert torch.equal(together, alone)
+    split = torch.cat([kernel(q[a:b], kc, vc, tables, rows[a:b], lens[a:b], scale)
+                       for a, b in ((0, 7), (7, 20), (20, 38), (38, q.shape[0]))])
+    assert torch.equal(together, split)
+    exact = naive_paged(q, kc, vc, tables, rows, lens, scale)
+    torch.testing.assert_close(together.double(), exact, atol=2e-2, rtol=1e-2)
+
+
+@needs_amx
+def test_amx_attention_never_reads_stale_slots_of_a_partial_block():
+    """Cache slots past kv_len in a request's last block hold whatever was there (here NaN and huge values):
+    the output does not change."""
+    kernel = paged_attention_kernel()
+    q, kc, vc, tables, rows, lens, scale = make_paged_batch(21, torch.bfloat16, 3, 64, 16, [(21, 5), (35, 1)])
+    before = kernel(q, kc, vc, tables, rows, lens, scale)
+    for row, ctx in ((0, 21), (1, 35)):
+        block = int(tables[row, (ctx - 1) // 16])
+        kc[block, ctx % 16:] = float("nan")
+        vc[block, ctx % 16:] = float("nan")
+    assert torch.equal(kernel(q, kc, vc, tables, rows, lens, scale), before)
+    kc[int(tables[1, 2]), 3:] = 3e38
+    assert torch.equal(kernel(q, kc, vc, tables, rows, lens, scale), before)
+
+
+@needs_amx
+def test_amx_attention_large_scores_are_stable():
+    kernel = paged_attention_kernel()
+    args = make_paged_batch(3, torch.bfloat16, 3, 64, 16, contexts_for(16), q_gain=60.0)
+    got = kernel(*args)
+    assert torch.isfinite(got.float()).all()
+    exact = naive_paged(*(a.float() if a.is_floating_point() else a for a in args[:6]), args[6])
+    torch.testing.assert_close(got.double(), exact, atol=3e-2, rtol=2e-2)

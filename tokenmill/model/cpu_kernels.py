@@ -14,7 +14,8 @@ from pathlib import Path
 
 log = logging.getLogger("tokenmill")
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp", "bf16_linear.cpp", "f32_linear.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name
+            for name in ("cpu_kernels.cpp", "bf16_linear.cpp", "f32_linear.cpp", "amx_attention.cpp")]
 
 
 def _cpu_info() -> tuple[str, str]:

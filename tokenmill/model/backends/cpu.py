@@ -69,8 +69,10 @@ class CpuBackend(TorchBackend):
     def describe(self) -> str:
         bf16 = self.bf16_kernel or "oneDNN / skinny GEMV"
         f32 = "panels" if self.f32_panels else "oneDNN / skinny GEMV"
+        amx = getattr(self.ops, "amx_attention_applies", None)
+        attention = "AMX tiles for bf16 16-token blocks, else vectors" if amx and amx(16, 64, 2, 1) else "vectors"
         return (f"cpu (C++ kernels, cpu {cpu_tag()}, isa: {cpu_isa() or 'baseline'}; matmuls: bf16 {bf16}, "
-                f"f32 {f32})")
+                f"f32 {f32}; paged attention: {attention})")
 
     # ---- elementwise -----------------------------------------------------------------------------------
     def rms_norm(self, x, weight, eps):

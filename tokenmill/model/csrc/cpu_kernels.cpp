@@ -461,6 +461,12 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
 
 }  // namespace
 
+bool amx_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* block_tables,
+                   const int64_t* q_rows, const int64_t* kv_lens, uint16_t* out, int64_t num_tokens, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t D, int64_t block_size, int64_t max_blocks, float scale);
+
+bool amx_attention_applies(int64_t block_size, int64_t head_dim, int64_t num_heads, int64_t num_kv_heads);
+
 // q [T, H, D]; k_cache, v_cache [blocks, block_size, KVH, D]; block_tables [R, max_blocks] int64;
 // q_rows [T] int64 (row of block_tables per query token); kv_lens [T] int64; returns [T, H, D].
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -475,6 +481,14 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = k_cache.size(2), BS = k_cache.size(1), MB = block_tables.size(1);
   TORCH_CHECK(H % KVH == 0, "heads must be a multiple of KV heads");
+  if (q.scalar_type() == at::kBFloat16 &&
+      amx_attention(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
+                    reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+                    reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()),
+                    block_tables.data_ptr<int64_t>(), q_rows.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(),
+                    reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), T, H, KVH, D, BS, MB,
+                    static_cast<float>(scale)))
+    return out;  // AMX tiles (csrc/amx_attention.cpp)
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     attend<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                      block_tables.data_ptr<int64_t>(), q_rows.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(),
@@ -804,5 +818,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_panels_available", &f32_panels_available, "whether this build has the float32 panel matmul");
   m.def("f32_pack", &f32_pack, "a [N, K] float32 weight in 16-feature panels [N/16, K, 16]");
   m.def("f32_linear", &f32_linear, "x @ w.T (+ b), w from f32_pack; batch-invariant");
+  m.def("amx_attention_applies", &amx_attention_applies,
+        "whether paged_attention runs on AMX tiles for a bf16 cache of this block size, head_dim and heads");
   m.def("decoder_layer", &decoder_layer, "a whole decoder layer for an all-paged batch, residual updated in place");
 }

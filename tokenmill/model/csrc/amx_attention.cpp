@@ -1,0 +1,262 @@
+// Paged attention over a bfloat16 KV cache on Intel AMX tiles: the product of the query heads with a block's
+// keys, and of the probabilities with its values, are tile dot products (bf16 in, float32 out) instead of one
+// key at a time in float32 vectors. The online softmax between them stays in float32 vectors.
+//
+// A work item is a KV head of a tile of query tokens: up to 16 / G consecutive tokens of one request (a prefill
+// chunk; a decode token is a tile of one), whose M = tokens x G query heads are the rows of the A tiles. Per
+// cache block of 16 keys:
+//   S [M x 16]  = Q [M x D] . K^T          K's 16 rows transposed in registers into the VNNI order B tiles take;
+//   P           = exp(S * scale - running max), rounded to bfloat16 (as PyTorch's CPU flash attention rounds
+//                 its probabilities before the second product), 0 for keys a row does not see;
+//   O [M x D]  += P [M x 16] . V          V's rows interleaved in pairs (VNNI), 16 output dims per tile.
+// Every row is its own computation: a tile dot product computes each output element from its own A row and B
+// column, and a row's softmax never looks at another row. A token walks its blocks in the same order with the
+// same masks alone or in a tile (blocks past its context add exact zeros), so decode and prefill, alone or
+// batched, chunked any way, agree bit for bit: the batch invariance the vector kernel gives, kept.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define TOKENMILL_AMX_ATTENTION 1
+#include <immintrin.h>
+#endif
+
+std::string bf16_kernel();  // bf16_linear.cpp: "amx" once the OS has granted this process the tile state
+
+namespace {
+
+#ifdef TOKENMILL_AMX_ATTENTION
+constexpr int64_t kKeys = 16;     // keys per cache block: the rows of K, the columns of S
+constexpr int64_t kMaxDim = 256;  // head_dim this kernel takes (a multiple of 32)
+
+struct alignas(64) AttentionTiles {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: 0 Q (A, M x 32 dims), 1 K^T (B, 16 dim pairs x 16 keys), 2 S (C, M x 16 keys), 3 P (A, M x 16 keys),
+// 4 V (B, 8 key pairs x 16 dims), 5 P.V (C, M x 16 dims).
+void configure_tiles(int64_t M) {
+  AttentionTiles cfg;
+  const uint8_t m = static_cast<uint8_t>(M);
+  const uint8_t rows[6] = {m, 16, m, m, 8, m};
+  const uint16_t colsb[6] = {64, 64, 64, 32, 64, 64};
+  for (int t = 0; t < 6; ++t) {
+    cfg.rows[t] = rows[t];
+    cfg.colsb[t] = colsb[t];
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// exp(x) for 16 floats, as exp256 in cpu_kernels.cpp (2^n * 2^f, degree-6 polynomial, relative error ~2e-7).
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945f));
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// Transpose of a 16 x 16 matrix of 32-bit elements held as 16 rows.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + c] holds column c (then c + 4, 8, 12 per 128-bit lane) of rows 4i..4i+3
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int h = 0; h < 2; ++h) {  // v[8h + 2c] columns c, c + 8; v[8h + 2c + 1] columns c + 4, c + 12
+    for (int c = 0; c < 4; ++c) {
+      t[8 * h + 2 * c] = _mm512_shuffle_i32x4(u[8 * h + c], u[8 * h + 4 + c], 0x88);
+      t[8 * h + 2 * c + 1] = _mm512_shuffle_i32x4(u[8 * h + c], u[8 * h + 4 + c], 0xdd);
+    }
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm512_shuffle_i32x4(t[2 * c], t[8 + 2 * c], 0x88);
+    r[c + 8] = _mm512_shuffle_i32x4(t[2 * c], t[8 + 2 * c], 0xdd);
+    r[c + 4] = _mm512_shuffle_i32x4(t[2 * c + 1], t[8 + 2 * c + 1], 0x88);
+    r[c + 12] = _mm512_shuffle_i32x4(t[2 * c + 1], t[8 + 2 * c + 1], 0xdd);
+  }
+}
+
+inline void prefetch_block(const uint16_t* rows, int64_t stride, int64_t D) {
+  for (int64_t j = 0; j < kKeys; ++j)
+    for (int64_t off = 0; off < D; off += 32) _mm_prefetch(reinterpret_cast<const char*>(rows + j * stride + off), _MM_HINT_T0);
+}
+
+struct Scratch {
+  alignas(64) uint16_t q[16 * kMaxDim];             // A: the tile's M query heads
+  alignas(64) uint32_t kt[kMaxDim / 32][16][16];    // B per 32 dims: [dim pair][key] (bf16 pairs)
+  alignas(64) float s[16][16];                      // S: [row][key]
+  alignas(64) uint16_t p[16][16];                   // P in bfloat16: [row][key]
+  alignas(64) uint16_t v[kMaxDim / 16][8][32];      // B per 16 dims: [key pair][dim][2]
+  alignas(64) float pv[16][16];                     // P.V for 16 dims: [row][dim]
+  alignas(64) float acc[16][kMaxDim];               // the output rows, unnormalised
+  float m[16], l[16], corr[16];
+};
+
+// One block's K^T tiles and V tiles from its first n keys (the rest zero: stale cache rows must not reach P.V,
+// where 0 x NaN would be NaN).
+inline void load_block(Scratch& w, const uint16_t* k, const uint16_t* v, int64_t stride, int64_t n, int64_t D) {
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t c = 0; c < D / 32; ++c) {
+    __m512i r[16];
+    for (int64_t j = 0; j < kKeys; ++j) r[j] = j < n ? _mm512_loadu_si512(k + j * stride + 32 * c) : zero;
+    transpose16(r);
+    for (int64_t i = 0; i < 16; ++i) _mm512_store_si512(w.kt[c][i], r[i]);
+  }
+  alignas(64) static constexpr uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                      24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+  for (int64_t pr = 0; pr < kKeys / 2; ++pr) {
+    const int64_t a = 2 * pr, b = 2 * pr + 1;
+    for (int64_t half = 0; half < D / 32; ++half) {
+      const __m512i va = a < n ? _mm512_loadu_si512(v + a * stride + 32 * half) : zero;
+      const __m512i vb = b < n ? _mm512_loadu_si512(v + b * stride + 32 * half) : zero;
+      _mm512_store_si512(w.v[2 * half][pr], _mm512_permutex2var_epi16(va, lo, vb));
+      _mm512_store_si512(w.v[2 * half + 1][pr], _mm512_permutex2var_epi16(va, hi, vb));
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+// Whether amx_attention takes a bfloat16 cache of this shape on this machine.
+bool amx_attention_applies(int64_t block_size, int64_t head_dim, int64_t num_heads, int64_t num_kv_heads) {
+#ifdef TOKENMILL_AMX_ATTENTION
+  static const bool amx = bf16_kernel() == "amx";
+  return amx && block_size == kKeys && head_dim % 32 == 0 && head_dim <= kMaxDim && num_kv_heads > 0 &&
+         num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= 16;
+#else
+  return false;
+#endif
+}
+
+// attend() (cpu_kernels.cpp) on AMX tiles for a bfloat16 cache; returns false (and computes nothing) where this
+// kernel does not apply: no AMX here, a block size other than 16, head_dim not a multiple of 32 up to 256, or
+// more than 16 query heads per KV head. Arguments as paged_attention's, as raw bf16 bits.
+bool amx_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* block_tables,
+                   const int64_t* q_rows, const int64_t* kv_lens, uint16_t* out, int64_t num_tokens, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t D, int64_t block_size, int64_t max_blocks, float scale) {
+#ifdef TOKENMILL_AMX_ATTENTION
+  if (!amx_attention_applies(block_size, D, num_heads, num_kv_heads)) return false;
+  const int64_t G = num_heads / num_kv_heads;
+  const int64_t max_tokens = 16 / G, stride = num_kv_heads * D;
+  std::vector<int64_t> tiles;  // first token of each tile: consecutive tokens of one request, up to max_tokens
+  for (int64_t t = 0; t < num_tokens;) {
+    tiles.push_back(t);
+    int64_t n = 1;
+    while (n < max_tokens && t + n < num_tokens && q_rows[t + n] == q_rows[t] && kv_lens[t + n] == kv_lens[t + n - 1] + 1)
+      ++n;
+    t += n;
+  }
+  tiles.push_back(num_tokens);
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1;
+  at::parallel_for(0, num_tiles * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    auto w = std::make_unique<Scratch>();
+    int64_t configured = -1;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t tile = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t t0 = tiles[tile], ntok = tiles[tile + 1] - t0, M = ntok * G;
+      if (M != configured) {
+        configure_tiles(M);
+        configured = M;
+      }
+      for (int64_t i = 0; i < ntok; ++i)
+        std::memcpy(w->q + i * G * D, q + ((t0 + i) * num_heads + h * G) * D, G * D * sizeof(uint16_t));
+      std::fill(w->m, w->m + M, -std::numeric_limits<float>::infinity());
+      std::fill(w->l, w->l + M, 0.f);
+      for (int64_t r = 0; r < M; ++r) std::fill(w->acc[r], w->acc[r] + D, 0.f);
+      const int64_t* table = block_tables + q_rows[t0] * max_blocks;
+      const int64_t len = kv_lens[t0 + ntok - 1];
+      for (int64_t start = 0; start < len; start += kKeys) {
+        const int64_t n = std::min(kKeys, len - start);
+        const int64_t base = (table[start / kKeys] * kKeys * num_kv_heads + h) * D;
+        if (start + kKeys < len) {
+          const int64_t next = (table[start / kKeys + 1] * kKeys * num_kv_heads + h) * D;
+          prefetch_block(k_cache + next, stride, D);
+          prefetch_block(v_cache + next, stride, D);
+        }
+        load_block(*w, k_cache + base, v_cache + base, stride, n, D);
+        _tile_zero(2);
+        for (int64_t c = 0; c < D / 32; ++c) {
+          _tile_loadd(0, w->q + 32 * c, D * sizeof(uint16_t));
+          _tile_loadd(1, w->kt[c], 64);
+          _tile_dpbf16ps(2, 0, 1);
+        }
+        _tile_stored(2, w->s, 64);
+        for (int64_t r = 0; r < M; ++r) {  // online softmax, one row (query head) at a time
+          const int64_t seen = kv_lens[t0 + r / G] - start;  // keys of this block the row sees
+          const __mmask16 mask = seen >= kKeys ? __mmask16(0xFFFF) : seen <= 0 ? __mmask16(0) : __mmask16((1u << seen) - 1);
+          if (mask == 0) {
+            _mm256_store_si256(reinterpret_cast<__m256i*>(w->p[r]), _mm256_setzero_si256());
+            w->corr[r] = 1.f;
+            continue;
+          }
+          const __m512 sv = _mm512_mul_ps(_mm512_load_ps(w->s[r]), _mm512_set1_ps(scale));
+          const float new_m = std::max(w->m[r], _mm512_mask_reduce_max_ps(mask, sv));
+          w->corr[r] = std::exp(w->m[r] - new_m);  // 0 on the first block (m = -inf)
+          const __m512 e = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(new_m))));
+          const __m256i pb = (__m256i)_mm512_cvtneps_pbh(e);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(w->p[r]), pb);
+          // the sum of the probabilities as rounded for P.V, so the weights P.V applies are normalised exactly
+          const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16));
+          w->l[r] = w->l[r] * w->corr[r] + _mm512_reduce_add_ps(rounded);
+          w->m[r] = new_m;
+        }
+        _tile_loadd(3, w->p, 32);
+        for (int64_t sl = 0; sl < D / 16; ++sl) {
+          _tile_zero(5);
+          _tile_loadd(4, w->v[sl], 64);
+          _tile_dpbf16ps(5, 3, 4);
+          _tile_stored(5, w->pv, 64);
+          for (int64_t r = 0; r < M; ++r) {
+            float* a = w->acc[r] + 16 * sl;
+            _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_load_ps(a), _mm512_set1_ps(w->corr[r]), _mm512_load_ps(w->pv[r])));
+          }
+        }
+      }
+      for (int64_t r = 0; r < M; ++r) {
+        const float inv = w->l[r] > 0.f ? 1.f / w->l[r] : 0.f;
+        uint16_t* o = out + ((t0 + r / G) * num_heads + h * G + r % G) * D;
+        for (int64_t d = 0; d < D; d += 16) {
+          const __m512 y = _mm512_mul_ps(_mm512_load_ps(w->acc[r] + d), _mm512_set1_ps(inv));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), (__m256i)_mm512_cvtneps_pbh(y));
+        }
+      }
+    }
+    _tile_release();
+  });
+  return true;
+#else
+  return false;
+#endif
+}
