@@ -5,7 +5,9 @@
 // A work item is a KV head of a tile of query tokens: up to 16 / G consecutive tokens of one request (a prefill
 // chunk; a decode token is a tile of one), whose M = tokens x G query heads are the rows of the A tiles. Per
 // cache block of 16 keys:
-//   S [M x 16]  = Q [M x D] . K^T          K's 16 rows transposed in registers into the VNNI order B tiles take;
+//   S^T [16 x M] = K [16 x D] . Q^T        K's rows loaded into A tiles straight from the cache, Q^T (in the
+//                                          VNNI order B tiles take) built once per work item; S^T is turned
+//                                          back into rows (a gather per row, or a 16 x 16 transpose);
 //   P           = exp(S * scale - running max), rounded to bfloat16 (as PyTorch's CPU flash attention rounds
 //                 its probabilities before the second product), 0 for keys a row does not see;
 //   O [M x D]  += P [M x 16] . V          V's rows interleaved in pairs (VNNI), 16 output dims per tile.
@@ -46,13 +48,14 @@ struct alignas(64) AttentionTiles {
   uint8_t rows[16] = {};
 };
 
-// Tiles: 0 Q (A, M x 32 dims), 1 K^T (B, 16 dim pairs x 16 keys), 2 S (C, M x 16 keys), 3 P (A, M x 16 keys),
+// Tiles: 0 K (A, 16 keys x 32 dims), 1 Q^T (B, 16 dim pairs x M), 2 S^T (C, 16 keys x M), 3 P (A, M x 16 keys),
 // 4 V (B, 8 key pairs x 16 dims), 5 P.V (C, M x 16 dims).
 void configure_tiles(int64_t M) {
   AttentionTiles cfg;
   const uint8_t m = static_cast<uint8_t>(M);
-  const uint8_t rows[6] = {m, 16, m, m, 8, m};
-  const uint16_t colsb[6] = {64, 64, 64, 32, 64, 64};
+  const uint16_t mb = static_cast<uint16_t>(4 * M);
+  const uint8_t rows[6] = {16, 16, 16, m, 8, m};
+  const uint16_t colsb[6] = {64, mb, mb, 32, 64, 64};
   for (int t = 0; t < 6; ++t) {
     cfg.rows[t] = rows[t];
     cfg.colsb[t] = colsb[t];
@@ -110,8 +113,8 @@ inline void prefetch_block(const uint16_t* rows, int64_t stride, int64_t D) {
 }
 
 struct Scratch {
-  alignas(64) uint16_t q[16 * kMaxDim];             // A: the tile's M query heads
-  alignas(64) uint32_t kt[kMaxDim / 32][16][16];    // B per 32 dims: [dim pair][key] (bf16 pairs)
+  alignas(64) uint32_t qt[kMaxDim / 32][16][16];    // B per 32 dims: [dim pair][row] (bf16 pairs of Q)
+  alignas(64) float st[16][16];                     // S^T: [key][row]
   alignas(64) float s[16][16];                      // S: [row][key]
   alignas(64) uint16_t p[16][16];                   // P in bfloat16: [row][key]
   alignas(64) uint16_t v[kMaxDim / 16][8][32];      // B per 16 dims: [key pair][dim][2]
@@ -120,16 +123,10 @@ struct Scratch {
   float m[16], l[16], corr[16];
 };
 
-// One block's K^T tiles and V tiles from its first n keys (the rest zero: stale cache rows must not reach P.V,
-// where 0 x NaN would be NaN).
-inline void load_block(Scratch& w, const uint16_t* k, const uint16_t* v, int64_t stride, int64_t n, int64_t D) {
+// One block's V tiles from its first n keys (the rest zero: stale cache rows must not reach P.V, where
+// 0 x NaN would be NaN).
+inline void load_values(Scratch& w, const uint16_t* v, int64_t stride, int64_t n, int64_t D) {
   const __m512i zero = _mm512_setzero_si512();
-  for (int64_t c = 0; c < D / 32; ++c) {
-    __m512i r[16];
-    for (int64_t j = 0; j < kKeys; ++j) r[j] = j < n ? _mm512_loadu_si512(k + j * stride + 32 * c) : zero;
-    transpose16(r);
-    for (int64_t i = 0; i < 16; ++i) _mm512_store_si512(w.kt[c][i], r[i]);
-  }
   alignas(64) static constexpr uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                                       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   alignas(64) static constexpr uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
@@ -144,6 +141,22 @@ inline void load_block(Scratch& w, const uint16_t* k, const uint16_t* v, int64_t
       _mm512_store_si512(w.v[2 * half + 1][pr], _mm512_permutex2var_epi16(va, hi, vb));
     }
   }
+}
+
+// S from S^T: one gather per row for a few rows (a decode's G), a 16 x 16 transpose for more.
+inline void rows_of(Scratch& w, int64_t M) {
+  if (M <= 4) {
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(16));
+    for (int64_t r = 0; r < M; ++r)
+      _mm512_store_ps(w.s[r], _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(static_cast<int>(r))),
+                                                  &w.st[0][0], 4));
+    return;
+  }
+  __m512i r[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(w.st[i]);
+  transpose16(r);
+  for (int64_t i = 0; i < M; ++i) _mm512_store_si512(w.s[i], r[i]);
 }
 #endif
 
@@ -190,8 +203,11 @@ bool amx_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
         configure_tiles(M);
         configured = M;
       }
-      for (int64_t i = 0; i < ntok; ++i)
-        std::memcpy(w->q + i * G * D, q + ((t0 + i) * num_heads + h * G) * D, G * D * sizeof(uint16_t));
+      for (int64_t r = 0; r < M; ++r) {  // Q^T in bf16 pairs: qt[chunk][pair][row]
+        const uint32_t* qr = reinterpret_cast<const uint32_t*>(q + ((t0 + r / G) * num_heads + h * G + r % G) * D);
+        for (int64_t c = 0; c < D / 32; ++c)
+          for (int64_t i = 0; i < 16; ++i) w->qt[c][i][r] = qr[16 * c + i];
+      }
       std::fill(w->m, w->m + M, -std::numeric_limits<float>::infinity());
       std::fill(w->l, w->l + M, 0.f);
       for (int64_t r = 0; r < M; ++r) std::fill(w->acc[r], w->acc[r] + D, 0.f);
@@ -205,14 +221,15 @@ bool amx_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
           prefetch_block(k_cache + next, stride, D);
           prefetch_block(v_cache + next, stride, D);
         }
-        load_block(*w, k_cache + base, v_cache + base, stride, n, D);
         _tile_zero(2);
-        for (int64_t c = 0; c < D / 32; ++c) {
-          _tile_loadd(0, w->q + 32 * c, D * sizeof(uint16_t));
-          _tile_loadd(1, w->kt[c], 64);
+        for (int64_t c = 0; c < D / 32; ++c) {  // rows past n are stale cache slots: their scores are masked
+          _tile_loadd(0, k_cache + base + 32 * c, stride * sizeof(uint16_t));
+          _tile_loadd(1, w->qt[c], 64);
           _tile_dpbf16ps(2, 0, 1);
         }
-        _tile_stored(2, w->s, 64);
+        _tile_stored(2, w->st, 64);
+        load_values(*w, v_cache + base, stride, n, D);
+        rows_of(*w, M);
         for (int64_t r = 0; r < M; ++r) {  // online softmax, one row (query head) at a time
           const int64_t seen = kv_lens[t0 + r / G] - start;  // keys of this block the row sees
           const __mmask16 mask = seen >= kKeys ? __mmask16(0xFFFF) : seen <= 0 ? __mmask16(0) : __mmask16((1u << seen) - 1);
@@ -260,3 +277,4 @@ bool amx_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
   return false;
 #endif
 }
+
