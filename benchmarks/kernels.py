@@ -1,15 +1,17 @@
 """Kernel microbenchmarks behind BENCHMARKS.md "Kernels": each fast path against what it replaces, same process.
 
     python benchmarks/kernels.py                      # all parts
-    python benchmarks/kernels.py --parts matmul       # matmul | bf16 | attention | silu
+    python benchmarks/kernels.py --parts matmul       # matmul | bf16 | attention | silu | sampler
 
 - matmul: one of each SmolLM2 matmul (qkv, o, gate_up, down; plus the 49,152-row LM head up to 128 rows) at M
   rows, `F.linear` (BLAS, repacks the weight every call) vs oneDNN on a weight prepacked once vs the skinny GEMV.
 - bf16: the same matmuls in bfloat16, our packed kernel (csrc/bf16_linear.cpp: AMX tiles, or AVX512-BF16 dot
   products; one kernel for every row count, so batch-invariant) vs oneDNN on a prepacked weight, per shape.
-- attention: the paged-attention kernel for B decode tokens over `--context` keys each, blocks scattered over
-  the pool, with the K/V bytes it reads per second.
+- attention: the paged-attention kernel for B decode tokens over `--context` keys each and for prefill chunks,
+  blocks scattered over the pool: float32, bfloat16 on the vector kernel, bfloat16 on AMX tiles.
 - silu: the fused SiLU-and-multiply kernel against torch's two ops.
+- sampler: the engine's sampler on 64 x 49,152 logits (temperature 1, top-p, greedy) against per-row
+  torch.multinomial.
 Times are the best of 5 repetitions (ms).
 """
 
@@ -63,20 +65,62 @@ def matmul(rows: list[int]) -> None:
 
 
 def attention(batch: int, context: int) -> None:
+    """Decode (`batch` tokens over `context` keys each) and prefill (4 chunks of 128 tokens at 128, 1 of 512 at 0)
+    in float32 and bfloat16; bfloat16 on the vector kernel and, where the CPU has AMX, on tiles."""
     ops = _extension()
     if ops is None:
         print("no C++ kernels; skipping attention")
         return
-    blocks = (context + 15) // 16
-    k_cache = torch.randn(batch * blocks + 8, 16, 3, 64)
-    v_cache = torch.randn_like(k_cache)
-    q = torch.randn(batch, 9, 64)
-    tables = torch.randperm(batch * blocks).view(batch, blocks)
-    rows, lens = torch.arange(batch), torch.full((batch,), context)
-    ms = best_ms(lambda: ops.paged_attention(q, k_cache, v_cache, tables, rows, lens, 0.125), iters=30)
-    kv_bytes = batch * context * 3 * 64 * 4 * 2
-    print(f"paged attention, {batch} tokens x {context} keys, GQA 9/3, float32: {ms:.3f} ms per layer, "
-          f"{kv_bytes / ms / 1e6:.1f} GB/s of K/V")
+    cases = [(f"decode {batch} x {context} keys", [(context, 1)] * batch),
+             ("prefill 4 x 128 tokens at 128", [(256, 128)] * 4), ("prefill 512 tokens at 0", [(512, 512)])]
+    amx = ops.amx_attention_applies(16, 64, 9, 3)
+    print("paged attention, GQA 9/3, head_dim 64, 16-token blocks scattered over the pool, ms per layer")
+    print("case | float32 | bfloat16 vectors | bfloat16 AMX tiles")
+    for name, contexts in cases:
+        blocks = [(ctx + 15) // 16 for ctx, _ in contexts]
+        pool = sum(blocks) + 8
+        k32 = torch.randn(pool, 16, 3, 64)
+        v32 = torch.randn_like(k32)
+        perm = torch.randperm(pool - 8).tolist()
+        tables = torch.zeros(len(contexts), max(blocks), dtype=torch.long)
+        rows, lens, at = [], [], 0
+        for r, ((ctx, chunk), n) in enumerate(zip(contexts, blocks)):
+            tables[r, :n] = torch.tensor(perm[at:at + n])
+            at += n
+            rows += [r] * chunk
+            lens += list(range(ctx - chunk + 1, ctx + 1))
+        rows_t, lens_t = torch.tensor(rows), torch.tensor(lens)
+        q32 = torch.randn(len(rows), 9, 64)
+        cells = []
+        for dtype, fn in ((torch.float32, ops.paged_attention), (torch.bfloat16, ops.paged_attention_vectors),
+                          (torch.bfloat16, ops.paged_attention if amx else None)):
+            if fn is None:
+                cells.append("n/a (no AMX)")
+                continue
+            q, k, v = q32.to(dtype), k32.to(dtype), v32.to(dtype)
+            cells.append(f"{best_ms(lambda: fn(q, k, v, tables, rows_t, lens_t, 0.125), iters=10):.3f}")
+        print(f"{name} | " + " | ".join(cells), flush=True)
+
+
+def sampler(rows: int, vocab: int) -> None:
+    """The engine's sampler at temperature 1 (what vLLM's benchmark client asks for: it sends no temperature)
+    and with top-p, against the per-row torch.multinomial it replaced (one exponential per vocabulary entry)."""
+    from tokenmill.engine.sampler import Sampler, SamplingRow
+    from tokenmill.sampling_params import SamplingParams
+
+    logits = torch.randn(rows, vocab) * 3
+    for kw in ({"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9}, {"temperature": 0.0}):
+        params = SamplingParams(max_tokens=8, **kw)
+        gens = [torch.Generator().manual_seed(i) if kw["temperature"] else None for i in range(rows)]
+        sample_rows = [SamplingRow(params, [1], [2], g) for g in gens]
+        ours = best_ms(lambda: Sampler()(logits, sample_rows), iters=3)
+        line = f"sampler, {rows} rows x {vocab}, {kw}: {ours:.2f} ms"
+        if kw["temperature"] == 1.0:
+            def multinomial():
+                probs = logits.softmax(dim=1)
+                return [int(torch.multinomial(probs[i], 1, generator=g)) for i, g in enumerate(gens)]
+            line += f" (per-row torch.multinomial: {best_ms(multinomial, iters=3):.2f} ms)"
+        print(line, flush=True)
 
 
 def silu(rows: list[int]) -> None:
@@ -115,7 +159,7 @@ def bf16(rows: list[int]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", default="matmul,bf16,attention,silu")
+    p.add_argument("--parts", default="matmul,bf16,attention,silu,sampler")
     p.add_argument("--rows", default="1,4,8,16,32,64,128,256,512")
     p.add_argument("--batch", type=int, default=49)
     p.add_argument("--context", type=int, default=370)
@@ -134,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             attention(args.batch, args.context)
         if "silu" in parts:
             silu([r for r in rows if r in (1, 64, 512)] or rows[:1])
+        if "sampler" in parts:
+            sampler(64, 49152)
     return 0
 
 

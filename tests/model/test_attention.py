@@ -309,6 +309,17 @@ def test_amx_attention_rows_do_not_depend_on_their_tile(head_dim, group):
 
 
 @needs_amx
+def test_amx_attention_agrees_with_the_vector_kernel():
+    """Tiles round the probabilities to bfloat16 before P.V (as PyTorch's CPU flash attention does); the vector
+    kernel keeps them in float32. Both stay within a bfloat16 rounding or two of each other."""
+    ops = _extension()
+    args = make_paged_batch(31, torch.bfloat16, 3, 64, 16, contexts_for(16))
+    tiles, vectors = ops.paged_attention(*args), ops.paged_attention_vectors(*args)
+    assert not torch.equal(tiles, vectors)  # really two kernels
+    torch.testing.assert_close(tiles.float(), vectors.float(), atol=2e-2, rtol=2e-2)
+
+
+@needs_amx
 def test_amx_attention_never_reads_stale_slots_of_a_partial_block():
     """Cache slots past kv_len in a request's last block hold whatever was there (here NaN and huge values):
     the output does not change."""

@@ -469,9 +469,9 @@ bool amx_attention_applies(int64_t block_size, int64_t head_dim, int64_t num_hea
 
 // q [T, H, D]; k_cache, v_cache [blocks, block_size, KVH, D]; block_tables [R, max_blocks] int64;
 // q_rows [T] int64 (row of block_tables per query token); kv_lens [T] int64; returns [T, H, D].
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor block_tables, torch::Tensor q_rows, torch::Tensor kv_lens,
-                              double scale) {
+// tiles: a bfloat16 cache goes to the AMX kernel where it applies (false: always the vector kernel below).
+torch::Tensor attention_on(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                           torch::Tensor q_rows, torch::Tensor kv_lens, double scale, bool tiles) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(block_tables.is_contiguous() && q_rows.is_contiguous() && kv_lens.is_contiguous());
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && q_rows.scalar_type() == at::kLong &&
@@ -481,7 +481,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = k_cache.size(2), BS = k_cache.size(1), MB = block_tables.size(1);
   TORCH_CHECK(H % KVH == 0, "heads must be a multiple of KV heads");
-  if (q.scalar_type() == at::kBFloat16 &&
+  if (tiles && q.scalar_type() == at::kBFloat16 &&
       amx_attention(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
                     reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
                     reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()),
@@ -495,6 +495,19 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                      out.data_ptr<scalar_t>(), T, H, KVH, D, BS, MB, static_cast<float>(scale));
   });
   return out;
+}
+
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor block_tables, torch::Tensor q_rows, torch::Tensor kv_lens,
+                              double scale) {
+  return attention_on(q, k_cache, v_cache, block_tables, q_rows, kv_lens, scale, true);
+}
+
+// The vector kernel whatever the dtype (benchmarks and tests compare it with the AMX one).
+torch::Tensor paged_attention_vectors(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                      torch::Tensor block_tables, torch::Tensor q_rows, torch::Tensor kv_lens,
+                                      double scale) {
+  return attention_on(q, k_cache, v_cache, block_tables, q_rows, kv_lens, scale, false);
 }
 
 // Skinny matmul (few rows, as in decode): y = x @ w.T + b with w [N, K]. A single-row product runs on one
@@ -818,6 +831,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_panels_available", &f32_panels_available, "whether this build has the float32 panel matmul");
   m.def("f32_pack", &f32_pack, "a [N, K] float32 weight in 16-feature panels [N/16, K, 16]");
   m.def("f32_linear", &f32_linear, "x @ w.T (+ b), w from f32_pack; batch-invariant");
+  m.def("paged_attention_vectors", &paged_attention_vectors, "paged_attention on the vector kernel, never AMX tiles");
   m.def("amx_attention_applies", &amx_attention_applies,
         "whether paged_attention runs on AMX tiles for a bf16 cache of this block size, head_dim and heads");
   m.def("decoder_layer", &decoder_layer, "a whole decoder layer for an all-paged batch, residual updated in place");
