@@ -227,3 +227,26 @@ def test_select_backend(caplog):
     select_backend("cpu")
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("backend:")]
     assert len(lines) == len(set(lines))  # each choice said once
+
+
+@pytest.mark.parametrize("faster", ["bfloat16", "float32"])
+def test_auto_dtype_takes_the_faster_of_the_two_packed_kernels(monkeypatch, faster):
+    """Where both our bfloat16 and float32 packed kernels run, `auto` follows the measured probe; where the
+    bfloat16 kernel does not run, it is float32 whatever a probe would say."""
+    from tokenmill.model.backends import auto_dtype, dtype_probe
+
+    slow, quick = 9.0, 1.0
+    times = {"bfloat16": quick if faster == "bfloat16" else slow, "float32": quick if faster == "float32" else slow}
+    monkeypatch.setattr(dtype_probe, "probe_matmul_ms", lambda ops: times)
+    both = ops is not None and bool(ops.bf16_kernel()) and ops.f32_panels_available()
+    assert auto_dtype("cpu") == (faster if both else "float32")
+    assert auto_dtype("cuda") == "bfloat16"
+
+
+def test_dtype_probe_times_both_kernels():
+    from tokenmill.model.backends import dtype_probe
+
+    if ops is None or not ops.bf16_kernel():
+        pytest.skip("no packed bfloat16 kernel on this CPU: auto is float32 without a probe (tested above)")
+    ms = dtype_probe.probe_matmul_ms(ops)
+    assert set(ms) == {"bfloat16", "float32"} and all(0 < v < 10_000 for v in ms.values())

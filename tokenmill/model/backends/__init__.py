@@ -12,6 +12,7 @@ from functools import cache
 import torch
 
 from tokenmill.model import cpu_kernels
+from tokenmill.model.backends import dtype_probe
 from tokenmill.model.backends.base import Backend, LinearWeights
 from tokenmill.model.backends.cpu import CpuBackend
 from tokenmill.model.backends.reference import TorchBackend
@@ -37,14 +38,23 @@ def select_backend(device: str | torch.device, use_kernels: bool = True, batch_i
 
 
 def auto_dtype(device: str | torch.device) -> str:
-    """bfloat16 on GPUs, and on CPUs where our bfloat16 matmul kernel runs (AMX or AVX512-BF16, kernels built):
-    there it is fast and a request's greedy output is bit-for-bit the same whatever else is batched with it.
-    Elsewhere float32: bfloat16 would be emulated (about 2x slower, BENCHMARKS.md "dtype"), or run on oneDNN,
-    whose result for a row changes with the batch size (csrc/bf16_linear.cpp says why)."""
+    """bfloat16 on GPUs. On a CPU, float32 unless our bfloat16 matmul kernel runs (AMX or AVX512-BF16, kernels
+    built): elsewhere bfloat16 would be emulated (about 2x slower, BENCHMARKS.md "dtype"), or run on oneDNN,
+    whose result for a row changes with the batch size (csrc/bf16_linear.cpp says why). Where it runs, both dtypes
+    keep a request's greedy output bit-for-bit the same whatever else is batched, and the faster one on this CPU,
+    measured (model/backends/dtype_probe.py), wins."""
     if torch.device(device).type != "cpu":
         return "bfloat16"
     ops = cpu_kernels._extension()
-    return "bfloat16" if ops is not None and ops.bf16_kernel() else "float32"
+    if ops is None or not ops.bf16_kernel():
+        return "float32"
+    if not ops.f32_panels_available():
+        return "bfloat16"
+    ms = dtype_probe.probe_matmul_ms(ops)
+    choice = "bfloat16" if ms["bfloat16"] <= ms["float32"] else "float32"
+    _log_once(f"--dtype auto: {choice} (probe matmuls here: bfloat16 {ms['bfloat16']:.2f} ms, "
+              f"float32 {ms['float32']:.2f} ms)")
+    return choice
 
 
 @cache
