@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.model.backends.reference import paged_attention_sdpa
-from tokenmill.model.cpu_kernels import _SOURCES, _cpu_info
+from tokenmill.model.cpu_kernels import _HEADERS, _SOURCES, _cpu_info
 
 FLAGS = set(_cpu_info()[1].split())
 # target -> the instruction sets this CPU needs to run code built for it
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("c++") is None, 
 def build(target: str):
     from torch.utils.cpp_extension import load
 
-    sources = hashlib.sha1(b"".join(s.read_bytes() for s in _SOURCES)).hexdigest()[:8]
+    sources = hashlib.sha1(b"".join(s.read_bytes() for s in (*_SOURCES, *_HEADERS))).hexdigest()[:8]
     flags = ["-O3", "-fopenmp", f"-march={target}", "-ffast-math", "-fno-finite-math-only"]
     return load(name=f"tokenmill_isa_check_{target.replace('-', '_')}_{sources}", sources=[str(s) for s in _SOURCES],
                 extra_cflags=flags, extra_ldflags=["-fopenmp"])

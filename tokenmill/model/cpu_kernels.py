@@ -16,6 +16,7 @@ log = logging.getLogger("tokenmill")
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("cpu_kernels.cpp", "bf16_linear.cpp", "f32_linear.cpp", "amx_attention.cpp")]
+_HEADERS = [Path(__file__).parent / "csrc" / "simd.h"]  # part of the build's name too: a change rebuilds
 
 
 def _cpu_info() -> tuple[str, str]:
@@ -53,7 +54,7 @@ def cpu_isa() -> str:
 def build_name() -> str:
     """The extension's name: keyed by this CPU (cpu_tag) and by the sources, so neither another CPU's build
     nor another checkout's (an old tree benchmarked beside this one) is ever loaded, or rebuilt over, here."""
-    sources = hashlib.sha1(b"".join(s.read_bytes() for s in _SOURCES)).hexdigest()[:8]
+    sources = hashlib.sha1(b"".join(s.read_bytes() for s in (*_SOURCES, *_HEADERS))).hexdigest()[:8]
     return f"tokenmill_cpu_kernels_{cpu_tag()}_{sources}"
 
 

@@ -30,6 +30,8 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define TOKENMILL_AMX_ATTENTION 1
 #include <immintrin.h>
+
+#include "simd.h"
 #endif
 
 std::string bf16_kernel();  // bf16_linear.cpp: "amx" once the OS has granted this process the tile state
@@ -61,23 +63,6 @@ void configure_tiles(int64_t M) {
     cfg.colsb[t] = colsb[t];
   }
   _tile_loadconfig(&cfg);
-}
-
-// exp(x) for 16 floats, as exp256 in cpu_kernels.cpp (2^n * 2^f, degree-6 polynomial, relative error ~2e-7).
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945f));
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
 // Transpose of a 16 x 16 matrix of 32-bit elements held as 16 rows.

@@ -26,6 +26,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
 inline float to_float(float x) { return x; }
@@ -741,6 +743,15 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
           const auto* gb = reinterpret_cast<const c10::BFloat16*>(gate);
           const auto* ub = reinterpret_cast<const c10::BFloat16*>(up);
           auto* ob = reinterpret_cast<c10::BFloat16*>(o);
+#if defined(__AVX512F__)
+          const __m512 one16 = _mm512_set1_ps(1.f), cap16 = _mm512_set1_ps(88.f);
+          for (; j + 16 <= I; j += 16) {  // the 8-wide loop below, 16 at a time: the same per-element math
+            const __m512 x = bf16x16_to_ps(gb + j);
+            const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), cap16));
+            const __m512 silu = round_to_bf16_ps512(_mm512_div_ps(x, _mm512_add_ps(one16, e)));
+            store_bf16x16(ob + j, round_to_bf16_ps512(_mm512_mul_ps(silu, bf16x16_to_ps(ub + j))));
+          }
+#endif
           for (; j + 8 <= I; j += 8) {
             const __m256 x = bf16x8_to_ps(gb + j);
             const __m256 e = exp256(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), x), cap));
