@@ -3,8 +3,8 @@
 // key at a time in float32 vectors. The online softmax between them stays in float32 vectors.
 //
 // A work item is a KV head of a tile of query tokens: up to 16 / G consecutive tokens of one request (a prefill
-// chunk; a decode token is a tile of one), whose M = tokens x G query heads are the rows of the A tiles. Per
-// cache block of 16 keys:
+// chunk; a decode token is a tile of one), whose M = tokens x G query heads are the columns of S^T and the
+// rows of P and O. Per cache block of 16 keys:
 //   S^T [16 x M] = K [16 x D] . Q^T        K's rows loaded into A tiles straight from the cache, Q^T (in the
 //                                          VNNI order B tiles take) built once per work item; S^T is turned
 //                                          back into rows (a gather per row, or a 16 x 16 transpose);
