@@ -85,7 +85,8 @@ class SwiGLU(nn.Module):
         self.backend = backend if backend is not None else TorchBackend()
         self.gate_up_proj = Linear(hidden, [intermediate, intermediate], bias=False, backend=self.backend,
                                    dtype=dtype)
+        self.gate_up_proj.silu_pairs = True  # a backend may pack it to apply SiLU-and-multiply in the matmul
         self.down_proj = Linear(intermediate, hidden, bias=False, backend=self.backend, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.backend.silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.backend.gate_up_silu(x, self.gate_up_proj))

@@ -65,6 +65,10 @@ class Backend(ABC):
     def linear(self, x: torch.Tensor, layer: LinearWeights) -> torch.Tensor:
         """x @ layer.weight.T (+ layer.bias), through whatever copy of the weight this backend keeps."""
 
+    def gate_up_silu(self, x: torch.Tensor, gate_up: nn.Module) -> torch.Tensor:
+        """silu(gate) * up of a fused gate/up projection of x: the layer, then silu_mul. A backend may fuse them."""
+        return self.silu_mul(gate_up(x))
+
     def prepack(self, model: nn.Module) -> bool:
         """Give each of `model.linear_layers()` the weight layout this backend multiplies fastest, once, after
         loading and the dtype cast. Returns whether anything was packed; the default keeps the plain weights."""

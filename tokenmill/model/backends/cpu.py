@@ -114,6 +114,10 @@ class CpuBackend(TorchBackend):
     # ---- matmuls -----------------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, layer: LinearWeights) -> torch.Tensor:
         packed = layer.packed_weight
+        if packed is not None and packed.dim() == 5 and x.dim() == 2:  # gate/up pairs: the plain product too
+            blocks = packed.shape[0]
+            y = self.ops.bf16_linear(x, packed.view(2 * blocks, *packed.shape[2:]), layer.bias)
+            return y.view(-1, blocks, 2, 16).transpose(1, 2).reshape(y.shape)  # [g0 u0 g1 u1 ..] -> [gate | up]
         if packed is not None and packed.dim() == 4 and x.dim() == 2:  # bf16_pack'ed: one kernel, any rows
             return self.ops.bf16_linear(x, packed, layer.bias)
         if packed is not None and packed.dim() == 3 and x.dim() == 2:  # f32_pack'ed panels: the same
@@ -125,13 +129,24 @@ class CpuBackend(TorchBackend):
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, layer.bias, "none", [], "")
         return super().linear(x, layer)
 
-    def pack_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+    def gate_up_silu(self, x: torch.Tensor, gate_up: nn.Module) -> torch.Tensor:
+        packed = getattr(gate_up, "packed_weight", None)
+        if packed is not None and packed.dim() == 5 and _rows(x) and x.dtype == torch.bfloat16:
+            return self.ops.amx_linear_silu(x, packed)  # SiLU-and-multiply in the matmul's epilogue
+        return super().gate_up_silu(x, gate_up)
+
+    def pack_weight(self, weight: torch.Tensor, silu_pairs: bool = False) -> torch.Tensor | None:
         """`weight` in the layout this CPU multiplies fastest: for bfloat16 where the CPU has AMX or AVX512-BF16,
-        the tile layout of csrc/bf16_linear.cpp (one kernel for every row count: batch-invariant); else oneDNN's
-        blocked layout; else None (keep the plain one)."""
+        the tile layout of csrc/bf16_linear.cpp (one kernel for every row count: batch-invariant), and on AMX
+        a fused gate/up weight (`silu_pairs`) in gate/up pairs whose matmul applies SiLU-and-multiply itself
+        (bit for bit the separate ops, without the [T, 2I] intermediate); else oneDNN's blocked layout; else None
+        (keep the plain one)."""
         if weight.device.type != "cpu":
             return None
         n, k = weight.shape
+        if (silu_pairs and weight.dtype == torch.bfloat16 and self.bf16_kernel == "amx" and n % 32 == 0
+                and k % 32 == 0):
+            return self.ops.bf16_pack_gate_up(weight)
         if weight.dtype == torch.bfloat16 and self.bf16_kernel and n % 16 == 0 and k % 32 == 0:
             return self.ops.bf16_pack(weight)
         if weight.dtype == torch.float32 and self.f32_panels and n % 16 == 0:
@@ -146,9 +161,9 @@ class CpuBackend(TorchBackend):
         weights. The tied LM head's weight is the embedding and stays."""
         packed_any = False
         for m in model.linear_layers():
-            m.packed_weight = self.pack_weight(m.weight)
+            m.packed_weight = self.pack_weight(m.weight, silu_pairs=getattr(m, "silu_pairs", False))
             packed_any |= m.packed_weight is not None
-            if isinstance(m, nn.Module) and m.packed_weight is not None and m.packed_weight.dim() in (3, 4):
+            if isinstance(m, nn.Module) and m.packed_weight is not None and m.packed_weight.dim() in (3, 4, 5):
                 m.weight = nn.Parameter(m.weight.to("meta"), requires_grad=False)
         model.backend_cache.pop(_LAYER_WEIGHTS, None)
         return packed_any

@@ -27,6 +27,8 @@
 #define TOKENMILL_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "simd.h"
 #endif
 
 namespace {
@@ -151,6 +153,20 @@ void write_rows(const float* c, const float* bias, uint16_t* y, int64_t N, int64
     }
   }
 }
+
+// The SiLU-and-multiply epilogue of a gate/up column pair (gate features in c's columns 0-15, up's in 16-31, see
+// bf16_pack_gate_up): each rounded to bfloat16 as a bfloat16 matmul's output is, then silu(gate) * up exactly as
+// silu_mul (cpu_kernels.cpp) computes it from those bfloat16 values, into y [M, I] at columns [n0, n0 + 16).
+void write_silu_rows(const float* c, uint16_t* y, int64_t I, int64_t m0, int64_t rows, int64_t n0) {
+  const __m512 one = _mm512_set1_ps(1.f), cap = _mm512_set1_ps(88.f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 g = round_to_bf16_ps512(_mm512_loadu_ps(c + r * 32));
+    const __m512 u = round_to_bf16_ps512(_mm512_loadu_ps(c + r * 32 + 16));
+    const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), cap));
+    const __m512 silu = round_to_bf16_ps512(_mm512_div_ps(g, _mm512_add_ps(one, e)));
+    store_bf16x16(y + (m0 + r) * I + n0, round_to_bf16_ps512(_mm512_mul_ps(silu, u)));
+  }
+}
 #endif
 
 }  // namespace
@@ -215,12 +231,26 @@ void for_column_pairs(int64_t NB, const F& body) {
 
 }  // namespace
 
+// w [2I, K] bfloat16 (gate rows, then up rows: a fused gate/up projection), I % 16 == 0 -> [I/16, 2, K/32, 16, 32]:
+// for each block of 16 features, its gate tiles then its up tiles in bf16_pack's layout, so one column pair of
+// the tile kernel holds a feature block's gate and up and its epilogue can apply SiLU-and-multiply.
+torch::Tensor bf16_pack_gate_up(const torch::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.size(0) % (2 * kTileN) == 0, "bf16_pack_gate_up takes [2I, K] with I % 16 == 0");
+  const int64_t N = w.size(0), K = w.size(1), blocks = N / (2 * kTileN);
+  const auto paired = w.contiguous().view({2, blocks, kTileN, K}).transpose(0, 1).reshape({N, K});
+  return bf16_pack(paired).view({blocks, 2, K / kTileK, kTileRows, 2 * kTileN});
+}
+
 // x [M, K] bfloat16 (rows may be strided), packed from bf16_pack, bias [N] or none -> [M, N] bfloat16.
-torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
-  Bf16Problem p = setup(x, packed, bias);
 #ifdef TOKENMILL_AMX
+namespace {
+
+// The AMX tile loop over x [M, K] and a packed weight (p.wp, p.NB x p.KB tiles): for each 32-feature column pair
+// and 32-row block, the float32 results c [32 x 32] go to `epilogue(c, m0, rows, nb, two_cols)`.
+template <typename Epilogue>
+void amx_tiles(const torch::Tensor& x, const Bf16Problem& p, const Epilogue& epilogue) {
   TORCH_CHECK(request_amx(), "the OS did not grant the AMX tile state");
-  if (p.M == 0) return p.y;
+  if (p.M == 0) return;
   // Whole 16-row tiles load straight from x; a last partial tile from a zero-padded copy of its rows.
   const int64_t Mpad = (p.M + kTileRows - 1) / kTileRows * kTileRows, full = p.M / kTileRows * kTileRows;
   const auto xs = x.stride(1) == 1 ? x : x.contiguous();
@@ -246,16 +276,45 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, co
         else if (two_rows) tile_block<2, 1>(a0, s0, a1, s1, p.wp, p.KB, nb, c);
         else if (two_cols) tile_block<1, 2>(a0, s0, a1, s1, p.wp, p.KB, nb, c);
         else tile_block<1, 1>(a0, s0, a1, s1, p.wp, p.KB, nb, c);
-        write_rows(c, p.bias, p.yp, p.N, m0, std::min<int64_t>(2 * kTileRows, p.M - m0), nb * kTileN,
-                   two_cols ? 2 * kTileN : kTileN);
+        epilogue(c, m0, std::min<int64_t>(2 * kTileRows, p.M - m0), nb, two_cols);
       }
     }
     _tile_release();
+  });
+}
+
+}  // namespace
+#endif
+
+torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+  Bf16Problem p = setup(x, packed, bias);
+#ifdef TOKENMILL_AMX
+  amx_tiles(x, p, [&](const float* c, int64_t m0, int64_t rows, int64_t nb, bool two_cols) {
+    write_rows(c, p.bias, p.yp, p.N, m0, rows, nb * kTileN, two_cols ? 2 * kTileN : kTileN);
   });
 #else
   TORCH_CHECK(false, "this build has no AMX kernels (the CPU it was built for lacks AMX-BF16)");
 #endif
   return p.y;
+}
+
+// silu(x @ gate.T) * (x @ up.T) on AMX tiles from bf16_pack_gate_up's layout: [M, K] -> [M, I], bit for bit
+// silu_mul(amx_linear(x, bf16_pack(w))) without the [M, 2I] intermediate (its write and read back, and a pass).
+torch::Tensor amx_linear_silu(const torch::Tensor& x, const torch::Tensor& packed) {
+  TORCH_CHECK(packed.dim() == 5 && packed.size(1) == 2, "a weight packed by bf16_pack_gate_up");
+  const int64_t blocks = packed.size(0);
+  Bf16Problem p = setup(x, packed.view({2 * blocks, packed.size(2), packed.size(3), packed.size(4)}), c10::nullopt);
+  const int64_t I = blocks * kTileN;
+  auto y = torch::empty({p.M, I}, x.options());
+#ifdef TOKENMILL_AMX
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  amx_tiles(x, p, [&](const float* c, int64_t m0, int64_t rows, int64_t nb, bool) {
+    write_silu_rows(c, yp, I, m0, rows, (nb / 2) * kTileN);
+  });
+#else
+  TORCH_CHECK(false, "this build has no AMX kernels (the CPU it was built for lacks AMX-BF16)");
+#endif
+  return y;
 }
 
 // The same product with AVX512-BF16 dot products (no AMX): same packed weight, same signature.

@@ -786,6 +786,8 @@ std::string bf16_kernel();
 torch::Tensor bf16_pack(const torch::Tensor& w);
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias);
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias);
+torch::Tensor bf16_pack_gate_up(const torch::Tensor& w);
+torch::Tensor amx_linear_silu(const torch::Tensor& x, const torch::Tensor& packed);
 torch::Tensor dpbf16_linear(const torch::Tensor& x, const torch::Tensor& packed,
                             const c10::optional<torch::Tensor>& bias);
 // f32_linear.cpp: the float32 matmul over 16-feature panels.
@@ -823,7 +825,9 @@ void decoder_layer(torch::Tensor x, const std::vector<torch::Tensor>& w, int64_t
   auto attn = paged_attention(q, k_cache, v_cache, block_tables, q_rows, kv_lens, 1.0 / std::sqrt(double(D)));
   auto h = linear_any(attn.view({T, num_heads * D}), w[3], w[8], c10::nullopt);
   auto normed = add_rms_norm(h, x, w[4], eps);
-  auto mlp = linear_any(silu_mul(linear_any(normed, w[5], w[9], c10::nullopt)), w[6], w[10], c10::nullopt);
+  // a gate/up weight packed in pairs (bf16_pack_gate_up, 5-D) carries SiLU-and-multiply in its epilogue
+  auto act = w[9].dim() == 5 ? amx_linear_silu(normed, w[9]) : silu_mul(linear_any(normed, w[5], w[9], c10::nullopt));
+  auto mlp = linear_any(act, w[6], w[10], c10::nullopt);
   x.add_(mlp);
 }
 
@@ -838,6 +842,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_pack", &bf16_pack, "a [N, K] bfloat16 weight in the tile layout [N/16, K/32, 16, 32]");
   m.def("bf16_linear", &bf16_linear, "x @ w.T (+ b), w from bf16_pack, on bf16_kernel(); batch-invariant");
   m.def("amx_linear", &amx_linear, "bf16_linear on AMX tiles");
+  m.def("bf16_pack_gate_up", &bf16_pack_gate_up, "a [2I, K] gate/up weight as [I/16, 2, K/32, 16, 32]: gate, up pairs");
+  m.def("amx_linear_silu", &amx_linear_silu, "silu(x @ gate.T) * (x @ up.T) on AMX tiles, from bf16_pack_gate_up");
   m.def("dpbf16_linear", &dpbf16_linear, "bf16_linear with AVX512-BF16 dot products");
   m.def("f32_panels_available", &f32_panels_available, "whether this build has the float32 panel matmul");
   m.def("f32_pack", &f32_pack, "a [N, K] float32 weight in 16-feature panels [N/16, K, 16]");
