@@ -116,7 +116,7 @@ class CpuBackend(TorchBackend):
         packed = layer.packed_weight
         if packed is not None and packed.dim() == 5 and x.dim() == 2:  # gate/up pairs: the plain product too
             blocks = packed.shape[0]
-            y = self.ops.bf16_linear(x, packed.view(2 * blocks, *packed.shape[2:]), layer.bias)
+            y = self.ops.bf16_linear(x, packed.view(2 * blocks, *packed.shape[2:]), None)  # packed without bias
             return y.view(-1, blocks, 2, 16).transpose(1, 2).reshape(y.shape)  # [g0 u0 g1 u1 ..] -> [gate | up]
         if packed is not None and packed.dim() == 4 and x.dim() == 2:  # bf16_pack'ed: one kernel, any rows
             return self.ops.bf16_linear(x, packed, layer.bias)
@@ -161,7 +161,8 @@ class CpuBackend(TorchBackend):
         weights. The tied LM head's weight is the embedding and stays."""
         packed_any = False
         for m in model.linear_layers():
-            m.packed_weight = self.pack_weight(m.weight, silu_pairs=getattr(m, "silu_pairs", False))
+            pairs = getattr(m, "silu_pairs", False) and m.bias is None  # the fused epilogue adds no bias
+            m.packed_weight = self.pack_weight(m.weight, silu_pairs=pairs)
             packed_any |= m.packed_weight is not None
             if isinstance(m, nn.Module) and m.packed_weight is not None and m.packed_weight.dim() in (3, 4, 5):
                 m.weight = nn.Parameter(m.weight.to("meta"), requires_grad=False)
