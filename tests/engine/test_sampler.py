@@ -214,3 +214,13 @@ def test_seeded_draws_do_not_depend_on_the_batch_for_any_vocabulary_size(vocab):
     alone = [Sampler()(logits[3:4], [alone_row])[0][0] for _ in range(30)]
     batched = [Sampler()(logits, others[:3] + [batched_row] + others[3:])[3][0] for _ in range(30)]
     assert alone == batched and len(set(alone)) > 1
+
+
+def test_top_k_applies_to_its_own_rows_in_a_mixed_batch():
+    """Rows without top-k keep their whole distribution; rows with it never leave their k most likely."""
+    logits = LOGITS.unsqueeze(0).repeat(400, 1)
+    with_k, without = SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0)
+    rows = [row(with_k if i % 2 else without, seed=i) for i in range(400)]
+    tokens = [t for t, _ in Sampler()(logits, rows)]
+    assert set(tokens[1::2]) == {0, 1}
+    assert len(set(tokens[0::2])) > 4  # the unfiltered rows still reach past the top two

@@ -58,10 +58,11 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     """Mask (to -inf, in place) tokens outside top-k, outside the top-p nucleus, or below min_p x the top
     probability. logits [R, V]: each row shifted so its maximum is 0, then divided by temperature (the top token,
     which every filter keeps, stays at 0); top_k [R] (0 = off), top_p [R], min_p [R]."""
-    if bool((top_k > 0).any()):
-        k = torch.where(top_k > 0, top_k, logits.shape[1]).clamp(max=logits.shape[1])
-        kth = logits.topk(int(k.max()), dim=1).values.gather(1, (k - 1).unsqueeze(1))
-        logits.masked_fill_(logits < kth, float("-inf"))
+    k_rows = (top_k > 0).nonzero().flatten()
+    if len(k_rows):  # only the rows that ask: one row without top-k would otherwise make this a full sort
+        sub, k = logits[k_rows], top_k[k_rows].clamp(max=logits.shape[1])
+        kth = sub.topk(int(k.max()), dim=1).values.gather(1, (k - 1).unsqueeze(1))
+        logits[k_rows] = sub.masked_fill_(sub < kth, float("-inf"))
     nucleus_rows = (top_p < 1).nonzero().flatten()
     if len(nucleus_rows):
         sub = logits[nucleus_rows]
