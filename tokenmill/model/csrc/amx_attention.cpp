@@ -42,18 +42,10 @@ namespace {
 constexpr int64_t kKeys = 16;     // keys per cache block: the rows of K, the columns of S
 constexpr int64_t kMaxDim = 256;  // head_dim this kernel takes (a multiple of 32)
 
-struct alignas(64) AttentionTiles {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles: 0 K (A, 16 keys x 32 dims), 1 Q^T (B, 16 dim pairs x M), 2 S^T (C, 16 keys x M), 3 P (A, M x 16 keys),
 // 4 V (B, 8 key pairs x 16 dims), 5 P.V (C, M x 16 dims).
 void configure_tiles(int64_t M) {
-  AttentionTiles cfg;
+  AmxTileConfig cfg;
   const uint8_t m = static_cast<uint8_t>(M);
   const uint16_t mb = static_cast<uint16_t>(4 * M);
   const uint8_t rows[6] = {16, 16, 16, m, 8, m};

@@ -38,14 +38,6 @@ constexpr int64_t kTileK = 32;      // bfloat16 elements of K per tile dot produ
 constexpr int64_t kTileN = 16;      // output features per C tile
 
 #ifdef TOKENMILL_AMX
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Linux hands out the AMX tile state only to processes that ask (arch_prctl ARCH_REQ_XCOMP_PERM).
 bool request_amx() {
   constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
@@ -55,7 +47,7 @@ bool request_amx() {
 
 // Tiles 0-1: A (two 16-row blocks of x), 2-3: B (two 16-feature blocks of w), 4-7: C = A_i x B_j.
 void configure_tiles() {
-  TileConfig cfg;
+  AmxTileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = kTileRows;
     cfg.colsb[t] = 64;
@@ -204,20 +196,22 @@ struct Bf16Problem {
   uint16_t* yp = nullptr;
 };
 
-Bf16Problem setup(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+// with_output: allocate y [M, N] (amx_linear_silu writes its own, narrower output instead).
+Bf16Problem setup(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                  bool with_output = true) {
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
               "a weight packed by bf16_pack");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "[M, K] bfloat16 input");
   Bf16Problem p;
   p.NB = packed.size(0), p.KB = packed.size(1), p.N = p.NB * kTileN, p.K = p.KB * kTileK, p.M = x.size(0);
   TORCH_CHECK(x.size(1) == p.K, "input has ", x.size(1), " features, the weight ", p.K);
-  p.y = torch::empty({p.M, p.N}, x.options());
+  if (with_output) p.y = torch::empty({p.M, p.N}, x.options());
   if (bias.has_value()) {
     p.bias_f = bias->to(at::kFloat).contiguous();
     p.bias = p.bias_f.data_ptr<float>();
   }
   p.wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  p.yp = reinterpret_cast<uint16_t*>(p.y.data_ptr<at::BFloat16>());
+  if (with_output) p.yp = reinterpret_cast<uint16_t*>(p.y.data_ptr<at::BFloat16>());
   return p;
 }
 
@@ -303,7 +297,8 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, co
 torch::Tensor amx_linear_silu(const torch::Tensor& x, const torch::Tensor& packed) {
   TORCH_CHECK(packed.dim() == 5 && packed.size(1) == 2, "a weight packed by bf16_pack_gate_up");
   const int64_t blocks = packed.size(0);
-  Bf16Problem p = setup(x, packed.view({2 * blocks, packed.size(2), packed.size(3), packed.size(4)}), c10::nullopt);
+  Bf16Problem p = setup(x, packed.view({2 * blocks, packed.size(2), packed.size(3), packed.size(4)}), c10::nullopt,
+                        /*with_output=*/false);
   const int64_t I = blocks * kTileN;
   auto y = torch::empty({p.M, I}, x.options());
 #ifdef TOKENMILL_AMX

@@ -1,12 +1,58 @@
-// Vector helpers shared by the kernel sources (header-only: each source is built with its own ISA guards).
+// Vector helpers shared by the kernel sources (header-only: each source is built with its own ISA guards), the
+// 8-wide (AVX2) and 16-wide (AVX-512) forms of each side by side, and the AMX tile configuration.
 #pragma once
 
-#if defined(__AVX512F__)
+#include <cstdint>
+
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+// exp(x) for 8 floats: 2^(x log2 e) split into 2^n * 2^f, f in [-0.5, 0.5], 2^f by a degree-6 polynomial
+// (relative error ~2e-7, like expf); -inf and very negative inputs give 0.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147180559945f));  // in [-ln2/2, ln2/2]
+  __m256 p = _mm256_set1_ps(1.f / 720.f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// 8 bfloat16 values as floats (the bit pattern shifted into the high half).
+inline __m256 bf16x8_to_ps(const void* p) {
+  const __m128i h = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// v rounded to the nearest bfloat16, ties to even (as c10::BFloat16 rounds), still as floats.
+inline __m256 round_to_bf16_ps(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// 8 floats already rounded by round_to_bf16_ps, stored as bfloat16.
+inline void store_bf16x8(void* p, __m256 rounded) {
+  const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+  _mm_storeu_si128(static_cast<__m128i*>(p), packed);
+}
+
+#endif
+
+#if defined(__AVX512F__)
+
 // exp(x) for 16 floats: 2^(x log2 e) split into 2^n * 2^f, f in [-0.5, 0.5], 2^f by a degree-6 polynomial
-// (relative error ~2e-7, like expf). Per element the same operations in the same order as exp256 in
-// cpu_kernels.cpp, so the two agree bit for bit.
+// (relative error ~2e-7, like expf). Per element the same operations in the same order as exp256 above, so
+// the two agree bit for bit.
 inline __m512 exp512(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
@@ -42,4 +88,15 @@ inline void store_bf16x16(void* p, __m512 rounded) {
   const __m512i high = _mm512_srli_epi32(_mm512_castps_si512(rounded), 16);
   _mm256_storeu_si256(static_cast<__m256i*>(p), _mm512_cvtepi32_epi16(high));
 }
+#endif
+
+#if defined(__AMX_TILE__)
+// The 64-byte operand of LDTILECFG: palette 1, then each tile's bytes per row and rows.
+struct alignas(64) AmxTileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
 #endif
