@@ -1,4 +1,4 @@
-"""`tokenmill` command line: serve, generate, chat, bench, plan."""
+"""`tokenmill` command line: serve, generate, chat, bench, plan, eval."""
 
 from __future__ import annotations
 
@@ -167,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="capacity planner: memory, KV bytes per token, roofline latency, cost")
     add_plan_arguments(p)
     p.set_defaults(func=cmd_plan)
+
+    from tokenmill.eval import add_eval_parser
+
+    add_eval_parser(sub)
     return parser
 
 

@@ -38,3 +38,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    # params.prompt_logprobs: per prompt token, {token_id: logprob} given the tokens before it (that token first,
+    # then the top-N); None for the first token, which has nothing before it (as vLLM)
+    prompt_logprobs: list[dict[int, float] | None] | None = None

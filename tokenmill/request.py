@@ -51,6 +51,9 @@ class Request:
     num_cached_blocks: int = 0
     num_cached_tokens: int | None = None
     num_skips: int = 0  # times a later arrival was admitted before it (the scheduler's starvation bound)
+    # prompt positions whose next-token logprob was already reported (params.prompt_logprobs): a recompute after
+    # preemption runs them again but must not report them twice
+    num_prompt_logprobs: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +66,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Every prompt position must run through the model (its logits are reported), so no cached prefix."""
+        return self.params.prompt_logprobs is not None
 
     @property
     def cache_namespace(self) -> Hashable:

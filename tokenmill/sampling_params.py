@@ -31,6 +31,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (0 = just the sampled one)
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token after the first (0 = just that token)
     skip_special_tokens: bool = True
     stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
@@ -56,6 +57,10 @@ class SamplingParams:
             self._check(self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens")
         if self.logprobs is not None:
             self._check(isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+                        f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None:
+            self._check(isinstance(self.prompt_logprobs, int) and not isinstance(self.prompt_logprobs, bool)
+                        and 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
                         f"must be an integer in [0, {MAX_LOGPROBS}]")
         if self.seed is not None:
             self._check(isinstance(self.seed, int) and 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)")

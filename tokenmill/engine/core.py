@@ -125,11 +125,17 @@ class EngineCore:
         finished = self.scheduler.update(sched, result.sampled)
         for s in sched.scheduled:
             req = s.request
-            if req.request_id not in result.sampled:
-                continue
-            token, lp = result.sampled[req.request_id]
-            outputs.append(EngineCoreOutput(req.request_id, [token], [lp] if lp is not None else None,
-                                            req.finish_reason, req.stop_reason, num_preemptions=req.num_preemptions))
+            prompt_lps = result.prompt_logprobs.get(req.request_id)
+            if prompt_lps is not None:
+                req.num_prompt_logprobs += len(prompt_lps)
+            if req.request_id in result.sampled:
+                token, lp = result.sampled[req.request_id]
+                outputs.append(EngineCoreOutput(req.request_id, [token], [lp] if lp is not None else None,
+                                                req.finish_reason, req.stop_reason,
+                                                num_preemptions=req.num_preemptions, new_prompt_logprobs=prompt_lps))
+            elif prompt_lps is not None and req.request_id not in result.failed:
+                outputs.append(EngineCoreOutput(req.request_id, [], num_preemptions=req.num_preemptions,
+                                                new_prompt_logprobs=prompt_lps))
         for req in finished:
             self.runner.release(req.request_id)
         return EngineOutputs(outputs, started)

@@ -138,7 +138,9 @@ class KVCacheManager:
         return len(match.blocks) * self.block_size if match else 0
 
     def match(self, request: Request) -> PrefixMatch | None:
-        if self.tree is None or request.num_computed_tokens:
+        """The cached prefix `request` may take; none for a request that wants prompt logprobs (cached positions
+        would have no logits), though its own blocks still join the cache."""
+        if self.tree is None or request.num_computed_tokens or request.wants_prompt_logprobs:
             return None
         return self.tree.match(self._matchable(request), request.cache_namespace)
 

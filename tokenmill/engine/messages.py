@@ -83,6 +83,9 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     error: str | None = None  # finish_reason "error": why this sequence could not be run
     num_preemptions: int = 0  # times the sequence was preempted (and recomputed) so far
+    # params.prompt_logprobs: the next prompt tokens' logprobs ({token: logprob}, that token first), continuing
+    # where the last output left off; a prefill chunk that samples nothing sends only these
+    new_prompt_logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass

@@ -100,6 +100,9 @@ class RequestState:
     samples: list[SampleState]
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens the prefix cache held when the first sample was first scheduled
+    # params.prompt_logprobs: [None, {token: logprob}, ...] as far as computed; the n samples share the prompt, so
+    # only the first sample's core sequence computes them
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -115,7 +118,8 @@ class RequestState:
         """The whole result so far, all n samples (offline use)."""
         self.metrics.num_preemptions = sum(s.num_preemptions for s in self.samples)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [s.output() for s in self.samples],
-                             self.finished, self.metrics, self.num_cached_tokens)
+                             self.finished, self.metrics, self.num_cached_tokens,
+                             list(self.prompt_logprobs) if self.prompt_logprobs is not None else None)
 
     def deltas(self) -> list[SampleDelta]:
         """What is new in each sample since the last call (streaming)."""
@@ -151,14 +155,17 @@ class OutputProcessor:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
         now = time.monotonic() if arrival_time is None else arrival_time
-        state = RequestState(request_id, prompt, prompt_token_ids, params, [], RequestMetrics(arrival_time=now))
+        state = RequestState(request_id, prompt, prompt_token_ids, params, [], RequestMetrics(arrival_time=now),
+                             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         msgs = []
         with_logprobs = params.logprobs is not None
         for i in range(params.n):
             core_id = request_id if params.n == 1 else f"{request_id}#{i}"
             sample_params = params
             if params.n > 1 and params.seed is not None:
-                sample_params = replace(params, seed=params.seed + i)
+                sample_params = replace(sample_params, seed=params.seed + i)
+            if i > 0 and params.prompt_logprobs is not None:  # computed once, by the first sample
+                sample_params = replace(sample_params, prompt_logprobs=None)
             msgs.append(AddRequest(core_id, prompt_token_ids, sample_params, max_tokens, self.eos_token_ids, now,
                                    cache_salt))
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop_list,
@@ -248,6 +255,8 @@ class OutputProcessor:
     def _apply(state: RequestState, sample: SampleState, out: EngineCoreOutput, stops: list[FinishRequest]) -> None:
         """Fold one core output into its sample. A stop string that ends the sample while the core still runs it
         goes to `stops`, for the core to finish it."""
+        if out.new_prompt_logprobs and state.prompt_logprobs is not None and sample.index == 0:
+            state.prompt_logprobs.extend(out.new_prompt_logprobs)
         sample.token_ids.extend(out.new_token_ids)
         sample.num_preemptions = out.num_preemptions
         if sample.logprobs is not None and out.new_logprobs:

@@ -21,16 +21,23 @@ from tokenmill.model.loader import allocate_parameters
 from tokenmill.model.registry import model_class
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Prompt logprobs are computed this many rows at a time: the logits of a 2k-token prompt over a 49k vocabulary
+# would be 400 MB in float32 at once, and twice that with log_softmax.
+PROMPT_LOGPROB_ROWS = 256
 
 
 @dataclass
 class StepResult:
     sampled: dict[str, tuple[int, dict[int, float] | None]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why it could not be run or sampled
+    # request id -> the next prompt tokens' logprobs this step computed, in prompt order, each {token: logprob}
+    # with that prompt token first; they continue from the request's `num_prompt_logprobs`
+    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
 
     def merge(self, other: StepResult) -> None:
         self.sampled.update(other.sampled)
         self.failed.update(other.failed)
+        self.prompt_logprobs.update(other.prompt_logprobs)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -107,21 +114,58 @@ class ModelRunner:
 
         hidden = self.model(self._long(input_ids), self._long(positions), meta, self.kv_caches)
         last_rows, sampling = [], []
-        row = 0
+        row, scoring = 0, False
         for s in ordered:
             row += s.num_new_tokens
+            scoring = scoring or s.request.params.prompt_logprobs is not None
             if s.samples:
                 last_rows.append(row - 1)
                 sampling.append(s)
+        prompt_logprobs = self._prompt_logprobs(hidden, ordered) if scoring else {}
         if not sampling:
-            return StepResult()
+            return StepResult(prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[self._long(last_rows)])
         rows = [self._sampling_row(s) for s in sampling]
         try:
             results = self.sampler(logits, rows)
         except Exception:  # noqa: BLE001 - find the row(s) at fault: each alone; the others still get a token
-            return self._sample_one_by_one(logits, rows, sampling)
-        return StepResult({s.request.request_id: r for s, r in zip(sampling, results)})
+            result = self._sample_one_by_one(logits, rows, sampling)
+        else:
+            result = StepResult({s.request.request_id: r for s, r in zip(sampling, results)})
+        result.prompt_logprobs = prompt_logprobs
+        return result
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, ordered: list[ScheduledRequest]
+                         ) -> dict[str, list[dict[int, float]]]:
+        """For requests asking for prompt logprobs: the logprob of each prompt token from the row of the position
+        before it, for the positions of this chunk not reported yet (a recompute after preemption repeats some)."""
+        out, row = {}, 0
+        for s in ordered:
+            req, start = s.request, s.request.num_computed_tokens
+            first = max(start, req.num_prompt_logprobs)
+            end = min(start + s.num_new_tokens, req.num_prompt_tokens - 1)  # the last prompt row samples instead
+            if req.params.prompt_logprobs is not None and first < end:
+                targets = req.prompt_token_ids[first + 1:end + 1]
+                out[req.request_id] = self._score(hidden[row + first - start:row + end - start], targets,
+                                                  req.params.prompt_logprobs)
+            row += s.num_new_tokens
+        return out
+
+    def _score(self, hidden: torch.Tensor, targets: list[int], top_n: int) -> list[dict[int, float]]:
+        """{target: logprob, then the top-n} per row, PROMPT_LOGPROB_ROWS rows of logits at a time."""
+        out = []
+        for i in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+            chunk = targets[i:i + PROMPT_LOGPROB_ROWS]
+            logprobs = self.model.compute_logits(hidden[i:i + len(chunk)]).float().log_softmax(dim=-1)
+            picked = logprobs.gather(1, self._long(chunk).unsqueeze(1)).squeeze(1).tolist()
+            rows = [{t: v} for t, v in zip(chunk, picked)]
+            if top_n:
+                vals, ids = logprobs.topk(top_n, dim=-1)
+                for entry, row_ids, row_vals in zip(rows, ids.tolist(), vals.tolist()):
+                    for t, v in zip(row_ids, row_vals):
+                        entry.setdefault(t, v)
+            out += rows
+        return out
 
     def _sample_one_by_one(self, logits: torch.Tensor, rows: list[SamplingRow],
                            sampling: list[ScheduledRequest]) -> StepResult:

@@ -167,7 +167,7 @@ class Scheduler:
                 break
             match = self.kv.match(req)
             cached = len(match.blocks) * self.kv.block_size if match else 0
-            if prefilling and self._computed_by_others(req, cached, prefilling):
+            if prefilling and not req.wants_prompt_logprobs and self._computed_by_others(req, cached, prefilling):
                 continue
             todo = req.num_tokens - cached
             n = min(todo, budget)

@@ -110,7 +110,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         stream = engine.add_requests(request_id, prompts, params, arrival, req.cache_salt)
         echo = [text if text is not None else tok.decode(ids, skip_special_tokens=False) for text, ids in prompts] \
             if req.echo else None
-        writer = CompletionWriter(request_id, model, params.n, req.logprobs, echo, token_text)
+        writer = CompletionWriter(request_id, model, params.n, req.logprobs, echo, token_text, req.prompt_logprobs)
         usage_prompt = sum(len(ids) for _, ids in prompts)
         if req.stream:
             return sse(stream, writer.chunks(stream, usage_prompt if req.include_usage else None))
@@ -129,7 +129,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = engine.add_requests(request_id, [(text, ids)], params, arrival, req.cache_salt)
         writer = ChatWriter(request_id, model, params.n, (req.top_logprobs or 0) if req.logprobs else None,
-                            token_text)
+                            token_text, req.prompt_logprobs)
         if req.stream:
             return sse(stream, writer.chunks(stream, len(ids) if req.include_usage else None))
         choices = await collect(request, stream, params.n)

@@ -59,8 +59,20 @@ class _Sampling(_Body):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     cache_salt: str | None = None  # tenants with different salts never share cached KV blocks
+    prompt_logprobs: int | None = None  # vLLM's extra: a `prompt_logprobs` list in each choice
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int) -> SamplingParams:
+    def check_prompt_logprobs(self) -> None:
+        """Checked here, not only in SamplingParams: completions may compute more for echo, hiding a bad value."""
+        if self.prompt_logprobs is None:
+            return
+        if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}]", param="prompt_logprobs")
+        if self.stream:  # vLLM sends them in the first chunk; here they come only in a whole response
+            raise InvalidRequest("prompt_logprobs is not supported with stream: true (on /v1/completions, echo: true "
+                                 "with logprobs streams the prompt tokens' logprobs)", param="prompt_logprobs")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         if self.logit_bias:
             raise InvalidRequest("logit_bias is not supported", param="logit_bias")
         if self.best_of is not None and self.best_of != self.n:
@@ -95,7 +107,7 @@ class _Sampling(_Body):
             frequency_penalty=self.frequency_penalty or 0.0, seed=self.seed, max_tokens=max_tokens,
             min_tokens=self.min_tokens, stop=stops or None, stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens)
 
     @property
     def include_usage(self) -> bool:
@@ -114,7 +126,14 @@ class CompletionRequest(_Sampling):
             raise InvalidRequest("suffix is not supported", param="suffix")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequest(f"logprobs must be an integer in [0, {MAX_LOGPROBS}]", param="logprobs")
-        return self.sampling_params(self.max_tokens, self.logprobs, vocab_size)
+        self.check_prompt_logprobs()
+        return self.sampling_params(self.max_tokens, self.logprobs, vocab_size, self.scored_prompt_logprobs)
+
+    @property
+    def scored_prompt_logprobs(self) -> int | None:
+        """The top-N the engine computes for prompt tokens: enough for both `prompt_logprobs` and echo."""
+        wanted = [n for n in (self.prompt_logprobs, self.logprobs if self.echo else None) if n is not None]
+        return max(wanted) if wanted else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts, each a string or a list of token ids."""
@@ -194,8 +213,8 @@ class ChatCompletionRequest(_Sampling):
             raise InvalidRequest("response_format: only {'type': 'text'} is supported", param="response_format")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        params = self.sampling_params(max_tokens, logprobs, vocab_size)
-        return params
+        self.check_prompt_logprobs()
+        return self.sampling_params(max_tokens, logprobs, vocab_size, self.prompt_logprobs)
 
     def template_messages(self) -> list[dict[str, Any]]:
         if not self.messages:

@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator
 
 from tokenmill.engine.async_engine import OutputStream
+from tokenmill.engine.output_processor import RequestState
 from tokenmill.server.streaming import Choice
 from tokenmill.server.token_text import TokenText
 
@@ -21,6 +22,19 @@ def _usage(prompt_tokens: int, completion_tokens: int, stream: OutputStream) -> 
 
 def _lp(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
+
+
+def _top(lp: dict[int, float], token: int, n: int) -> dict[int, float]:
+    """A prompt token's entry cut to that token and the n most likely (the engine computed the largest N asked)."""
+    return {token: lp[token], **dict(sorted(lp.items(), key=lambda kv: -kv[1])[:n])}
+
+
+def vllm_prompt_logprobs(state: RequestState, n: int, tt: TokenText) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` of a choice: null, then per prompt token {"<token id>": {"logprob",
+    "decoded_token"}} for that token and the n most likely."""
+    return [None if lp is None else {str(t): {"logprob": _lp(v), "decoded_token": tt.text(t)}
+                                     for t, v in _top(lp, tid, n).items()}
+            for tid, lp in zip(state.prompt_token_ids, state.prompt_logprobs or [])]
 
 
 class _Writer:
@@ -39,13 +53,23 @@ class _Writer:
 
 
 class CompletionWriter(_Writer):
+    """With echo and logprobs (OpenAI) the prompt tokens' logprobs lead each choice's `logprobs`, the first token's
+    null; with `prompt_logprobs` (vLLM) each choice also gets a `prompt_logprobs` list: null, then per prompt token
+    {"<token id>": {"logprob", "decoded_token"}} for that token and the top-N. Streamed, a prompt's echo chunks wait
+    until its prompt logprobs are complete; `prompt_logprobs` itself is refused with stream: true (protocol.py)."""
+
     chunk_object = "text_completion"
 
     def __init__(self, request_id: str, model: str, n: int, logprobs: int | None, echo: list[str] | None,
-                 token_text: TokenText):
+                 token_text: TokenText, prompt_logprobs: int | None = None):
         self.id, self.model, self.n, self.logprobs, self.echo, self.tt = request_id, model, n, logprobs, echo, token_text
+        self.prompt_logprobs = prompt_logprobs
         self.created = int(time.time())
         self.offsets: dict[int, int] = {}
+
+    @property
+    def echoes_logprobs(self) -> bool:
+        return self.echo is not None and self.logprobs is not None
 
     def _logprobs(self, index: int, token_ids: list[int], lps: list[dict[int, float]]) -> dict:
         offset = self.offsets.get(index)
@@ -62,26 +86,57 @@ class CompletionWriter(_Writer):
         self.offsets[index] = offset
         return out
 
+    def _echo_logprobs(self, state: RequestState) -> dict:
+        """The prompt tokens in OpenAI's logprobs shape; the first has no context, so null."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = 0
+        for tid, lp in zip(state.prompt_token_ids, state.prompt_logprobs or []):
+            s = self.tt.text(tid)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(None if lp is None else _lp(lp[tid]))
+            out["top_logprobs"].append(None if lp is None else {
+                self.tt.text(t): _lp(v) for t, v in _top(lp, tid, self.logprobs).items()})
+            out["text_offset"].append(offset)
+            offset += len(s)
+        return out
+
     def _choice(self, index: int, text: str, token_ids, lps, finish_reason, stop_reason) -> dict:
         return {"index": index, "text": text,
                 "logprobs": self._logprobs(index, token_ids, lps) if self.logprobs is not None else None,
                 "finish_reason": finish_reason, "stop_reason": stop_reason}
 
+    def _echo_choice(self, index: int, state: RequestState | None) -> dict:
+        """The first chunk of a streamed choice with echo: the prompt's text (and its logprobs)."""
+        return {"index": index, "text": self.echo[index // self.n],
+                "logprobs": self._echo_logprobs(state) if state is not None else None,
+                "finish_reason": None, "stop_reason": None}
+
     def response(self, choices: list[Choice], prompt_tokens: int, stream: OutputStream) -> dict:
         body = []
         for i, c in enumerate(choices):
+            state = stream.requests[i // self.n]
             text = "".join(c.text)
             if self.echo:
                 text = self.echo[i // self.n] + text
-            body.append(self._choice(i, text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason))
+            choice = self._choice(i, text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason)
+            if self.echoes_logprobs:
+                prompt = self._echo_logprobs(state)
+                choice["logprobs"] = {k: prompt[k] + v for k, v in choice["logprobs"].items()}
+            if self.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(state, self.prompt_logprobs, self.tt)
+            body.append(choice)
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": body, "usage": _usage(prompt_tokens, sum(len(c.token_ids) for c in choices), stream)}
 
     async def chunks(self, stream: OutputStream, usage_prompt: int | None) -> AsyncIterator[dict]:
         completion_tokens = 0
-        if self.echo:
+        waiting: set[int] = set()  # prompts whose echo chunks wait for their prompt logprobs
+        held: dict[int, list[dict]] = {}  # their samples' choices meanwhile (a sample other than the first)
+        if self.echoes_logprobs:
+            waiting = set(range(len(stream.requests)))
+        elif self.echo:
             for i in range(len(stream.requests) * self.n):
-                yield self._chunk([self._choice(i, self.echo[i // self.n], [], [], None, None)])
+                yield self._chunk([self._echo_choice(i, None)])
         async for update in stream:
             choices = []
             for d in update.samples:
@@ -90,6 +145,16 @@ class CompletionWriter(_Writer):
                 if d.text or d.finish_reason is not None or (self.logprobs is not None and d.token_ids):
                     choices.append(self._choice(index, d.text, d.token_ids, d.logprobs or [], d.finish_reason,
                                                 d.stop_reason))
+            p = update.prompt_index
+            if p in waiting:
+                state = stream.requests[p]
+                if not update.finished and len(state.prompt_logprobs or ()) < len(state.prompt_token_ids):
+                    held.setdefault(p, []).extend(choices)
+                    continue
+                waiting.discard(p)
+                for j in range(self.n):
+                    yield self._chunk([self._echo_choice(p * self.n + j, state)])
+                choices = held.pop(p, []) + choices
             if choices:
                 yield self._chunk(choices)
         if usage_prompt is not None:
@@ -99,8 +164,10 @@ class CompletionWriter(_Writer):
 class ChatWriter(_Writer):
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, request_id: str, model: str, n: int, top_logprobs: int | None, token_text: TokenText):
+    def __init__(self, request_id: str, model: str, n: int, top_logprobs: int | None, token_text: TokenText,
+                 prompt_logprobs: int | None = None):
         self.id, self.model, self.n, self.top, self.tt = request_id, model, n, top_logprobs, token_text
+        self.prompt_logprobs = prompt_logprobs  # vLLM's `prompt_logprobs` list in each choice (not streamed)
         self.created = int(time.time())
 
     def _logprobs(self, token_ids: list[int], lps: list[dict[int, float]]) -> dict:
@@ -117,6 +184,9 @@ class ChatWriter(_Writer):
                  "logprobs": self._logprobs(c.token_ids, c.logprobs) if self.top is not None else None,
                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 for i, c in enumerate(choices)]
+        if self.prompt_logprobs is not None:
+            for choice in body:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(stream.requests[0], self.prompt_logprobs, self.tt)
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": body, "usage": _usage(prompt_tokens, sum(len(c.token_ids) for c in choices), stream)}
 
