@@ -14,7 +14,8 @@ CHANGED = {"model": ("m.gguf", "m.gguf"), "tokenizer": ("tok", "tok"), "dtype": 
            "kv_cache_memory": ("1GiB", 1 << 30), "block_size": ("32", 32), "enable_prefix_caching": (None, False),
            "max_num_seqs": ("9", 9), "max_num_batched_tokens": ("1024", 1024),
            "long_prefill_token_threshold": ("100", 100), "max_model_len": ("4096", 4096),
-           "scheduling_policy": ("static", "static"), "batch_invariant": (None, False)}
+           "scheduling_policy": ("static", "static"), "batch_invariant": (None, False),
+           "quantization": ("int8", "int8")}
 
 
 def config_value(config, field: dataclasses.Field):
@@ -48,6 +49,7 @@ def test_each_flag_reaches_its_config_entry(name):
 
 @pytest.mark.parametrize("kw,flag", [({"max_num_seqs": 0}, "--max-num-seqs"), ({"block_size": 0}, "--block-size"),
                                      ({"num_threads": 0}, "--threads"), ({"dtype": "int3"}, "--dtype"),
+                                     ({"quantization": "int3"}, "--quantization"),
                                      ({"long_prefill_token_threshold": 0}, "--long-prefill-token-threshold")])
 def test_invalid_values_name_the_flag(kw, flag):
     with pytest.raises(ConfigError, match=flag):

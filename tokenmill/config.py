@@ -131,12 +131,16 @@ class SchedulerConfig:
             raise ConfigError(f"--scheduling-policy must be 'continuous' or 'static', got {self.policy!r}")
 
 
+QUANTIZATION_CHOICES = ("int8", "gguf")  # tokenmill/quant/methods.py builds each (kept here: no model stack to import)
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # HF directory or .gguf file; None = the embedded SmolLM2 GGUF
     dtype: str = "auto"  # float32 | bfloat16 | auto
     device: str = "cpu"
     batch_invariant: bool = True  # prompt tokens read their context through the paged kernel (runner.py)
+    quantization: str | None = None  # a weight format of QUANTIZATION_CHOICES (tokenmill/quant/methods.py)
     seed: int = 0
     tokenizer: str | None = None
     num_threads: int | None = None  # compute threads (torch intra-op); None = torch's default (the cores)
@@ -148,3 +152,6 @@ class EngineConfig:
             raise ConfigError(f"--threads must be >= 1, got {self.num_threads}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}; "
+                              f"got {self.quantization!r}")

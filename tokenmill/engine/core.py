@@ -52,7 +52,7 @@ class EngineCore:
         path = resolve_model_path(config.model)
         self.model_path = path
         self.model_config: ModelConfig = load_model_config(path)
-        self.dtype = DTYPES[auto_dtype(config.device) if config.dtype == "auto" else config.dtype]
+        self.dtype = DTYPES[auto_dtype(config.device, config.quantization) if config.dtype == "auto" else config.dtype]
         weights = load_weights(path, self.model_config, self.dtype)
         mc, cc = self.model_config, config.cache
         per_token = kv_bytes_per_token(mc, self.dtype)
@@ -70,7 +70,7 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(mc, weights, self.dtype, config.device, num_blocks, cc.block_size, config.seed,
-                                  batch_invariant=config.batch_invariant)
+                                  batch_invariant=config.batch_invariant, quantization=config.quantization)
         del weights
         self._unstarted: set[str] = set()  # added, never scheduled yet: reported in `started` when first scheduled
 
@@ -95,9 +95,10 @@ class EngineCore:
 
     def startup_summary(self) -> str:
         """What a user should see at start-up: the compute path (backend, instruction sets, matmul kernels, batch
-        invariance) and the KV cache."""
+        invariance), the weights' format and bytes, and the KV cache."""
         mode = "batch-invariant" if self.runner.batch_invariant else "not batch-invariant"
-        return f"backend: {self.runner.backend.describe()}; {mode}\n{self.cache_info.describe()}"
+        return (f"backend: {self.runner.backend.describe()}; {mode}\n{self.runner.weight_summary()}\n"
+                f"{self.cache_info.describe()}")
 
     @property
     def has_unfinished(self) -> bool:

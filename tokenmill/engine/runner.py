@@ -19,6 +19,7 @@ from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.backends import select_backend
 from tokenmill.model.loader import allocate_parameters
 from tokenmill.model.registry import model_class
+from tokenmill.quant.methods import linear_method
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Prompt logprobs are computed this many rows at a time: the logits of a 2k-token prompt over a 49k vocabulary
@@ -40,6 +41,22 @@ class StepResult:
         self.prompt_logprobs.update(other.prompt_logprobs)
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes held by the model's weights: parameters, buffers and the backend's packed or quantized copies, each
+    tensor once (a released plain weight, on the meta device, holds none)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    for m in model.linear_layers():
+        tensors += [getattr(m, a, None) for a in ("weight", "packed_weight", "qweight", "weight_scale", "pair_scale",
+                                                  "gguf_blocks")]
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or t.is_meta or t.untyped_storage().data_ptr() in seen:
+            continue
+        seen.add(t.untyped_storage().data_ptr())
+        total += t.untyped_storage().nbytes()
+    return total
+
+
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return cfg.kv_bytes_per_token_per_element * dtype.itemsize
 
@@ -47,7 +64,7 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: str,
                  num_blocks: int, block_size: int, seed: int = 0, use_kernel: bool = True,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, quantization: str | None = None):
         self.use_kernel = use_kernel
         # batch_invariant: every prompt token reads its context through the block tables (its K/V written first),
         # so its attention is the same computation however the prompt was chunked and whatever shares the step,
@@ -60,7 +77,7 @@ class ModelRunner:
         # Built in `dtype` on the meta device, then allocated uninitialised where it runs: each parameter is
         # written once, in place, as `weights` (a lazy loader.Checkpoint, or any mapping) is read tensor by tensor.
         with torch.device("meta"):
-            model = model_class(cfg)(cfg, self.backend, dtype)
+            model = model_class(cfg)(cfg, self.backend, dtype, linear_method(quantization))
         allocate_parameters(model, self.device)
         model.load_hf_weights(weights)
         self.model = model.eval()
@@ -73,6 +90,13 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self._seed_rng = random.Random(seed)
+
+    def weight_summary(self) -> str:
+        """The matmul weight format and the bytes the model's weights hold, as the start-up log says them."""
+        fmt = self.model.layers[0].mlp.down_proj.method.name
+        fmt = f"{fmt} ({str(self.dtype).removeprefix('torch.')} compute)" if fmt != "dense" else \
+            str(self.dtype).removeprefix("torch.")
+        return f"weights: {fmt}, {weight_bytes(self.model) / 2**20:.0f} MiB"
 
     # ---- per-request state -----------------------------------------------------------------------------
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator:

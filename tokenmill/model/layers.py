@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.model.backends import Backend, TorchBackend
-from tokenmill.model.linear import Linear
+from tokenmill.model.linear import Linear, LinearMethod
 
 
 class VocabEmbedding(nn.Module):
@@ -80,13 +80,13 @@ class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
 
     def __init__(self, hidden: int, intermediate: int, backend: Backend | None = None,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, method: LinearMethod | None = None):
         super().__init__()
         self.backend = backend if backend is not None else TorchBackend()
         self.gate_up_proj = Linear(hidden, [intermediate, intermediate], bias=False, backend=self.backend,
-                                   dtype=dtype)
+                                   method=method, dtype=dtype)
         self.gate_up_proj.silu_pairs = True  # a backend may pack it to apply SiLU-and-multiply in the matmul
-        self.down_proj = Linear(intermediate, hidden, bias=False, backend=self.backend, dtype=dtype)
+        self.down_proj = Linear(intermediate, hidden, bias=False, backend=self.backend, method=method, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.backend.gate_up_silu(x, self.gate_up_proj))

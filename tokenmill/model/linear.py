@@ -1,6 +1,7 @@
 """Linear layers behind one interface: the model says "project x"; the layer's LinearMethod owns how the weight is
 stored, loaded from a checkpoint and multiplied, and the backend's `linear` runs the matmul. Dense is the one method
-now; a quantized format (INT8, INT4, FP8) or a tensor-parallel shard is one more LinearMethod subclass.
+by default; a quantized format (tokenmill/quant/: INT8, ...) or a tensor-parallel shard is one more LinearMethod
+subclass.
 model/backends/cpu.py says which CPU kernel serves which shape."""
 
 from __future__ import annotations
@@ -53,10 +54,16 @@ class LinearMethod(ABC):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T (+ bias)."""
 
+    def process_weights_after_loading(self, layer: Linear | TiedLMHead, checkpoint: object = None) -> None:
+        """Called once every checkpoint tensor is in (`checkpoint`: the mapping they came from): an on-the-fly
+        format quantizes the loaded weight here, a kept one finishes its layout."""
+
 
 class DenseLinearMethod(LinearMethod):
     """A plain [out, in] weight (and optional bias) in the model's dtype; the shards of a fused projection are row
     blocks of it, so q/k/v and gate/up load in place with no concatenation."""
+
+    name = "dense"
 
     def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
         layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=dtype))
@@ -111,13 +118,21 @@ class Linear(nn.Module):
 class TiedLMHead:
     """The LM head of a model whose head shares the input embedding: the embedding's weight read as a linear
     layer's. Not a module, so the checkpoint and state dict keep the one tensor; it holds the module, not the
-    tensor, so it follows `to()` and reloads. Backends may give it a packed copy like any Linear."""
+    tensor, so it follows `to()` and reloads. Backends may give it a packed copy like any Linear, and a
+    quantization method its own quantized copy (the embedding itself stays as it is, for the lookups)."""
 
     bias = None
     packed_weight: torch.Tensor | None = None
+    shares_weight = True
+    source_name = "model.embed_tokens.weight"  # the checkpoint tensor it reads
 
-    def __init__(self, embedding: nn.Module):
+    def __init__(self, embedding: nn.Module, backend: Backend | None = None, method: LinearMethod | None = None):
         self.embedding = embedding
+        self.backend = backend if backend is not None else TorchBackend()
+        self.method = method if method is not None else DenseLinearMethod()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
 
     @property
     def weight(self) -> torch.Tensor:

@@ -16,7 +16,7 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.backends import Backend, LinearWeights, TorchBackend
 from tokenmill.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, VocabEmbedding
-from tokenmill.model.linear import Linear, TiedLMHead, default_weight_loader
+from tokenmill.model.linear import Linear, LinearMethod, TiedLMHead, default_weight_loader
 from tokenmill.model.loader import allocate_parameters, one_torch_thread
 
 # A fused projection's checkpoint tensors in row order: checkpoint `q_proj` is shard 0 of our `qkv_proj`.
@@ -25,14 +25,15 @@ WeightTarget = tuple[nn.Module, nn.Parameter, int | None]  # the parameter's own
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: Backend, dtype: torch.dtype | None = None):
+    def __init__(self, cfg: ModelConfig, backend: Backend, dtype: torch.dtype | None = None,
+                 method: LinearMethod | None = None):
         super().__init__()
         self.backend = backend
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size],
-                               bias=cfg.attention_bias, backend=backend, dtype=dtype)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False, backend=backend, dtype=dtype)
+                               bias=cfg.attention_bias, backend=backend, method=method, dtype=dtype)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False, backend=backend, method=method, dtype=dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -44,12 +45,13 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: Backend, dtype: torch.dtype | None = None):
+    def __init__(self, cfg: ModelConfig, backend: Backend, dtype: torch.dtype | None = None,
+                 method: LinearMethod | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, dtype)
-        self.self_attn = Attention(cfg, backend, dtype)
+        self.self_attn = Attention(cfg, backend, dtype, method)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, dtype)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, backend, dtype)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, backend, dtype, method)
 
     def forward(self, x, cos, sin, meta, kv_cache):
         """Updates the residual stream `x` in place and returns it."""
@@ -60,19 +62,21 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """`dtype` is the parameters' dtype from the start (the runner builds on the meta device, then loads every
-    parameter in place), so no copy of the model in another dtype ever exists."""
+    parameter in place), so no copy of the model in another dtype ever exists. `method` is the weight format of
+    every matmul, the LM head included (default dense; tokenmill/quant/methods.py names the others)."""
 
-    def __init__(self, cfg: ModelConfig, backend: Backend | None = None, dtype: torch.dtype | None = None):
+    def __init__(self, cfg: ModelConfig, backend: Backend | None = None, dtype: torch.dtype | None = None,
+                 method: LinearMethod | None = None):
         super().__init__()
         self.config = cfg
         self.backend = backend = backend if backend is not None else TorchBackend()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, dtype, method) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, dtype)
         self.rotary: RotaryEmbedding | None = None  # built by init_rotary once the model is on its device
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False,
-                                                                   backend=backend, dtype=dtype)
-        self.tied_head = TiedLMHead(self.embed_tokens) if cfg.tie_word_embeddings else None
+                                                                   backend=backend, method=method, dtype=dtype)
+        self.tied_head = TiedLMHead(self.embed_tokens, backend, method) if cfg.tie_word_embeddings else None
         self.backend_cache: dict[str, object] = {}  # the backend's per-model state; emptied when weights change
 
     def init_rotary(self, device: torch.device) -> None:
@@ -98,9 +102,8 @@ class LlamaForCausalLM(nn.Module):
         return layers + ([self.tied_head] if self.tied_head is not None else [])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return self.backend.linear(hidden, self.tied_head).float()
+        head = self.lm_head if self.lm_head is not None else self.tied_head
+        return head(hidden).float()
 
     def weight_targets(self) -> dict[str, WeightTarget]:
         """Where each checkpoint tensor goes, by Hugging Face name. HF names are ours with `model.` in front (the
@@ -140,10 +143,14 @@ class LlamaForCausalLM(nn.Module):
         with one_torch_thread():
             for name, (module, param, shard) in targets.items():
                 loader = getattr(module, "weight_loader", default_weight_loader)
+                # a method that keeps a GGUF file's blocks gets them as they are (quant/gguf_linear.py)
+                blocks = getattr(getattr(module, "method", None), "takes_blocks", False) and hasattr(weights, "blocks")
                 try:
-                    loader(param, weights[name], shard)
+                    loader(param, weights.blocks(name) if blocks else weights[name], shard)
                 except ModelLoadError as e:
                     raise ModelLoadError(f"checkpoint tensor {name!r}: {e}") from None
+            for m in self.linear_layers():
+                m.method.process_weights_after_loading(m, weights)  # on-the-fly formats quantize here
 
 
 def _recomputed(name: str) -> bool:

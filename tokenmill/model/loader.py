@@ -21,7 +21,7 @@ from torch import nn
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ConfigError, ModelLoadError
 from tokenmill.model.paths import SUPPORTED_FORMS, default_model_path, is_gguf, resolve_model_path  # noqa: F401
-from tokenmill.quant.gguf import GGUFFile
+from tokenmill.quant.gguf import GGMLBlocks, GGUFFile, kept_gguf_type
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
@@ -336,6 +336,16 @@ class GGUFCheckpoint(Checkpoint):
         w = self._gguf.read_tensor(self._names[name], self.dtype)
         heads = self._rope_heads.get(name)
         return w if heads is None else unpermute_rope_rows(w, heads)
+
+    def blocks(self, name: str) -> torch.Tensor | GGMLBlocks:
+        """A 2-D tensor of a type kept at run time (quant/gguf_linear.py) as its raw blocks, rows in HF order;
+        any other tensor dequantized, as `self[name]`."""
+        info = self._gguf.tensors[self._names[name]]
+        if len(info.shape) != 2 or not kept_gguf_type(info.ggml_type):
+            return self[name]
+        rows = self._gguf.read_raw(info.name).view(info.shape[0], -1)
+        heads = self._rope_heads.get(name)
+        return GGMLBlocks(info.ggml_type, rows if heads is None else unpermute_rope_rows(rows, heads), info.shape)
 
 
 @contextmanager

@@ -141,6 +141,27 @@ class GGUFFile:
         return dequantize(self.read_raw(name), info.ggml_type, info.shape, dtype)
 
 
+# The types whose blocks a model can keep at run time (quant/gguf_linear.py, csrc/gguf_linear.cpp).
+KEPT_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+
+
+def kept_gguf_type(ggml_type: int) -> bool:
+    return int(ggml_type) in KEPT_TYPES
+
+
+@dataclass
+class GGMLBlocks:
+    """One tensor as its raw blocks: `data` [rows, row bytes] uint8 of `ggml_type`, `shape` (rows, columns) of
+    the weight it encodes. What a GGUF checkpoint hands a method that keeps blocks."""
+
+    ggml_type: int
+    data: torch.Tensor
+    shape: tuple[int, int]
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(self.data, self.ggml_type, self.shape, dtype)
+
+
 def _parse_header(buf: Any, size: int) -> tuple[int, dict[str, Any], dict[str, GGUFTensorInfo]]:
     cur = _Cursor(buf, size)
     magic = bytes(buf[0:4])

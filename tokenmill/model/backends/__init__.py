@@ -37,17 +37,20 @@ def select_backend(device: str | torch.device, use_kernels: bool = True, batch_i
     return backend
 
 
-def auto_dtype(device: str | torch.device) -> str:
+def auto_dtype(device: str | torch.device, quantization: str | None = None) -> str:
     """bfloat16 on GPUs. On a CPU, float32 unless our bfloat16 matmul kernel runs (AMX or AVX512-BF16, kernels
     built): elsewhere bfloat16 would be emulated (about 2x slower, BENCHMARKS.md "dtype"), or run on oneDNN,
     whose result for a row changes with the batch size (csrc/bf16_linear.cpp says why). Where it runs, both dtypes
     keep a request's greedy output bit-for-bit the same whatever else is batched, and the faster one on this CPU,
-    measured (model/backends/dtype_probe.py), wins."""
+    measured (model/backends/dtype_probe.py), wins. int8 weights (`quantization`) compute in bfloat16 wherever
+    their kernel (AMX tiles) runs: it is the only fast int8 path here."""
     if torch.device(device).type != "cpu":
         return "bfloat16"
     ops = cpu_kernels._extension()
     if ops is None or not ops.bf16_kernel():
         return "float32"
+    if quantization == "int8" and ops.bf16_kernel() == "amx":
+        return "bfloat16"
     if not ops.f32_panels_available():
         return "bfloat16"
     ms = dtype_probe.probe_matmul_ms(ops)

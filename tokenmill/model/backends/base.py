@@ -65,6 +65,28 @@ class Backend(ABC):
     def linear(self, x: torch.Tensor, layer: LinearWeights) -> torch.Tensor:
         """x @ layer.weight.T (+ layer.bias), through whatever copy of the weight this backend keeps."""
 
+    def int8_linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        """Weight-only int8 (tokenmill/quant/int8.py): (x @ layer.qweight.T) * layer.weight_scale (+ bias). On a
+        CPU without our kernel, torch's own int8 matmul (which reads the int8 bytes, but scales in x's dtype);
+        elsewhere in float32, rounded once to x's dtype, widening the whole weight on every call."""
+        if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2:
+            y = torch._weight_int8pack_mm(x.contiguous(), layer.qweight, layer.weight_scale)
+            return y if layer.bias is None else y.add_(layer.bias)
+        y = torch.nn.functional.linear(x.float(), layer.qweight.float()) * layer.weight_scale
+        if layer.bias is not None:
+            y += layer.bias.float()
+        return y.to(x.dtype)
+
+    def gguf_linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        """A weight kept as GGUF blocks (quant/gguf_linear.py: layer.gguf_blocks of layer.gguf_type): x @ w.T
+        (+ bias) with w dequantized as the loader would. This reference dequantizes the whole weight on every
+        call; a backend with a block kernel reads the blocks instead."""
+        from tokenmill.quant.gguf import dequantize
+
+        n, k = layer.gguf_blocks.shape[0], layer.in_features if hasattr(layer, "in_features") else x.shape[-1]
+        w = dequantize(layer.gguf_blocks, layer.gguf_type, (n, k), x.dtype)
+        return torch.nn.functional.linear(x, w, layer.bias)
+
     def gate_up_silu(self, x: torch.Tensor, gate_up: nn.Module) -> torch.Tensor:
         """silu(gate) * up of a fused gate/up projection of x: the layer, then silu_mul. A backend may fuse them."""
         return self.silu_mul(gate_up(x))

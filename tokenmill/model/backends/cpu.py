@@ -25,6 +25,7 @@ from torch import nn
 from tokenmill.model.backends.base import LinearWeights
 from tokenmill.model.backends.reference import TorchBackend, split_qkv
 from tokenmill.model.cpu_kernels import cpu_isa, cpu_tag
+from tokenmill.quant.gguf_tiles import gguf_pack
 
 if TYPE_CHECKING:
     from tokenmill.model.attention import AttentionMetadata
@@ -129,11 +130,44 @@ class CpuBackend(TorchBackend):
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, layer.bias, "none", [], "")
         return super().linear(x, layer)
 
+    def int8_linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        packed = layer.packed_weight
+        if packed is not None and packed.dtype == torch.uint8 and x.dim() == 2 and x.dtype == torch.bfloat16:
+            if packed.dim() == 5:  # gate/up pairs: the plain product too
+                blocks = packed.shape[0]
+                y = self.ops.int8_linear(x, packed.view(2 * blocks, *packed.shape[2:]), layer.pair_scale, None)
+                return y.view(-1, blocks, 2, 16).transpose(1, 2).reshape(y.shape)
+            return self.ops.int8_linear(x, packed, layer.weight_scale, layer.bias)
+        return super().int8_linear(x, layer)
+
+    def gguf_linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        packed = layer.packed_weight
+        if packed is not None and packed.dtype == torch.uint8 and x.dim() == 2 and x.dtype == torch.bfloat16:
+            if packed.dim() == 4:  # gate/up pairs: the plain product too
+                blocks = packed.shape[0]
+                y = self.ops.gguf_linear(x, packed.view(2 * blocks, *packed.shape[2:]), None)
+                return y.view(-1, blocks, 2, 16).transpose(1, 2).reshape(y.shape)
+            return self.ops.gguf_linear(x, packed, layer.bias)
+        return super().gguf_linear(x, layer)
+
     def gate_up_silu(self, x: torch.Tensor, gate_up: nn.Module) -> torch.Tensor:
         packed = getattr(gate_up, "packed_weight", None)
-        if packed is not None and packed.dim() == 5 and _rows(x) and x.dtype == torch.bfloat16:
-            return self.ops.amx_linear_silu(x, packed)  # SiLU-and-multiply in the matmul's epilogue
+        if packed is not None and _rows(x) and x.dtype == torch.bfloat16:
+            if packed.dim() == 5 and packed.dtype == torch.uint8:
+                return self.ops.int8_linear_silu(x, packed, gate_up.weight_scale)
+            if packed.dim() == 5:
+                return self.ops.amx_linear_silu(x, packed)  # SiLU-and-multiply in the matmul's epilogue
+            if packed.dim() == 4 and packed.dtype == torch.uint8:
+                return self.ops.gguf_linear_silu(x, packed)
         return super().gate_up_silu(x, gate_up)
+
+    def pack_int8(self, q: torch.Tensor, silu_pairs: bool = False) -> torch.Tensor | None:
+        """An int8 weight (quant/int8.py) in csrc/int8_linear.cpp's tile layout, where that kernel runs (AMX, and
+        the model computes in bfloat16); None keeps the int8 weight for the reference."""
+        n, k = q.shape
+        if q.device.type != "cpu" or self.bf16_kernel != "amx" or n % 16 or k % 32:
+            return None
+        return self.ops.int8_pack_gate_up(q) if silu_pairs and n % 32 == 0 else self.ops.int8_pack(q)
 
     def pack_weight(self, weight: torch.Tensor, silu_pairs: bool = False) -> torch.Tensor | None:
         """`weight` in the layout this CPU multiplies fastest: for bfloat16 where the CPU has AMX or AVX512-BF16,
@@ -162,12 +196,32 @@ class CpuBackend(TorchBackend):
         packed_any = False
         for m in model.linear_layers():
             pairs = getattr(m, "silu_pairs", False) and m.bias is None  # the fused epilogue adds no bias
+            if getattr(m, "gguf_type", None) is not None:  # GGUF blocks: tiles, or the reference on the blocks
+                if model.norm.weight.dtype == torch.bfloat16 and self.bf16_kernel == "amx":
+                    m.packed_weight = gguf_pack(m.gguf_blocks, m.gguf_type, pairs=pairs)
+                    m.gguf_blocks = m.gguf_blocks.to("meta")
+                    packed_any = True
+                continue
+            if getattr(m, "qweight", None) is not None:  # int8: its own layout, or the reference on the int8
+                if model.norm.weight.dtype == torch.bfloat16:
+                    m.packed_weight = self.pack_int8(m.qweight, silu_pairs=pairs)
+                if m.packed_weight is not None:
+                    m.pair_scale = self._pair_order(m.weight_scale) if m.packed_weight.dim() == 5 else None
+                    packed_any = True
+                    m.qweight = m.qweight.to("meta")
+                continue
             m.packed_weight = self.pack_weight(m.weight, silu_pairs=pairs)
             packed_any |= m.packed_weight is not None
             if isinstance(m, nn.Module) and m.packed_weight is not None and m.packed_weight.dim() in (3, 4, 5):
                 m.weight = nn.Parameter(m.weight.to("meta"), requires_grad=False)
         model.backend_cache.pop(_LAYER_WEIGHTS, None)
         return packed_any
+
+    @staticmethod
+    def _pair_order(scale: torch.Tensor) -> torch.Tensor:
+        """A gate/up projection's [2I] scales (gate, then up) in the feature order of its packed pairs (16 gate,
+        16 up, ...): the scales of its plain product from the pairs."""
+        return scale.view(2, -1, 16).transpose(0, 1).reshape(-1).contiguous()
 
     # ---- the whole-model decode path ---------------------------------------------------------------------
     def decode_layers(self, model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -177,29 +231,42 @@ class CpuBackend(TorchBackend):
         one C++ call (`decoder_layer`: no Python between its ~10 ops), the same math as the modules."""
         if meta.fresh_spans or not _rows(x) or not x.is_contiguous():
             return None
+        layer_weights = self._layer_weights(model)
+        if layer_weights is None:
+            return None
         cfg, t = model.config, x.shape[0]
         cos, sin = cos.reshape(t, -1).contiguous(), sin.reshape(t, -1).contiguous()
-        for weights, (k_cache, v_cache) in zip(self._layer_weights(model), kv_caches):
+        for weights, (k_cache, v_cache) in zip(layer_weights, kv_caches):
             self.ops.decoder_layer(x, weights, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, cos, sin,
                                    k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.q_rows,
                                    meta.kv_lens)
         return x
 
-    def _layer_weights(self, model: nn.Module) -> list[list[torch.Tensor]]:
-        """Per layer, the 11 tensors `decoder_layer` takes (csrc/cpu_kernels.cpp), gathered once per model and
-        kept in model.backend_cache (which the model empties when its weights change)."""
-        cached = model.backend_cache.get(_LAYER_WEIGHTS)
-        if cached is None:
-            empty = torch.empty(0, dtype=model.norm.weight.dtype, device=model.norm.weight.device)
+    def _layer_weights(self, model: nn.Module) -> list[list[torch.Tensor]] | None:
+        """Per layer, the 15 tensors `decoder_layer` takes (csrc/cpu_kernels.cpp), gathered once per model and
+        kept in model.backend_cache (which the model empties when its weights change); None where a quantized
+        weight has no packed copy (the C++ layer reads only packed int8)."""
+        if _LAYER_WEIGHTS not in model.backend_cache and any(
+                (getattr(m, "qweight", None) is not None or getattr(m, "gguf_type", None) is not None)
+                and m.packed_weight is None for m in model.linear_layers()):
+            model.backend_cache[_LAYER_WEIGHTS] = None
+        if _LAYER_WEIGHTS in model.backend_cache:
+            return model.backend_cache[_LAYER_WEIGHTS]
+        empty = torch.empty(0, dtype=model.norm.weight.dtype, device=model.norm.weight.device)
 
-            def packed(m: LinearWeights) -> torch.Tensor:
-                return empty if m.packed_weight is None else m.packed_weight
+        def packed(m: LinearWeights) -> torch.Tensor:
+            return empty if m.packed_weight is None else m.packed_weight
 
-            cached = model.backend_cache[_LAYER_WEIGHTS] = [
-                [l.input_layernorm.weight, l.self_attn.qkv_proj.weight,
-                 l.self_attn.qkv_proj.bias if l.self_attn.qkv_proj.bias is not None else empty,
-                 l.self_attn.o_proj.weight, l.post_attention_layernorm.weight,
-                 l.mlp.gate_up_proj.weight, l.mlp.down_proj.weight,
-                 packed(l.self_attn.qkv_proj), packed(l.self_attn.o_proj), packed(l.mlp.gate_up_proj),
-                 packed(l.mlp.down_proj)] for l in model.layers]
-        return cached
+        def scale(m: LinearWeights) -> torch.Tensor:  # an int8 weight's scales, read beside its packed copy
+            s = getattr(m, "weight_scale", None)
+            return s if s is not None and m.packed_weight is not None else empty
+
+        model.backend_cache[_LAYER_WEIGHTS] = [
+            [l.input_layernorm.weight, l.self_attn.qkv_proj.weight,
+             l.self_attn.qkv_proj.bias if l.self_attn.qkv_proj.bias is not None else empty,
+             l.self_attn.o_proj.weight, l.post_attention_layernorm.weight,
+             l.mlp.gate_up_proj.weight, l.mlp.down_proj.weight,
+             packed(l.self_attn.qkv_proj), packed(l.self_attn.o_proj), packed(l.mlp.gate_up_proj),
+             packed(l.mlp.down_proj), scale(l.self_attn.qkv_proj), scale(l.self_attn.o_proj),
+             scale(l.mlp.gate_up_proj), scale(l.mlp.down_proj)] for l in model.layers]
+        return model.backend_cache[_LAYER_WEIGHTS]

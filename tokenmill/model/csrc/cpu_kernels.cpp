@@ -751,16 +751,32 @@ torch::Tensor bf16_pack_gate_up(const torch::Tensor& w);
 torch::Tensor amx_linear_silu(const torch::Tensor& x, const torch::Tensor& packed);
 torch::Tensor dpbf16_linear(const torch::Tensor& x, const torch::Tensor& packed,
                             const c10::optional<torch::Tensor>& bias);
+// int8_linear.cpp: weight-only int8 (W8A16) on the same tiles.
+torch::Tensor int8_pack(const torch::Tensor& q);
+torch::Tensor int8_pack_gate_up(const torch::Tensor& q);
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
+                          const c10::optional<torch::Tensor>& bias);
+torch::Tensor int8_linear_silu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale);
+// gguf_linear.cpp: llama.cpp's Q4_0, Q4_1 and Q8_0 blocks kept, widened on the same tiles.
+int64_t gguf_tile_bytes(int64_t type);
+torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                          const c10::optional<torch::Tensor>& bias);
+torch::Tensor gguf_linear_silu(const torch::Tensor& x, const torch::Tensor& pairs);
 // f32_linear.cpp: the float32 matmul over 16-feature panels.
 bool f32_panels_available();
 torch::Tensor f32_pack(const torch::Tensor& w);
 torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias);
 
-// The linear layer of the decode path: a bf16_pack'ed weight ([N/16, K/32, 16, 32]) runs bf16_linear for any row
-// count; otherwise the skinny GEMV for a few rows (it reads the plain weight at memory
-// speed), oneDNN's prepacked GEMM when there is a packed copy (1.5-3x BLAS at 8-128 rows), else BLAS.
+// The linear layer of the decode path. A packed copy of the weight serves every row count: bytes (uint8) are a
+// quantized weight, int8 with its per-feature scales (int8_pack, [N/16, K/32, 16, 32]) or GGML blocks without
+// (gguf_pack, [N/16, K/32, tile bytes]); bfloat16 tiles (bf16_pack) run bf16_linear; float32 panels f32_linear.
+// Without one: the skinny GEMV for a few rows (it reads the plain weight at memory speed), oneDNN's prepacked
+// GEMM when there is a oneDNN copy (1.5-3x BLAS at 8-128 rows), else BLAS.
 torch::Tensor linear_any(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
-                         c10::optional<torch::Tensor> b) {
+                         const torch::Tensor& scale, c10::optional<torch::Tensor> b) {
+  if (packed.scalar_type() == at::kByte) {
+    return scale.numel() > 0 ? int8_linear(x, packed, scale, b) : gguf_linear(x, packed, b);
+  }
   if (packed.dim() == 4) return bf16_linear(x, packed, b);
   if (packed.dim() == 3) return f32_linear(x, packed, b);
   if (x.size(0) <= 4 && at::get_num_threads() > 1) return skinny_linear(x, w, b);
@@ -768,27 +784,38 @@ torch::Tensor linear_any(const torch::Tensor& x, const torch::Tensor& w, const t
   return at::linear(x, w, b);
 }
 
+// silu(gate) * up of a fused gate/up projection: where its packed copy holds gate and up in pairs
+// (bf16_pack_gate_up, int8_pack_gate_up: 5-D; gguf_pack in pairs: 4-D bytes without scales) the matmul's
+// epilogue applies it; else the plain product, then silu_mul.
+torch::Tensor gate_up_silu(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
+                           const torch::Tensor& scale) {
+  const bool bytes = packed.scalar_type() == at::kByte;
+  if (packed.dim() == 5) return bytes ? int8_linear_silu(x, packed, scale) : amx_linear_silu(x, packed);
+  if (bytes && packed.dim() == 4 && scale.numel() == 0) return gguf_linear_silu(x, packed);
+  return silu_mul(linear_any(x, w, packed, scale, c10::nullopt));
+}
+
 // One whole decoder layer for a batch whose tokens all read their context from the cache (decodes and later
 // prefill chunks), composed of the kernels above in C++: no Python between the ~10 ops of a layer. `w` holds
 // input_norm, qkv weight, qkv bias (or an empty tensor), o_proj, post_norm, gate_up, down, then the packed
-// copies of qkv, o_proj, gate_up and down (or empty tensors). Updates the residual stream x [T, hidden] in place.
+// copies of qkv, o_proj, gate_up and down (or empty tensors), then their per-feature scales (int8 weights; else
+// empty tensors). Updates the residual stream x [T, hidden] in place.
 void decoder_layer(torch::Tensor x, const std::vector<torch::Tensor>& w, int64_t num_heads, int64_t num_kv_heads,
                    double eps, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor q_rows,
                    torch::Tensor kv_lens) {
-  TORCH_CHECK(w.size() == 11, "decoder_layer takes 11 weight tensors");
+  TORCH_CHECK(w.size() == 15, "decoder_layer takes 15 weight tensors");
   const int64_t T = x.size(0), D = k_cache.size(3);
   c10::optional<torch::Tensor> qkv_bias;
   if (w[2].numel() > 0) qkv_bias = w[2];
-  auto qkv = linear_any(rms_norm(x, w[0], eps), w[1], w[7], qkv_bias);
+  auto qkv = linear_any(rms_norm(x, w[0], eps), w[1], w[7], w[11], qkv_bias);
   rotary_write_kv(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping);
   auto q = qkv.narrow(1, 0, num_heads * D).contiguous().view({T, num_heads, D});
   auto attn = paged_attention(q, k_cache, v_cache, block_tables, q_rows, kv_lens, 1.0 / std::sqrt(double(D)));
-  auto h = linear_any(attn.view({T, num_heads * D}), w[3], w[8], c10::nullopt);
+  auto h = linear_any(attn.view({T, num_heads * D}), w[3], w[8], w[12], c10::nullopt);
   auto normed = add_rms_norm(h, x, w[4], eps);
-  // a gate/up weight packed in pairs (bf16_pack_gate_up, 5-D) carries SiLU-and-multiply in its epilogue
-  auto act = w[9].dim() == 5 ? amx_linear_silu(normed, w[9]) : silu_mul(linear_any(normed, w[5], w[9], c10::nullopt));
-  auto mlp = linear_any(act, w[6], w[10], c10::nullopt);
+  auto act = gate_up_silu(normed, w[5], w[9], w[13]);
+  auto mlp = linear_any(act, w[6], w[10], w[14], c10::nullopt);
   x.add_(mlp);
 }
 
@@ -805,6 +832,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear", &amx_linear, "bf16_linear on AMX tiles");
   m.def("bf16_pack_gate_up", &bf16_pack_gate_up, "a [2I, K] gate/up weight as [I/16, 2, K/32, 16, 32]: gate, up pairs");
   m.def("amx_linear_silu", &amx_linear_silu, "silu(x @ gate.T) * (x @ up.T) on AMX tiles, from bf16_pack_gate_up");
+  m.def("int8_pack", &int8_pack, "a [N, K] int8 weight as bytes q + 128 in bf16_pack's tile layout");
+  m.def("int8_pack_gate_up", &int8_pack_gate_up, "a [2I, K] int8 gate/up weight in gate, up block pairs");
+  m.def("int8_linear", &int8_linear, "(x @ q.T) * scale (+ b), q from int8_pack, on AMX tiles; batch-invariant");
+  m.def("int8_linear_silu", &int8_linear_silu, "silu(gate) * up of int8 gate/up pairs on AMX tiles");
+  m.def("gguf_tile_bytes", &gguf_tile_bytes, "packed bytes per 16 x 32 tile of a kept GGML type (0: not kept)");
+  m.def("gguf_linear", &gguf_linear, "x @ w.T (+ b), w in GGML blocks packed as tiles; bit for bit the dequantized");
+  m.def("gguf_linear_silu", &gguf_linear_silu, "silu(gate) * up of GGML gate/up block pairs on AMX tiles");
   m.def("dpbf16_linear", &dpbf16_linear, "bf16_linear with AVX512-BF16 dot products");
   m.def("f32_panels_available", &f32_panels_available, "whether this build has the float32 panel matmul");
   m.def("f32_pack", &f32_pack, "a [N, K] float32 weight in 16-feature panels [N/16, K, 16]");

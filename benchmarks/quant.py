@@ -1,0 +1,178 @@
+"""Quantized weights against dense bfloat16, side by side in one process (BENCHMARKS.md "Quantized serving").
+
+    python benchmarks/quant.py                         # all parts
+    python benchmarks/quant.py --parts matmul --rows 1,8,64,512
+    python benchmarks/quant.py --parts decode --runs 5
+
+- bandwidth: what these cores read from memory (a reduction over 1 GiB, all threads): the floors below use it.
+- matmul: a whole SmolLM2's matmuls (30 layers of qkv, o, gate/up with SiLU, down, each layer its own weights, so
+  nothing stays in the caches between layers as in a real step) at M rows, per format, beside the format's byte
+  floor (weight bytes / bandwidth).
+- decode: one stream of greedy decode on SmolLM2 through the offline engine, tokens/s per format (median of runs),
+  beside the floor of reading every weight once per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tokenmill.model.cpu_kernels import _extension, cpu_isa  # noqa: E402
+from tokenmill.quant.gguf_tiles import gguf_pack  # noqa: E402
+from tokenmill.quant.int8 import quantize_int8  # noqa: E402
+
+LAYERS = 30
+HIDDEN, INTER, QKV = 576, 1536, 960
+FORMATS = ("bfloat16", "int8", "q4_1", "q8_0")  # the last two: GGUF blocks kept (--quantization gguf)
+DECODE = {"bfloat16": None, "int8": "int8", "gguf (Q4_1 + Q8_0 head)": "gguf"}
+
+
+def bandwidth_gbs() -> float:
+    """GB/s of a reduction streaming 1 GiB (best of 5): what a memory-bound decode step can read."""
+    big = torch.ones(2**28, dtype=torch.float32)
+    big.sum()
+    best = min(_timed(big.sum) for _ in range(5))
+    return big.numel() * 4 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def model_matmuls(ops, fmt: str):
+    """A callable running every layer's matmuls on x [M, HIDDEN], and the weight bytes it reads."""
+    g = torch.Generator().manual_seed(0)
+    layers, nbytes = [], 0
+    for _ in range(LAYERS):
+        ws = {name: torch.randn(n, k, generator=g) * 0.02 for name, (n, k) in
+              {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN),
+               "down": (HIDDEN, INTER)}.items()}
+        if fmt == "bfloat16":
+            packed = {n: (ops.bf16_pack_gate_up if n == "gate_up" else ops.bf16_pack)(w.bfloat16())
+                      for n, w in ws.items()}
+            layers.append((packed, None))
+        elif fmt in ("q4_1", "q8_0"):
+            packed = {n: gguf_pack(random_blocks(fmt, *w.shape, g), GGML[fmt], pairs=n == "gate_up")
+                      for n, w in ws.items()}
+            layers.append((packed, fmt))
+        else:
+            qs = {n: quantize_int8(w) for n, w in ws.items()}
+            packed = {n: (ops.int8_pack_gate_up if n == "gate_up" else ops.int8_pack)(q) for n, (q, _) in qs.items()}
+            layers.append((packed, {n: s for n, (_, s) in qs.items()}))
+        nbytes += sum(p.numel() * p.element_size() for p in packed.values())
+
+    def run(x: torch.Tensor) -> None:
+        for packed, scales in layers:
+            if isinstance(scales, str):
+                ops.gguf_linear(x, packed["qkv"], None)
+                ops.gguf_linear(x, packed["o"], None)
+                ops.gguf_linear(ops.gguf_linear_silu(x, packed["gate_up"]), packed["down"], None)
+            elif scales is None:
+                ops.bf16_linear(x, packed["qkv"], None)
+                ops.bf16_linear(x, packed["o"], None)
+                act = ops.amx_linear_silu(x, packed["gate_up"]) if ops.bf16_kernel() == "amx" else None
+                if act is not None:
+                    ops.bf16_linear(act, packed["down"], None)
+            else:
+                ops.int8_linear(x, packed["qkv"], scales["qkv"], None)
+                ops.int8_linear(x, packed["o"], scales["o"], None)
+                act = ops.int8_linear_silu(x, packed["gate_up"], scales["gate_up"])
+                ops.int8_linear(act, packed["down"], scales["down"], None)
+
+    return run, nbytes
+
+
+GGML = {"q4_1": 3, "q8_0": 8}
+
+
+def random_blocks(fmt: str, n: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """[n, k/32 blocks] of random quants with float16 scales (and mins) of a trained model's size."""
+    size, halves = {"q4_1": (20, 2), "q8_0": (34, 1)}[fmt]
+    raw = torch.randint(0, 256, (n, k // 32, size), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(n, k // 32, halves, generator=g) * 0.01).half()
+    raw[..., :2 * halves] = scales.view(torch.uint8).view(n, k // 32, 2 * halves)
+    return raw.view(n, -1)
+
+
+def matmul(rows: list[int], gbs: float) -> None:
+    ops = _extension()
+    if ops is None or ops.bf16_kernel() != "amx":
+        print("matmul: the int8 kernel runs on AMX only; not on this CPU")
+        return
+    runs = {fmt: model_matmuls(ops, fmt) for fmt in FORMATS}
+    print(f"matmul: {LAYERS} layers of SmolLM2 matmuls, ms (median of 7); floor = weight bytes / {gbs:.1f} GB/s")
+    print("rows | " + " | ".join(f"{f} ms (floor)" for f in FORMATS))
+    for m in rows:
+        x = torch.randn(m, HIDDEN).bfloat16()
+        ms = {}
+        for fmt, (run, _) in runs.items():
+            run(x)
+            ms[fmt] = statistics.median(_timed(lambda r=run: r(x)) for _ in range(7)) * 1e3
+        cells = " | ".join(f"{ms[f]:.2f} ({runs[f][1] / gbs / 1e6:.2f})" for f in FORMATS)
+        print(f"{m} | {cells}")
+
+
+def decode(runs: int, tokens: int, gbs: float) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.engine.runner import weight_bytes
+
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    print(f"decode: one stream, {tokens} tokens, SmolLM2-135M, tokens/s (median of {runs})")
+    print("format | tok/s | weight MiB | floor tok/s (every weight read once per token)")
+    for fmt, quantization in DECODE.items():
+        llm = LLM(dtype="bfloat16", quantization=quantization)
+        runner = llm.engine.core.runner
+        llm.generate(["Warm up"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        rates = []
+        for _ in range(runs):
+            t = time.perf_counter()
+            llm.generate(["Once upon a time"], params, use_tqdm=False)
+            rates.append(tokens / (time.perf_counter() - t))
+        print(f"{fmt} | {statistics.median(rates):.1f} | {weight_bytes(runner.model) / 2**20:.0f} | "
+              f"{gbs * 1e9 / matmul_bytes(runner.model):.1f}")
+        del llm
+
+
+def matmul_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode token reads: every matmul weight (the LM head included) in the form the kernel reads."""
+    total = 0
+    for m in model.linear_layers():
+        for name in ("packed_weight", "qweight", "gguf_blocks", "weight"):
+            t = getattr(m, name, None)
+            if t is not None and not t.is_meta and not (name == "packed_weight" and t.is_mkldnn):
+                total += t.numel() * t.element_size()
+                break
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default="bandwidth,matmul,decode")
+    p.add_argument("--rows", default="1,8,64,512")
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=128)
+    args = p.parse_args(argv)
+    parts = args.parts.split(",")
+    print(f"cpu isa: {cpu_isa()}, threads: {torch.get_num_threads()}")
+    gbs = bandwidth_gbs()
+    print(f"bandwidth: {gbs:.1f} GB/s")
+    if "matmul" in parts:
+        matmul([int(r) for r in args.rows.split(",")], gbs)
+    if "decode" in parts:
+        decode(args.runs, args.tokens, gbs)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

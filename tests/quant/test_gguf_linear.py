@@ -1,0 +1,123 @@
+"""GGUF blocks kept at run time (quant/gguf_linear.py, quant/gguf_tiles.py, csrc/gguf_linear.cpp): the tile
+kernel widens blocks to exactly the bfloat16 weights the dequantize-at-load path loads, so every output is bit
+for bit the dequantized model's."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+
+from tests.model.test_loader import _tiny_gguf
+from tokenmill import LLM, SamplingParams
+from tokenmill.model.backends import CpuBackend, TorchBackend
+from tokenmill.model.cpu_kernels import _extension
+from tokenmill.quant.gguf import dequantize
+from tokenmill.quant.gguf_tiles import gguf_pack
+
+ops = _extension()
+AMX = ops is not None and ops.bf16_kernel() == "amx"
+needs_amx = pytest.mark.skipif(not AMX, reason="the block tile kernel runs on AMX only; elsewhere the reference")
+TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
+KV = 64 << 20
+
+
+def blocks_of(w: torch.Tensor, qtype: T) -> torch.Tensor:
+    """w [N, K] in GGML blocks, as llama.cpp's converter writes them: [N, K/32 * block bytes] uint8."""
+    raw = quants.quantize(w.numpy(), qtype)
+    return torch.from_numpy(raw).view(w.shape[0], -1)
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("m", [1, 3, 17, 33, 100])
+def test_kept_blocks_multiply_as_the_dequantized_weight_bit_for_bit(qtype, m):
+    g = torch.Generator().manual_seed(m)
+    n, k = 80, 96
+    raw = blocks_of(torch.randn(n, k, generator=g) * 0.05, qtype)
+    dense = dequantize(raw, qtype, (n, k), torch.bfloat16)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    packed = gguf_pack(raw, qtype)
+    assert packed.shape == (n // 16, k // 32, ops.gguf_tile_bytes(qtype))
+    for b in (None, bias):
+        assert torch.equal(ops.gguf_linear(x, packed, b), ops.bf16_linear(x, ops.bf16_pack(dense), b))
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", TYPES)
+def test_kept_gate_up_pairs_apply_silu_as_the_dequantized_pairs(qtype):
+    g = torch.Generator().manual_seed(5)
+    i, k = 48, 64
+    raw = blocks_of(torch.randn(2 * i, k, generator=g) * 0.05, qtype)
+    dense = dequantize(raw, qtype, (2 * i, k), torch.bfloat16)
+    x = torch.randn(21, k, generator=g).to(torch.bfloat16)
+    pairs = gguf_pack(raw, qtype, pairs=True)
+    assert pairs.shape == (i // 16, 2, k // 32, ops.gguf_tile_bytes(qtype))
+    assert torch.equal(ops.gguf_linear_silu(x, pairs), ops.amx_linear_silu(x, ops.bf16_pack_gate_up(dense)))
+    backend = CpuBackend(ops, ops.bf16_kernel())
+    layer = SimpleNamespace(packed_weight=pairs, bias=None)
+    assert torch.equal(backend.gguf_linear(x, layer), ops.amx_linear(x, ops.bf16_pack(dense), None))
+
+
+def test_reference_gguf_linear_is_the_dequantized_product():
+    g = torch.Generator().manual_seed(2)
+    raw = blocks_of(torch.randn(40, 64, generator=g), T.Q4_1)
+    layer = SimpleNamespace(gguf_blocks=raw, gguf_type=int(T.Q4_1), bias=None, in_features=64)
+    x = torch.randn(3, 64, generator=g)
+    ref = F.linear(x, dequantize(raw, T.Q4_1, (40, 64)))
+    torch.testing.assert_close(TorchBackend().gguf_linear(x, layer), ref)
+
+
+def test_gguf_pack_needs_whole_tiles():
+    raw = blocks_of(torch.randn(24, 32), T.Q8_0)
+    with pytest.raises(ValueError, match="16-feature tiles"):
+        gguf_pack(raw, T.Q8_0)
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", TYPES)
+def test_tiny_gguf_kept_matches_dequantized_token_for_token_and_logprob_for_logprob(tmp_path, qtype):
+    path, _, _ = _tiny_gguf(tmp_path, "llama", qtype, num_heads=4, num_kv_heads=2)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    g = torch.Generator().manual_seed(0)
+    batch = [{"prompt_token_ids": torch.randint(3, 256, (n,), generator=g).tolist()} for n in (5, 19, 40)]
+    tokenizer = str(tmp_path / "tiny-llama-0")  # the tiny GGUF carries no vocabulary; its source directory does
+    dense = LLM(str(path), tokenizer=tokenizer, dtype="bfloat16", kv_cache_memory=KV)
+    kept = LLM(str(path), tokenizer=tokenizer, dtype="bfloat16", quantization="gguf", kv_cache_memory=KV)
+    layer = kept.engine.core.runner.model.layers[0]
+    assert layer.self_attn.qkv_proj.packed_weight.dtype == torch.uint8
+    assert layer.mlp.gate_up_proj.packed_weight.dim() == 4  # gate/up pairs with SiLU in the epilogue
+    assert kept.engine.core.runner.model.tied_head.packed_weight.dtype == torch.uint8
+    for a, b in zip(dense.generate(batch, params, use_tqdm=False), kept.generate(batch, params, use_tqdm=False)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    kept.engine.core.check_idle_invariants()
+
+
+def test_float_gguf_with_gguf_quantization_stays_dense(tmp_path):
+    path, _, _ = _tiny_gguf(tmp_path, "llama", T.F32, num_heads=4, num_kv_heads=2)
+    llm = LLM(str(path), tokenizer=str(tmp_path / "tiny-llama-0"), dtype="float32", quantization="gguf",
+              kv_cache_memory=KV)
+    model = llm.engine.core.runner.model
+    assert all(getattr(m, "gguf_type", None) is None for m in model.linear_layers())
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=4),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+@needs_amx
+def test_smollm2_kept_blocks_match_the_dequantized_model(tmp_path):
+    """The embedded default: Q4_1 layers and a Q8_0 embedding that is also the LM head."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Owls are birds that"]
+    dense = LLM(dtype="bfloat16", kv_cache_memory=KV)
+    kept = LLM(dtype="bfloat16", quantization="gguf", kv_cache_memory=KV)
+    assert "gguf" in kept.engine.core.runner.weight_summary()
+    for a, b in zip(dense.generate(prompts, params, use_tqdm=False), kept.generate(prompts, params, use_tqdm=False)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs

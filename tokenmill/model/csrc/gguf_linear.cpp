@@ -1,0 +1,171 @@
+// llama.cpp's block formats kept at run time: y = x @ w.T (+ b) for bfloat16 x with w held as Q4_0, Q4_1 or
+// Q8_0 blocks (32 weights along K with a float16 scale, and for Q4_1 a float16 min), about a third (Q4) or a
+// half (Q8_0) of the bytes of bfloat16.
+//
+// Packed at load (tokenmill/quant/gguf_linear.py) into tiles of 16 features x 32 K -- one block of each of 16
+// features -- whose quants sit in the VNNI order of an AMX B tile, followed by the 16 blocks' scales (and mins):
+//   Q4_0: 256 bytes of nibble pairs (row r, byte j: feature j's K 2r | K 2r+1 << 4), 16 float16 d  = 288 bytes
+//   Q4_1: the same, 16 float16 d, 16 float16 m                                                      = 320 bytes
+//   Q8_0: 512 int8 (row r: feature j's K 2r, 2r+1), 16 float16 d                                    = 544 bytes
+// A tile widens to bfloat16 with the arithmetic of the dequantize-at-load path (quant/gguf.py), in float32 in
+// the same order and without fused multiply-adds ((q - 8) * d; q * d + m; q * d), rounded to nearest-even:
+// the very bfloat16 weights that path loads. The tile loop is the bfloat16 kernel's (amx_gemm.h), so a kept
+// model's outputs are bit for bit those of the dequantized one, and batch-invariant like them.
+#include <torch/extension.h>
+
+#include <cstdint>
+
+#include "amx_gemm.h"
+
+namespace {
+
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // GGMLQuantizationType
+
+constexpr int64_t kTileBytesQ4_0 = 256 + 32, kTileBytesQ4_1 = 256 + 64, kTileBytesQ8_0 = 512 + 32;
+
+}  // namespace
+
+// The packed bytes per tile of a kept GGML type, 0 if the type is not kept. The sizes differ, so a packed
+// weight's last dimension says its type.
+int64_t gguf_tile_bytes(int64_t type) {
+  switch (type) {
+    case kQ4_0: return kTileBytesQ4_0;
+    case kQ4_1: return kTileBytesQ4_1;
+    case kQ8_0: return kTileBytesQ8_0;
+    default: return 0;
+  }
+}
+
+#ifdef TOKENMILL_AMX
+namespace {
+
+constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // explicit rounding: never contracted
+
+// 16 per-feature values -> lanes (2j, 2j + 1) = v[j], for features 0-7 (lo) and 8-15 (hi): each VNNI pair is
+// one feature's.
+inline void feature_pairs(const uint8_t* half16, __m512& lo, __m512& hi) {
+  const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(half16)));
+  lo = _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), v);
+  hi = _mm512_permutexvar_ps(_mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8), v);
+}
+
+// 8 bytes of nibble pairs -> 16 floats: lanes 2j, 2j + 1 = the low, high nibble of byte j.
+inline __m512 nibble_pairs(const uint8_t* src) {
+  const __m512i x = _mm512_cvtepu8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+  const __m512i t = _mm512_and_si512(_mm512_or_si512(x, _mm512_slli_epi64(x, 28)),
+                                     _mm512_set1_epi64(0x0000000F0000000FLL));
+  return _mm512_cvtepi32_ps(t);
+}
+
+inline __m512 int8_values(const uint8_t* src) {  // 16 int8 -> 16 floats
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+}
+
+inline void store_row(uint16_t* dst, __m512 lo, __m512 hi) {
+  _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+void widen_q4_0(const uint8_t* t, uint16_t* dst) {
+  __m512 dlo, dhi;
+  feature_pairs(t + 256, dlo, dhi);
+  const __m512 eight = _mm512_set1_ps(8.f);
+  for (int r = 0; r < 16; ++r) {
+    const uint8_t* row = t + r * 16;
+    store_row(dst + r * 32, _mm512_mul_round_ps(_mm512_sub_round_ps(nibble_pairs(row), eight, kRound), dlo, kRound),
+              _mm512_mul_round_ps(_mm512_sub_round_ps(nibble_pairs(row + 8), eight, kRound), dhi, kRound));
+  }
+}
+
+void widen_q4_1(const uint8_t* t, uint16_t* dst) {
+  __m512 dlo, dhi, mlo, mhi;
+  feature_pairs(t + 256, dlo, dhi);
+  feature_pairs(t + 288, mlo, mhi);
+  for (int r = 0; r < 16; ++r) {
+    const uint8_t* row = t + r * 16;
+    store_row(dst + r * 32, _mm512_add_round_ps(_mm512_mul_round_ps(nibble_pairs(row), dlo, kRound), mlo, kRound),
+              _mm512_add_round_ps(_mm512_mul_round_ps(nibble_pairs(row + 8), dhi, kRound), mhi, kRound));
+  }
+}
+
+void widen_q8_0(const uint8_t* t, uint16_t* dst) {
+  __m512 dlo, dhi;
+  feature_pairs(t + 512, dlo, dhi);
+  for (int r = 0; r < 16; ++r) {
+    const uint8_t* row = t + r * 32;
+    store_row(dst + r * 32, _mm512_mul_round_ps(int8_values(row), dlo, kRound),
+              _mm512_mul_round_ps(int8_values(row + 16), dhi, kRound));
+  }
+}
+
+// Runs `loop(widen_tile)` with the widening function of the type whose tiles are `tile_bytes` long.
+template <typename Loop>
+void with_widener(int64_t tile_bytes, const Loop& loop) {
+  switch (tile_bytes) {
+    case kTileBytesQ4_0: loop(widen_q4_0); break;
+    case kTileBytesQ4_1: loop(widen_q4_1); break;
+    case kTileBytesQ8_0: loop(widen_q8_0); break;
+    default: TORCH_CHECK(false, "not a packed Q4_0, Q4_1 or Q8_0 weight (tiles of ", tile_bytes, " bytes)");
+  }
+}
+
+void check_packed(const torch::Tensor& x, const torch::Tensor& packed) {
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "a weight packed by gguf_pack: [N/16, K/32, tile bytes] uint8");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "[M, K] bfloat16 input");
+  TORCH_CHECK(x.size(1) == packed.size(1) * kTileK, "input has ", x.size(1), " features, the weight ",
+              packed.size(1) * kTileK);
+}
+
+}  // namespace
+#endif
+
+// x [M, K] bfloat16, packed [N/16, K/32, tile bytes] (the type from the tile size), bias [N] or none -> [M, N]
+// bfloat16.
+torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                          const c10::optional<torch::Tensor>& bias) {
+#ifdef TOKENMILL_AMX
+  check_packed(x, packed);
+  const int64_t NB = packed.size(0), KB = packed.size(1), N = NB * kTileN, M = x.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  torch::Tensor bias_f;
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    bias_f = bias->to(at::kFloat).contiguous();
+    b = bias_f.data_ptr<float>();
+  }
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const auto epilogue = [&](float* c, int64_t m0, int64_t rows, int64_t nb, bool two_cols) {
+    write_rows(c, nullptr, b, yp, N, m0, rows, nb * kTileN, two_cols ? 2 * kTileN : kTileN);
+  };
+  with_widener(packed.size(2), [&](auto widen) {
+    amx_tiles(x, KB * kTileK, NB, widened_scratch(KB),
+              widened_weight(packed.data_ptr<uint8_t>(), NB, KB, packed.size(2), widen), epilogue);
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "this build has no AMX kernels (the CPU it was built for lacks AMX-BF16)");
+#endif
+}
+
+// silu(x @ gate.T) * (x @ up.T) from a gate/up weight packed in gate, up block pairs ([I/16, 2, K/32, tile
+// bytes], gguf_pack with pairs): [M, K] -> [M, I], as amx_linear_silu for bfloat16.
+torch::Tensor gguf_linear_silu(const torch::Tensor& x, const torch::Tensor& pairs) {
+#ifdef TOKENMILL_AMX
+  TORCH_CHECK(pairs.dim() == 4 && pairs.size(1) == 2, "a gate/up weight packed by gguf_pack in pairs");
+  const auto packed = pairs.view({2 * pairs.size(0), pairs.size(2), pairs.size(3)});
+  check_packed(x, packed);
+  const int64_t NB = packed.size(0), KB = packed.size(1), I = NB / 2 * kTileN, M = x.size(0);
+  auto y = torch::empty({M, I}, x.options());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const auto epilogue = [&](float* c, int64_t m0, int64_t rows, int64_t nb, bool) {
+    write_silu_rows(c, nullptr, nullptr, yp, I, m0, rows, (nb / 2) * kTileN);
+  };
+  with_widener(packed.size(2), [&](auto widen) {
+    amx_tiles(x, KB * kTileK, NB, widened_scratch(KB),
+              widened_weight(packed.data_ptr<uint8_t>(), NB, KB, packed.size(2), widen), epilogue);
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "this build has no AMX kernels (the CPU it was built for lacks AMX-BF16)");
+#endif
+}

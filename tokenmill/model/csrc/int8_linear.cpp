@@ -1,0 +1,174 @@
+// Weight-only INT8 linear layers (W8A16): y = (x @ q.T) * scale (+ b) for bfloat16 x, the weight held as int8
+// q [N, K] with one float32 scale per output feature (symmetric: w ~ q * scale).
+//
+// The packed layout is bf16_pack's ([N/16, K/32, 16, 32], the VNNI order of an AMX B tile) with one byte per
+// element: half the bytes of the bfloat16 weight, which is what a decode step is bound by. The bytes hold
+// u = q + 128 (1..255), because an unsigned byte widens to its exact bfloat16 in three cheap vector ops (through
+// float16, see widen_biased) where a signed one takes twice the shuffle-port work, which bounds this kernel at
+// small M. For each 32-feature column pair the kernel widens the pair's tiles into a per-thread buffer, runs the
+// bfloat16 kernel's tile loop over every row block, and in the float32 epilogue takes the offset back out
+// (x @ q = x @ u - 128 rowsum(x)) and applies the scale. The offset costs nothing measurable in accuracy: the
+// float32 sums carry ~1e-6 relative error against bfloat16's 4e-3. The widening is paid once per call, not per
+// row block, and, as for bfloat16, a row's result never depends on the batch it is in.
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "amx_gemm.h"
+
+namespace {
+
+void check_int8_weight(const torch::Tensor& q) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "int8_pack takes a [N, K] int8 weight");
+  TORCH_CHECK(q.size(0) % kTileN == 0 && q.size(1) % kTileK == 0, "int8_pack needs N % 16 == 0 and K % 32 == 0");
+}
+
+}  // namespace
+
+// q [N, K] int8 (-127..127) -> [N/16, K/32, 16, 32] uint8 q + 128 in bf16_pack's tile order.
+torch::Tensor int8_pack(const torch::Tensor& q) {
+  check_int8_weight(q);
+  TORCH_CHECK(q.min().item<int8_t>() >= -127, "int8 weights must lie in [-127, 127]");
+  const int64_t N = q.size(0), K = q.size(1);
+  const auto biased = (q.to(at::kShort) + 128).to(at::kByte);
+  return biased.view({N / kTileN, kTileN, K / kTileK, kTileRows, 2}).permute({0, 2, 3, 1, 4})
+      .contiguous().view({N / kTileN, K / kTileK, kTileRows, 2 * kTileN});
+}
+
+// q [2I, K] int8 (gate rows, then up rows) -> [I/16, 2, K/32, 16, 32] uint8: gate/up block pairs, as
+// bf16_pack_gate_up.
+torch::Tensor int8_pack_gate_up(const torch::Tensor& q) {
+  check_int8_weight(q);
+  TORCH_CHECK(q.size(0) % (2 * kTileN) == 0, "int8_pack_gate_up takes [2I, K] with I % 16 == 0");
+  const int64_t N = q.size(0), K = q.size(1), blocks = N / (2 * kTileN);
+  const auto paired = q.contiguous().view({2, blocks, kTileN, K}).transpose(0, 1).reshape({N, K});
+  return int8_pack(paired).view({blocks, 2, K / kTileK, kTileRows, 2 * kTileN});
+}
+
+#ifdef TOKENMILL_AMX
+namespace {
+
+constexpr int kOffset = 128;  // packed byte = q + kOffset
+
+// 32 bytes u -> 32 bfloat16 u, exactly. With AVX512-FP16: u as float16 (exact), whose exponent and top 7
+// mantissa bits, rebiased from float16's 15 to bfloat16's 127, are the bfloat16 (u < 256 has at most 8
+// significant bits, so the 3 dropped bits are zero). Otherwise through float32.
+inline __m512i widen_biased(const uint8_t* src) {
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+#if defined(__AVX512FP16__)
+  const __m512i h = _mm512_castph_si512(_mm512_cvtepu16_ph(_mm512_cvtepu8_epi16(bytes)));
+  return _mm512_add_epi16(_mm512_srli_epi16(h, 3), _mm512_set1_epi16(0x3800));
+#else
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(bytes)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(bytes, 1)));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+#endif
+}
+
+// n packed bytes (a multiple of 32) -> n bfloat16.
+inline void widen(const uint8_t* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 32) _mm512_storeu_si512(dst + i, widen_biased(src + i));
+}
+
+// kOffset * sum(x[m]) for each row, in float32, in one fixed order per row (whatever M): the offset the
+// widened bytes add to each product, taken back out in the epilogue.
+std::vector<float> offset_sums(const torch::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<float> out(M);
+  const auto xs = x.stride(1) == 1 ? x : x.contiguous();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>());
+  for (int64_t m = 0; m < M; ++m) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) acc = _mm512_add_ps(acc, bf16x16_to_ps(xp + m * xs.stride(0) + k));
+    out[m] = kOffset * _mm512_reduce_add_ps(acc);
+  }
+  return out;
+}
+
+// amx_tiles' weight source for an int8_pack'ed weight of NB x KB tiles (512 bytes each).
+auto int8_tiles(const uint8_t* qp, int64_t NB, int64_t KB) {
+  return widened_weight(qp, NB, KB, kTileElems, [](const uint8_t* src, uint16_t* dst) { widen(src, dst, kTileElems); });
+}
+
+// c[r][j] -= offset[m0 + r] for the rows of a tile result: the float32 of x @ q from that of x @ (q + 128).
+inline void remove_offset(float* c, const std::vector<float>& offset, int64_t m0, int64_t rows) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 o = _mm512_set1_ps(offset[m0 + r]);
+    _mm512_storeu_ps(c + r * 32, _mm512_sub_ps(_mm512_loadu_ps(c + r * 32), o));
+    _mm512_storeu_ps(c + r * 32 + 16, _mm512_sub_ps(_mm512_loadu_ps(c + r * 32 + 16), o));
+  }
+}
+
+struct Int8Problem {
+  int64_t M, N, K, NB, KB;
+  const uint8_t* qp;
+  const float* scale;
+};
+
+Int8Problem setup_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale) {
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "a weight packed by int8_pack");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "[M, K] bfloat16 input");
+  Int8Problem p;
+  p.NB = packed.size(0), p.KB = packed.size(1), p.N = p.NB * kTileN, p.K = p.KB * kTileK, p.M = x.size(0);
+  TORCH_CHECK(x.size(1) == p.K, "input has ", x.size(1), " features, the weight ", p.K);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == p.N,
+              "one float32 scale per output feature");
+  p.qp = packed.data_ptr<uint8_t>();
+  p.scale = scale.data_ptr<float>();
+  return p;
+}
+
+}  // namespace
+#endif
+
+// x [M, K] bfloat16, packed from int8_pack, scale [N] float32, bias [N] or none -> [M, N] bfloat16.
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
+                          const c10::optional<torch::Tensor>& bias) {
+#ifdef TOKENMILL_AMX
+  const Int8Problem p = setup_int8(x, packed, scale);
+  auto y = torch::empty({p.M, p.N}, x.options());
+  torch::Tensor bias_f;
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    bias_f = bias->to(at::kFloat).contiguous();
+    b = bias_f.data_ptr<float>();
+  }
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const auto offset = offset_sums(x);
+  const auto epilogue = [&](float* c, int64_t m0, int64_t rows, int64_t nb, bool two_cols) {
+    remove_offset(c, offset, m0, rows);
+    write_rows(c, p.scale, b, yp, p.N, m0, rows, nb * kTileN, two_cols ? 2 * kTileN : kTileN);
+  };
+  amx_tiles(x, p.K, p.NB, widened_scratch(p.KB), int8_tiles(p.qp, p.NB, p.KB), epilogue);
+  return y;
+#else
+  TORCH_CHECK(false, "this build has no AMX kernels (the CPU it was built for lacks AMX-BF16)");
+#endif
+}
+
+// silu(x @ gate.T) * (x @ up.T) from int8_pack_gate_up's pairs and the [2I] scales in gate-then-up order: the
+// int8 form of amx_linear_silu.
+torch::Tensor int8_linear_silu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale) {
+#ifdef TOKENMILL_AMX
+  TORCH_CHECK(packed.dim() == 5 && packed.size(1) == 2, "a weight packed by int8_pack_gate_up");
+  const int64_t blocks = packed.size(0), I = blocks * kTileN;
+  const Int8Problem p =
+      setup_int8(x, packed.view({2 * blocks, packed.size(2), packed.size(3), packed.size(4)}), scale);
+  auto y = torch::empty({p.M, I}, x.options());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const auto offset = offset_sums(x);
+  const auto epilogue = [&](float* c, int64_t m0, int64_t rows, int64_t nb, bool) {
+    remove_offset(c, offset, m0, rows);
+    const int64_t n0 = (nb / 2) * kTileN;
+    write_silu_rows(c, p.scale + n0, p.scale + I + n0, yp, I, m0, rows, n0);
+  };
+  amx_tiles(x, p.K, p.NB, widened_scratch(p.KB), int8_tiles(p.qp, p.NB, p.KB), epilogue);
+  return y;
+#else
+  TORCH_CHECK(false, "this build has no AMX kernels (the CPU it was built for lacks AMX-BF16)");
+#endif
+}
