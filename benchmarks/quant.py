@@ -10,6 +10,9 @@
   floor (weight bytes / bandwidth).
 - decode: one stream of greedy decode on SmolLM2 through the offline engine, tokens/s per format (median of runs),
   beside the floor of reading every weight once per token.
+- batched: ShareGPT through the offline engine with 64 requests at a time (`--max-num-seqs 64`, 128 prompts,
+  128 output tokens), output tokens/s per format: dequantization must not eat the compute-bound case. Engines
+  are built once; the rounds then take the formats in turn, so a slow spell of the machine hits all of them.
 """
 
 from __future__ import annotations
@@ -122,26 +125,53 @@ def matmul(rows: list[int], gbs: float) -> None:
         print(f"{m} | {cells}")
 
 
-def decode(runs: int, tokens: int, gbs: float) -> None:
+def engines(max_num_seqs: int = 128) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from tokenmill import LLM, SamplingParams
+    from tokenmill import LLM
+
+    return {fmt: LLM(dtype="bfloat16", quantization=q, max_num_seqs=max_num_seqs) for fmt, q in DECODE.items()}
+
+
+def decode(runs: int, tokens: int, gbs: float) -> None:
+    from tokenmill import SamplingParams
     from tokenmill.engine.runner import weight_bytes
 
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    print(f"decode: one stream, {tokens} tokens, SmolLM2-135M, tokens/s (median of {runs})")
-    print("format | tok/s | weight MiB | floor tok/s (every weight read once per token)")
-    for fmt, quantization in DECODE.items():
-        llm = LLM(dtype="bfloat16", quantization=quantization)
-        runner = llm.engine.core.runner
+    llms = engines()
+    rates: dict[str, list[float]] = {fmt: [] for fmt in llms}
+    for llm in llms.values():
         llm.generate(["Warm up"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-        rates = []
-        for _ in range(runs):
+    for _ in range(runs):
+        for fmt, llm in llms.items():
             t = time.perf_counter()
             llm.generate(["Once upon a time"], params, use_tqdm=False)
-            rates.append(tokens / (time.perf_counter() - t))
-        print(f"{fmt} | {statistics.median(rates):.1f} | {weight_bytes(runner.model) / 2**20:.0f} | "
-              f"{gbs * 1e9 / matmul_bytes(runner.model):.1f}")
-        del llm
+            rates[fmt].append(tokens / (time.perf_counter() - t))
+    print(f"decode: one stream, {tokens} tokens, SmolLM2-135M, tokens/s (median of {runs} rounds)")
+    print("format | tok/s | vs bf16 | weight MiB | floor tok/s (every matmul weight read once per token)")
+    base = statistics.median(rates["bfloat16"])
+    for fmt, llm in llms.items():
+        model = llm.engine.core.runner.model
+        rate = statistics.median(rates[fmt])
+        print(f"{fmt} | {rate:.1f} | {rate / base:.2f}x | {weight_bytes(model) / 2**20:.0f} | "
+              f"{gbs * 1e9 / matmul_bytes(model):.1f}")
+
+
+def batched(runs: int) -> None:
+    from tokenmill.bench.datasets import load_sharegpt
+    from tokenmill.bench.offline import run_offline
+
+    llms = engines(max_num_seqs=64)
+    requests = load_sharegpt(next(iter(llms.values())).get_tokenizer(), 128, fixed_output_len=128)
+    rates: dict[str, list[float]] = {fmt: [] for fmt in llms}
+    for _ in range(runs):
+        for fmt, llm in llms.items():
+            rates[fmt].append(run_offline(llm, requests, progress=False)["output_throughput"])
+    print(f"batched: ShareGPT, 128 requests, 64 at a time, 128 output tokens, output tok/s (median of {runs} rounds)")
+    print("format | tok/s | vs bf16 | rounds")
+    base = statistics.median(rates["bfloat16"])
+    for fmt, r in rates.items():
+        print(f"{fmt} | {statistics.median(r):.1f} | {statistics.median(r) / base:.2f}x | "
+              f"{', '.join(f'{v:.0f}' for v in r)}")
 
 
 def matmul_bytes(model: torch.nn.Module) -> int:
@@ -158,7 +188,7 @@ def matmul_bytes(model: torch.nn.Module) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", default="bandwidth,matmul,decode")
+    p.add_argument("--parts", default="bandwidth,matmul,decode,batched")
     p.add_argument("--rows", default="1,8,64,512")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--tokens", type=int, default=128)
@@ -171,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         matmul([int(r) for r in args.rows.split(",")], gbs)
     if "decode" in parts:
         decode(args.runs, args.tokens, gbs)
+    if "batched" in parts:
+        batched(args.runs)
     return 0
 
 

@@ -93,6 +93,7 @@ def test_tiny_gguf_kept_matches_dequantized_token_for_token_and_logprob_for_logp
     assert layer.self_attn.qkv_proj.packed_weight.dtype == torch.uint8
     assert layer.mlp.gate_up_proj.packed_weight.dim() == 4  # gate/up pairs with SiLU in the epilogue
     assert kept.engine.core.runner.model.tied_head.packed_weight.dtype == torch.uint8
+    assert kept.engine.core.runner.model.embed_tokens.weight.is_meta  # lookups decode the kept rows
     for a, b in zip(dense.generate(batch, params, use_tqdm=False), kept.generate(batch, params, use_tqdm=False)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
@@ -118,6 +119,10 @@ def test_smollm2_kept_blocks_match_the_dequantized_model(tmp_path):
     dense = LLM(dtype="bfloat16", kv_cache_memory=KV)
     kept = LLM(dtype="bfloat16", quantization="gguf", kv_cache_memory=KV)
     assert "gguf" in kept.engine.core.runner.weight_summary()
+    from tokenmill.engine.runner import weight_bytes
+
+    # Q4_1 layers and the Q8_0 table (head and lookups): about a third of the dequantized model's bytes
+    assert weight_bytes(kept.engine.core.runner.model) < 0.35 * weight_bytes(dense.engine.core.runner.model)
     for a, b in zip(dense.generate(prompts, params, use_tqdm=False), kept.generate(prompts, params, use_tqdm=False)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs

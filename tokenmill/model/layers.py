@@ -5,6 +5,7 @@ Each module holds its weights and says what it computes; the backend it is given
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,7 +17,11 @@ from tokenmill.model.linear import Linear, LinearMethod
 
 
 class VocabEmbedding(nn.Module):
-    """Token ids -> rows of a [vocab, hidden] weight (the LM head's too, when tied)."""
+    """Token ids -> rows of a [vocab, hidden] weight (the LM head's too, when tied). A weight format that keeps the
+    table in compressed rows (`keep_rows`: e.g. a GGUF file's blocks, quant/gguf_linear.py) decodes only the rows
+    a step looks up, and the dense table is released."""
+
+    rows: Callable[[torch.Tensor], torch.Tensor] | None = None  # token ids -> their dense rows, when kept
 
     def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype | None = None):
         super().__init__()
@@ -24,7 +29,14 @@ class VocabEmbedding(nn.Module):
         # finite when built off the meta device; not nn.init.normal_, which on meta imports torch._dynamo (1 s, 36 MB)
         nn.init.uniform_(self.weight, -1.0, 1.0)
 
+    def keep_rows(self, rows: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Look rows up through `rows` from now on (until the weights are loaded again) and release the table."""
+        self.rows = rows
+        self.weight = nn.Parameter(self.weight.to("meta"), requires_grad=False)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.rows is not None and self.weight.is_meta:
+            return self.rows(input_ids)
         return F.embedding(input_ids, self.weight)
 
 

@@ -7,13 +7,28 @@ loads and multiplies them on the same tiles, so a kept model's output is bit for
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.linear import DenseLinearMethod, Linear, copy_checked
-from tokenmill.quant.gguf import GGMLBlocks
+from tokenmill.quant.gguf import GGMLBlocks, dequantize
 from tokenmill.quant.gguf import kept_gguf_type as kept
+
+
+def embedding_rows(blocks: GGMLBlocks, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Token ids -> their rows of an embedding kept as blocks, dequantized as the whole table would be (the
+    rows are independent, so they are bit for bit the dense table's)."""
+    data, cols = blocks.data, blocks.shape[1]
+
+    def rows(ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        picked = data.index_select(0, flat.to(data.device))
+        return dequantize(picked, blocks.ggml_type, (flat.numel(), cols), dtype).to(ids.device).view(*ids.shape, cols)
+
+    return rows
 
 
 class GGUFLinearMethod(DenseLinearMethod):
@@ -43,6 +58,7 @@ class GGUFLinearMethod(DenseLinearMethod):
             blocks = checkpoint.blocks(source) if hasattr(checkpoint, "blocks") else None
             if isinstance(blocks, GGMLBlocks) and kept(blocks.ggml_type):
                 layer.gguf_type, layer.gguf_blocks = blocks.ggml_type, blocks.data
+                layer.embedding.keep_rows(embedding_rows(blocks, layer.embedding.weight.dtype))
             return
         shards = layer.__dict__.pop("_gguf_shards", {})
         if not shards:

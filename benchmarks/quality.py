@@ -1,0 +1,87 @@
+"""What each weight format costs in quality, against the model as served by default (BENCHMARKS.md "Quantized
+serving: quality"), all in one process on the same held-out samples:
+
+    python benchmarks/quality.py --num-samples 200 --formats int8,gguf
+
+- perplexity on held-out ShareGPT text (tokenmill.eval: the half calibration never sees), with its bootstrap 95%
+  interval, and the change against the reference with a *paired* bootstrap interval (the same samples resampled
+  for both models, so the sample-to-sample spread, far larger than any format's effect, cancels);
+- greedy agreement: of `--greedy-prompts` held-out prompts, how many give the reference's 128 greedy tokens
+  exactly, and the mean length of the common prefix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill.eval import evaluate_perplexity, heldout_samples  # noqa: E402
+
+
+def paired_change(ref: list[float], other: list[float], tokens: list[int], resamples: int = 1000,
+                  seed: int = 0) -> tuple[float, float, float]:
+    """Perplexity ratio other / ref - 1 and its 95% interval, resampling samples jointly."""
+    a, b, n = (np.asarray(v, dtype=np.float64) for v in (ref, other, tokens))
+    change = float(np.exp((b.sum() - a.sum()) / n.sum()) - 1)
+    picks = np.random.default_rng(seed).integers(0, len(a), size=(resamples, len(a)))
+    boot = np.exp((b[picks].sum(1) - a[picks].sum(1)) / n[picks].sum(1)) - 1
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return change, float(lo), float(hi)
+
+
+def greedy(llm: LLM, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                           use_tqdm=False)]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model (default: the embedded SmolLM2 GGUF)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--formats", default="int8,gguf", help="--quantization values to compare with the reference")
+    p.add_argument("--num-samples", type=int, default=200)
+    p.add_argument("--max-tokens-per-sample", type=int, default=512)
+    p.add_argument("--greedy-prompts", type=int, default=32)
+    p.add_argument("--greedy-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    results = {}
+    for fmt in ["reference", *args.formats.split(",")]:
+        llm = LLM(args.model, dtype=args.dtype, quantization=None if fmt == "reference" else fmt)
+        if fmt == "reference":
+            samples = heldout_samples(llm.get_tokenizer(), args.num_samples, args.seed, args.max_tokens_per_sample)
+            prompts = [s[:64] for s in samples[:args.greedy_prompts]]
+        ppl = evaluate_perplexity(llm, samples, use_tqdm=False)
+        results[fmt] = (ppl, greedy(llm, prompts, args.greedy_tokens), llm.engine.core.runner.weight_summary())
+        del llm
+    ref, ref_greedy, _ = results["reference"]
+    print(f"{ref.num_samples} held-out ShareGPT samples, {ref.num_tokens} tokens scored; greedy: "
+          f"{len(prompts)} prompts x {args.greedy_tokens} tokens")
+    print("format | weights | perplexity (95% CI) | change vs reference (paired 95% CI) | greedy identical | "
+          "mean common prefix")
+    for fmt, (ppl, outs, weights) in results.items():
+        change, lo, hi = paired_change(ref.sample_nlls, ppl.sample_nlls, ref.sample_tokens)
+        same = sum(o == r for o, r in zip(outs, ref_greedy))
+        prefix = statistics.mean(common_prefix(o, r) for o, r in zip(outs, ref_greedy))
+        print(f"{fmt} | {weights} | {ppl.perplexity:.3f} ({ppl.ci95[0]:.3f}-{ppl.ci95[1]:.3f}) | "
+              f"{change:+.2%} ({lo:+.2%} to {hi:+.2%}) | {same}/{len(outs)} | {prefix:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
