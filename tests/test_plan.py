@@ -303,7 +303,7 @@ def test_measure_report_wiring(monkeypatch, capsys):
 
     monkeypatch.setattr(measure_mod, "measure_bandwidth", lambda: 10e9)
     monkeypatch.setattr(measure_mod, "measure_matmul_flops", lambda: 50e9)
-    monkeypatch.setattr(measure_mod, "time_engine_decode_step", lambda *a: 0.030)
+    monkeypatch.setattr(measure_mod, "time_engine_decode_step", lambda *a: (0.030, 300 << 20))
     rc, out, err = _run(["--gpu", "cpu", "--batch", "2", "--measure", "--json"], capsys)
     assert rc == 0, err
     m = json.loads(out)["measured"]
@@ -312,6 +312,8 @@ def test_measure_report_wiring(monkeypatch, capsys):
     weights_ms = PRESETS["smollm2-135m"].params * 4 / 10e9 * 1e3
     assert m["predicted_decode_step_ms"] == pytest.approx(weights_ms, rel=0.05)
     assert m["ratio"] == pytest.approx(30.0 / m["predicted_decode_step_ms"])
+    assert m["engine_weight_bytes"] == 300 << 20
+    assert m["predicted_weight_bytes"] == PRESETS["smollm2-135m"].weight_bytes("fp32")
     rc, out, _ = _run(["--gpu", "cpu", "--measure"], capsys)
     assert rc == 0 and "measured / roofline" in out
 
@@ -337,6 +339,7 @@ def test_measure_runs_the_real_engine():
 
     m = measure(None, batch=2, prompt_tokens=16, steps=2, repeats=1)
     assert m.engine_dtype == "float32" and m.model.startswith("SmolLM2")
+    assert m.engine_weight_bytes > 0.9 * m.predicted_weight_bytes
     assert m.measured_decode_step_ms > 0 and m.predicted_decode_step_ms > 0
     assert m.bandwidth_bytes_per_s > 1e8 and m.ratio == pytest.approx(
         m.measured_decode_step_ms / m.predicted_decode_step_ms)

@@ -466,6 +466,18 @@ def test_metrics_names(http):
     assert m["tokenmill_generation_tokens_total"] > 0 and m["tokenmill_prompt_tokens_total"] > 0
 
 
+def test_metrics_say_the_weights_as_the_start_up_log_does(server, http):
+    """The weight format and bytes in /metrics are the ones the engine printed at start-up."""
+    import re
+
+    logged = re.search(r"weights: (.+), (\d+) MiB", server.stderr())
+    assert logged, server.stderr()
+    line = next(line for line in http.get("/metrics").text.splitlines()
+                if line.startswith("tokenmill_model_weight_bytes{"))
+    assert f'format="{logged.group(1)}"' in line
+    assert round(float(line.rsplit(" ", 1)[1]) / 2**20) == int(logged.group(2))
+
+
 def test_prefix_cache_shares_a_system_prompt_but_not_across_salts(server, http):
     assert "prefix caching on" in server.stderr()
     system = {"role": "system", "content": "You are a terse assistant for a shipping company. " * 12}

@@ -88,6 +88,8 @@ class EngineInfo:
     token_capacity: int
     startup_summary: str
     pid: int
+    weight_format: str = ""
+    weight_bytes: int = 0
 
 
 class AsyncEngine:
@@ -141,7 +143,7 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         eos = frozenset(tokenizer.eos_token_ids) | frozenset(msg.eos_token_ids)
         self.info = EngineInfo(msg.max_model_len, msg.vocab_size, eos, msg.num_blocks * msg.block_size,
-                               msg.startup_summary, msg.pid)
+                               msg.startup_summary, msg.pid, msg.weight_format, msg.weight_bytes)
         self.limits = ContextLimits(msg.max_model_len, msg.vocab_size, self.info.token_capacity)
         self.processor = OutputProcessor(tokenizer, eos, self._observer)
         if self.max_waiting_tokens is None:  # as many prompt tokens may wait as the KV cache holds

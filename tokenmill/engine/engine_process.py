@@ -34,6 +34,7 @@ def run_engine_core(config: EngineConfig, inputs: Any, outputs: Any) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         from tokenmill.engine.core import EngineCore
+        from tokenmill.engine.runner import weight_bytes
 
         core = EngineCore(config)
         _warm_up(core)
@@ -42,7 +43,8 @@ def run_engine_core(config: EngineConfig, inputs: Any, outputs: Any) -> None:
         return
     info = core.cache_info
     outputs.send(EngineReady(core.max_model_len, core.model_config.vocab_size, list(core.model_config.eos_token_ids),
-                             info.num_blocks, info.block_size, core.startup_summary(), os.getpid()))
+                             info.num_blocks, info.block_size, core.startup_summary(), os.getpid(),
+                             core.runner.weight_format(), weight_bytes(core.runner.model)))
     serve(core, inputs, outputs)
 
 

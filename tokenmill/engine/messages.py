@@ -56,6 +56,8 @@ class EngineReady:
     block_size: int
     startup_summary: str
     pid: int
+    weight_format: str = ""  # e.g. "bfloat16", "int8 (bfloat16 compute)": the matmul weights as served
+    weight_bytes: int = 0  # bytes the model's weights hold (engine/runner.py weight_bytes)
 
 
 @dataclass

@@ -91,12 +91,14 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self._seed_rng = random.Random(seed)
 
+    def weight_format(self) -> str:
+        """The matmul weights as served: the dtype, or the quantized format and the dtype it computes in."""
+        fmt, dtype = self.model.layers[0].mlp.down_proj.method.name, str(self.dtype).removeprefix("torch.")
+        return dtype if fmt == "dense" else f"{fmt} ({dtype} compute)"
+
     def weight_summary(self) -> str:
         """The matmul weight format and the bytes the model's weights hold, as the start-up log says them."""
-        fmt = self.model.layers[0].mlp.down_proj.method.name
-        fmt = f"{fmt} ({str(self.dtype).removeprefix('torch.')} compute)" if fmt != "dense" else \
-            str(self.dtype).removeprefix("torch.")
-        return f"weights: {fmt}, {weight_bytes(self.model) / 2**20:.0f} MiB"
+        return f"weights: {self.weight_format()}, {weight_bytes(self.model) / 2**20:.0f} MiB"
 
     # ---- per-request state -----------------------------------------------------------------------------
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator:

@@ -25,7 +25,8 @@ REPEATS = 5
 MEASURE_PROMPT_TOKENS = 32
 MEASURE_DECODE_STEPS = 8
 ENGINE_REPEATS = 2  # best of this many runs of each length
-ENGINE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+# planner --dtype -> how the engine runs it: (its --dtype, its --quantization)
+ENGINE_FORMATS = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("bfloat16", "int8")}
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Measurement:
 
     model: str
     engine_dtype: str
+    engine_quantization: str | None
     batch: int
     prompt_tokens: int
     decode_steps: int
@@ -43,6 +45,8 @@ class Measurement:
     predicted_decode_step_ms: float
     predicted_bound: str
     ratio: float  # measured / predicted
+    engine_weight_bytes: int  # what the engine's weights hold (its start-up log and /metrics say the same)
+    predicted_weight_bytes: int  # the planner's params x bytes per parameter
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,11 +81,14 @@ def measure_matmul_flops(n: int = MATMUL_SIZE, repeats: int = REPEATS) -> float:
 
 
 def time_engine_decode_step(model_path: str | None, batch: int, prompt_tokens: int, steps: int,
-                            engine_dtype: str, repeats: int = ENGINE_REPEATS) -> float:
-    """Seconds per decode step of the real engine at batch `batch` (imported here: it needs torch)."""
+                            engine_dtype: str, repeats: int = ENGINE_REPEATS,
+                            quantization: str | None = None) -> tuple[float, int]:
+    """Seconds per decode step of the real engine at batch `batch`, and the bytes its weights hold (imported
+    here: it needs torch)."""
     from tokenmill import LLM, SamplingParams
+    from tokenmill.engine.runner import weight_bytes
 
-    llm = LLM(model=model_path, dtype=engine_dtype, max_num_seqs=max(batch, 1),
+    llm = LLM(model=model_path, dtype=engine_dtype, quantization=quantization, max_num_seqs=max(batch, 1),
               max_num_batched_tokens=max(512, batch * prompt_tokens))
     # Distinct prompts, so no two sequences share a prefix.
     prompts = [{"prompt_token_ids": [100 + (7 * j + 13 * i) % 1000 for j in range(prompt_tokens)]}
@@ -94,7 +101,7 @@ def time_engine_decode_step(model_path: str | None, batch: int, prompt_tokens: i
     run(2)  # warm-up: allocations, first-call overheads
     t_one = _best_seconds(lambda: run(1), repeats)
     t_many = _best_seconds(lambda: run(1 + steps), repeats)
-    return max(t_many - t_one, 0.0) / steps
+    return max(t_many - t_one, 0.0) / steps, weight_bytes(llm.engine.core.runner.model)
 
 
 def measure(model_spec: str | None, batch: int, dtype: str | None = None,
@@ -103,22 +110,26 @@ def measure(model_spec: str | None, batch: int, dtype: str | None = None,
     """Measure this machine and the engine on `model_spec` (a model file; None = the embedded SmolLM2)."""
     path = _engine_model_path(model_spec)
     shape: ModelShape = load_model(path)
-    weight_dtype = dtype if dtype in ENGINE_DTYPES else "fp32"
+    weight_dtype = dtype if dtype in ENGINE_FORMATS else "fp32"
+    engine_dtype, quantization = ENGINE_FORMATS[weight_dtype]
     bandwidth = measure_bandwidth()
     flops = measure_matmul_flops()
     try:
-        measured_s = time_engine_decode_step(path, batch, prompt_tokens, steps, ENGINE_DTYPES[weight_dtype],
-                                             repeats)
+        measured_s, engine_bytes = time_engine_decode_step(path, batch, prompt_tokens, steps, engine_dtype, repeats,
+                                                           quantization)
     except ImportError as e:
         raise PlanError(f"--measure needs the tokenmill engine, which failed to import: {e}") from None
     dep = Deployment(hardware=cpu_hardware(bandwidth=bandwidth, flops=flops), dtype=weight_dtype,
-                     kv_dtype=weight_dtype, context=prompt_tokens + steps // 2, batch=batch)
+                     kv_dtype="fp32" if engine_dtype == "float32" else "bf16",  # the cache is in the compute dtype
+                     context=prompt_tokens + steps // 2, batch=batch)
     predicted_s, bound = decode_step_seconds(shape, dep)
     return Measurement(
-        model=shape.name, engine_dtype=ENGINE_DTYPES[weight_dtype], batch=batch, prompt_tokens=prompt_tokens,
+        model=shape.name, engine_dtype=engine_dtype, engine_quantization=quantization, batch=batch,
+        prompt_tokens=prompt_tokens,
         decode_steps=steps, bandwidth_bytes_per_s=bandwidth, matmul_flops=flops,
         measured_decode_step_ms=measured_s * 1e3, predicted_decode_step_ms=predicted_s * 1e3,
-        predicted_bound=bound, ratio=measured_s / predicted_s,
+        predicted_bound=bound, ratio=measured_s / predicted_s, engine_weight_bytes=engine_bytes,
+        predicted_weight_bytes=shape.weight_bytes(weight_dtype),
     )
 
 

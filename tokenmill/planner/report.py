@@ -85,12 +85,16 @@ def render_recommendations(console: Console, recs: list[Recommendation], tpot: f
 
 
 def render_measurement(console: Console, m: Measurement) -> None:
-    t = _kv_table(f"Measured on this machine: {m.model}, {m.engine_dtype}, batch {m.batch}")
+    fmt = m.engine_dtype if m.engine_quantization is None else f"{m.engine_quantization} ({m.engine_dtype} compute)"
+    t = _kv_table(f"Measured on this machine: {m.model}, {fmt}, batch {m.batch}")
     t.add_row("memory bandwidth (measured)", fmt_rate(m.bandwidth_bytes_per_s))
     t.add_row("fp32 matmul rate (measured)", f"{m.matmul_flops / 1e9:,.1f} GFLOP/s")
     t.add_row("decode step, measured", f"{m.measured_decode_step_ms:,.2f} ms")
     t.add_row("decode step, roofline", f"{m.predicted_decode_step_ms:,.2f} ms ({m.predicted_bound}-bound)")
     t.add_row("measured / roofline", f"{m.ratio:.2f}x")
+    t.add_row("weights, in the engine", f"{fmt_bytes(m.engine_weight_bytes)} (its start-up log and /metrics)")
+    t.add_row("weights, planned", f"{fmt_bytes(m.predicted_weight_bytes)} (params x bytes per parameter; the "
+                                  "engine adds e.g. a dense table for lookups beside a quantized LM head)")
     console.print(t)
 
 

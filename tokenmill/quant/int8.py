@@ -34,7 +34,8 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 class Int8LinearMethod(DenseLinearMethod):
     """The checkpoint loads into a dense weight as for DenseLinearMethod; once it has, the weight becomes
     `qweight` (int8) and `weight_scale` (float32 per output feature) and the dense copy is released (left on the
-    meta device, as a packed layer's is). `apply` is the backend's int8_linear."""
+    meta device, as a packed layer's is). A tied embedding's lookups read the LM head's int8 rows too, so no dense
+    table stays. `apply` is the backend's int8_linear."""
 
     name = "int8"
 
@@ -44,8 +45,10 @@ class Int8LinearMethod(DenseLinearMethod):
             layer.register_buffer("qweight", q, persistent=False)
             layer.register_buffer("weight_scale", scale, persistent=False)
             layer.weight = nn.Parameter(layer.weight.to("meta"), requires_grad=False)
-        else:  # the tied LM head: its weight is the embedding's, which stays
+        else:  # the tied LM head: its weight is the embedding's, whose lookups now read the same int8 rows
             layer.qweight, layer.weight_scale = q, scale
+            dtype = layer.weight.dtype
+            layer.embedding.keep_rows(lambda ids: (q[ids].float() * scale[ids].unsqueeze(-1)).to(dtype))
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return layer.backend.int8_linear(x, layer)

@@ -46,6 +46,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         engine.observer = metrics
     tok = engine.tokenizer
     info = engine.info
+    metrics.set_weights(info.weight_format, info.weight_bytes)
     names = list(dict.fromkeys(settings.served_model_names))
     token_text = TokenText(tok)
     encoder = PromptEncoder(tok)

@@ -66,6 +66,8 @@ class ServerMetrics:
         self.prefix_evictions = Counter("tokenmill_prefix_cache_evicted_blocks", "Cached KV blocks evicted to make "
                                         "room", labels, registry=r)
         self.engine_alive = Gauge("tokenmill_engine_alive", "1 while the engine loop is alive", labels, registry=r)
+        self.weight_bytes = Gauge("tokenmill_model_weight_bytes", "Bytes the model's weights hold in the engine, by "
+                                  "weight format (as the start-up log says)", ["model_name", "format"], registry=r)
         self.engine_alive.labels(model_name).set(1)
         # children bound once: .labels() per observation would cost a dict lookup and a lock each time
         m = model_name
@@ -84,6 +86,11 @@ class ServerMetrics:
         self._totals_seen = (0,) * len(self._from_totals)
         for outcome in ("stop", "length", "abort", "error"):
             self.requests.labels(m, outcome)
+
+
+    def set_weights(self, weight_format: str, weight_bytes: int) -> None:
+        """Once the engine is ready: what its weights are and take."""
+        self.weight_bytes.labels(self._model, weight_format).set(weight_bytes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
