@@ -29,13 +29,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tokenmill.model.cpu_kernels import _extension, cpu_isa  # noqa: E402
+from tokenmill.quant.fp8 import quantize_fp8  # noqa: E402
 from tokenmill.quant.gguf_tiles import gguf_pack  # noqa: E402
 from tokenmill.quant.int8 import quantize_int8  # noqa: E402
 
 LAYERS = 30
 HIDDEN, INTER, QKV = 576, 1536, 960
-FORMATS = ("bfloat16", "int8", "q4_1", "q8_0")  # the last two: GGUF blocks kept (--quantization gguf)
-DECODE = {"bfloat16": None, "int8": "int8", "gguf (Q4_1 + Q8_0 head)": "gguf"}
+FORMATS = ("bfloat16", "int8", "fp8", "q4_1", "q8_0")  # the last two: GGUF blocks kept (--quantization gguf)
+DECODE = {"bfloat16": None, "int8": "int8", "fp8": "fp8", "gguf (Q4_1 + Q8_0 head)": "gguf"}
 
 
 def bandwidth_gbs() -> float:
@@ -69,8 +70,10 @@ def model_matmuls(ops, fmt: str):
                       for n, w in ws.items()}
             layers.append((packed, fmt))
         else:
-            qs = {n: quantize_int8(w) for n, w in ws.items()}
-            packed = {n: (ops.int8_pack_gate_up if n == "gate_up" else ops.int8_pack)(q) for n, (q, _) in qs.items()}
+            fp8 = fmt == "fp8"
+            qs = {n: (quantize_fp8 if fp8 else quantize_int8)(w) for n, w in ws.items()}
+            pack, pairs = (ops.fp8_pack, ops.fp8_pack_gate_up) if fp8 else (ops.int8_pack, ops.int8_pack_gate_up)
+            packed = {n: (pairs if n == "gate_up" else pack)(q) for n, (q, _) in qs.items()}
             layers.append((packed, {n: s for n, (_, s) in qs.items()}))
         nbytes += sum(p.numel() * p.element_size() for p in packed.values())
 
@@ -87,10 +90,11 @@ def model_matmuls(ops, fmt: str):
                 if act is not None:
                     ops.bf16_linear(act, packed["down"], None)
             else:
-                ops.int8_linear(x, packed["qkv"], scales["qkv"], None)
-                ops.int8_linear(x, packed["o"], scales["o"], None)
-                act = ops.int8_linear_silu(x, packed["gate_up"], scales["gate_up"])
-                ops.int8_linear(act, packed["down"], scales["down"], None)
+                fp8 = packed["o"].dtype == torch.float8_e4m3fn
+                linear, silu = (ops.fp8_linear, ops.fp8_linear_silu) if fp8 else (ops.int8_linear, ops.int8_linear_silu)
+                linear(x, packed["qkv"], scales["qkv"], None)
+                linear(x, packed["o"], scales["o"], None)
+                linear(silu(x, packed["gate_up"], scales["gate_up"]), packed["down"], scales["down"], None)
 
     return run, nbytes
 
@@ -120,7 +124,7 @@ def matmul(rows: list[int], gbs: float) -> None:
         ms = {}
         for fmt, (run, _) in runs.items():
             run(x)
-            ms[fmt] = statistics.median(_timed(lambda r=run: r(x)) for _ in range(7)) * 1e3
+            ms[fmt] = statistics.median(_timed(lambda r=run, x=x: r(x)) for _ in range(7)) * 1e3
         cells = " | ".join(f"{ms[f]:.2f} ({runs[f][1] / gbs / 1e6:.2f})" for f in FORMATS)
         print(f"{m} | {cells}")
 

@@ -39,13 +39,16 @@ class Int8LinearMethod(DenseLinearMethod):
 
     name = "int8"
 
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_int8(weight)
+
     def process_weights_after_loading(self, layer: Linear | nn.Module, checkpoint: object = None) -> None:
-        q, scale = quantize_int8(layer.weight)
+        q, scale = self.quantize(layer.weight)
         if isinstance(layer, nn.Module) and not getattr(layer, "shares_weight", False):
             layer.register_buffer("qweight", q, persistent=False)
             layer.register_buffer("weight_scale", scale, persistent=False)
             layer.weight = nn.Parameter(layer.weight.to("meta"), requires_grad=False)
-        else:  # the tied LM head: its weight is the embedding's, whose lookups now read the same int8 rows
+        else:  # the tied LM head: its weight is the embedding's, whose lookups now read the same quantized rows
             layer.qweight, layer.weight_scale = q, scale
             dtype = layer.weight.dtype
             layer.embedding.keep_rows(lambda ids: (q[ids].float() * scale[ids].unsqueeze(-1)).to(dtype))

@@ -15,6 +15,10 @@ def linear_method(quantization: str | None) -> LinearMethod:
         from tokenmill.quant.int8 import Int8LinearMethod
 
         return Int8LinearMethod()
+    if quantization == "fp8":
+        from tokenmill.quant.fp8 import Fp8LinearMethod
+
+        return Fp8LinearMethod()
     if quantization == "gguf":
         from tokenmill.quant.gguf_linear import GGUFLinearMethod
 

@@ -42,14 +42,14 @@ def auto_dtype(device: str | torch.device, quantization: str | None = None) -> s
     built): elsewhere bfloat16 would be emulated (about 2x slower, BENCHMARKS.md "dtype"), or run on oneDNN,
     whose result for a row changes with the batch size (csrc/bf16_linear.cpp says why). Where it runs, both dtypes
     keep a request's greedy output bit-for-bit the same whatever else is batched, and the faster one on this CPU,
-    measured (model/backends/dtype_probe.py), wins. int8 weights (`quantization`) compute in bfloat16 wherever
-    their kernel (AMX tiles) runs: it is the only fast int8 path here."""
+    measured (model/backends/dtype_probe.py), wins. Quantized weights (`quantization`) compute in bfloat16
+    wherever their kernels (AMX tiles) run: they are the only fast paths for them here."""
     if torch.device(device).type != "cpu":
         return "bfloat16"
     ops = cpu_kernels._extension()
     if ops is None or not ops.bf16_kernel():
         return "float32"
-    if quantization == "int8" and ops.bf16_kernel() == "amx":
+    if quantization in ("int8", "fp8", "gguf") and ops.bf16_kernel() == "amx":
         return "bfloat16"
     if not ops.f32_panels_available():
         return "bfloat16"

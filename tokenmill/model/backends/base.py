@@ -77,6 +77,14 @@ class Backend(ABC):
             y += layer.bias.float()
         return y.to(x.dtype)
 
+    def fp8_linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        """Weight-only FP8 (tokenmill/quant/fp8.py): (x @ layer.qweight.T) * layer.weight_scale (+ bias), in
+        float32 and rounded once to x's dtype; this reference widens the whole weight on every call."""
+        y = torch.nn.functional.linear(x.float(), layer.qweight.float()) * layer.weight_scale
+        if layer.bias is not None:
+            y += layer.bias.float()
+        return y.to(x.dtype)
+
     def gguf_linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
         """A weight kept as GGUF blocks (quant/gguf_linear.py: layer.gguf_blocks of layer.gguf_type): x @ w.T
         (+ bias) with w dequantized as the loader would. This reference dequantizes the whole weight on every

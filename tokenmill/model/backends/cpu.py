@@ -131,14 +131,24 @@ class CpuBackend(TorchBackend):
         return super().linear(x, layer)
 
     def int8_linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        y = self._w8_linear(x, layer, torch.uint8, self.ops.int8_linear)
+        return y if y is not None else super().int8_linear(x, layer)
+
+    def fp8_linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        y = self._w8_linear(x, layer, torch.float8_e4m3fn, self.ops.fp8_linear)
+        return y if y is not None else super().fp8_linear(x, layer)
+
+    @staticmethod
+    def _w8_linear(x: torch.Tensor, layer: nn.Module, dtype: torch.dtype, kernel: Any) -> torch.Tensor | None:
+        """An 8-bit weight's product on its tile kernel, or None where it has no packed copy for x."""
         packed = layer.packed_weight
-        if packed is not None and packed.dtype == torch.uint8 and x.dim() == 2 and x.dtype == torch.bfloat16:
-            if packed.dim() == 5:  # gate/up pairs: the plain product too
-                blocks = packed.shape[0]
-                y = self.ops.int8_linear(x, packed.view(2 * blocks, *packed.shape[2:]), layer.pair_scale, None)
-                return y.view(-1, blocks, 2, 16).transpose(1, 2).reshape(y.shape)
-            return self.ops.int8_linear(x, packed, layer.weight_scale, layer.bias)
-        return super().int8_linear(x, layer)
+        if packed is None or packed.dtype != dtype or x.dim() != 2 or x.dtype != torch.bfloat16:
+            return None
+        if packed.dim() == 5:  # gate/up pairs: the plain product too
+            blocks = packed.shape[0]
+            y = kernel(x, packed.view(2 * blocks, *packed.shape[2:]), layer.pair_scale, None)
+            return y.view(-1, blocks, 2, 16).transpose(1, 2).reshape(y.shape)
+        return kernel(x, packed, layer.weight_scale, layer.bias)
 
     def gguf_linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
         packed = layer.packed_weight
@@ -155,6 +165,8 @@ class CpuBackend(TorchBackend):
         if packed is not None and _rows(x) and x.dtype == torch.bfloat16:
             if packed.dim() == 5 and packed.dtype == torch.uint8:
                 return self.ops.int8_linear_silu(x, packed, gate_up.weight_scale)
+            if packed.dim() == 5 and packed.dtype == torch.float8_e4m3fn:
+                return self.ops.fp8_linear_silu(x, packed, gate_up.weight_scale)
             if packed.dim() == 5:
                 return self.ops.amx_linear_silu(x, packed)  # SiLU-and-multiply in the matmul's epilogue
             if packed.dim() == 4 and packed.dtype == torch.uint8:
@@ -162,12 +174,15 @@ class CpuBackend(TorchBackend):
         return super().gate_up_silu(x, gate_up)
 
     def pack_int8(self, q: torch.Tensor, silu_pairs: bool = False) -> torch.Tensor | None:
-        """An int8 weight (quant/int8.py) in csrc/int8_linear.cpp's tile layout, where that kernel runs (AMX, and
-        the model computes in bfloat16); None keeps the int8 weight for the reference."""
+        """An int8 or FP8 weight (quant/int8.py, quant/fp8.py) in csrc/int8_linear.cpp's tile layout, where that
+        kernel runs (AMX, and the model computes in bfloat16); None keeps the weight for the reference."""
         n, k = q.shape
         if q.device.type != "cpu" or self.bf16_kernel != "amx" or n % 16 or k % 32:
             return None
-        return self.ops.int8_pack_gate_up(q) if silu_pairs and n % 32 == 0 else self.ops.int8_pack(q)
+        fp8 = q.dtype == torch.float8_e4m3fn
+        if silu_pairs and n % 32 == 0:
+            return self.ops.fp8_pack_gate_up(q) if fp8 else self.ops.int8_pack_gate_up(q)
+        return self.ops.fp8_pack(q) if fp8 else self.ops.int8_pack(q)
 
     def pack_weight(self, weight: torch.Tensor, silu_pairs: bool = False) -> torch.Tensor | None:
         """`weight` in the layout this CPU multiplies fastest: for bfloat16 where the CPU has AMX or AVX512-BF16,

@@ -757,6 +757,11 @@ torch::Tensor int8_pack_gate_up(const torch::Tensor& q);
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                           const c10::optional<torch::Tensor>& bias);
 torch::Tensor int8_linear_silu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale);
+torch::Tensor fp8_pack(const torch::Tensor& q);
+torch::Tensor fp8_pack_gate_up(const torch::Tensor& q);
+torch::Tensor fp8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
+                         const c10::optional<torch::Tensor>& bias);
+torch::Tensor fp8_linear_silu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale);
 // gguf_linear.cpp: llama.cpp's Q4_0, Q4_1 and Q8_0 blocks kept, widened on the same tiles.
 int64_t gguf_tile_bytes(int64_t type);
 torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed,
@@ -769,7 +774,8 @@ torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& packed, co
 
 // The linear layer of the decode path. A packed copy of the weight serves every row count: bytes (uint8) are a
 // quantized weight, int8 with its per-feature scales (int8_pack, [N/16, K/32, 16, 32]) or GGML blocks without
-// (gguf_pack, [N/16, K/32, tile bytes]); bfloat16 tiles (bf16_pack) run bf16_linear; float32 panels f32_linear.
+// (gguf_pack, [N/16, K/32, tile bytes]); FP8 (fp8_pack) runs fp8_linear with its scales; bfloat16 tiles
+// (bf16_pack) run bf16_linear; float32 panels f32_linear.
 // Without one: the skinny GEMV for a few rows (it reads the plain weight at memory speed), oneDNN's prepacked
 // GEMM when there is a oneDNN copy (1.5-3x BLAS at 8-128 rows), else BLAS.
 torch::Tensor linear_any(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
@@ -777,6 +783,7 @@ torch::Tensor linear_any(const torch::Tensor& x, const torch::Tensor& w, const t
   if (packed.scalar_type() == at::kByte) {
     return scale.numel() > 0 ? int8_linear(x, packed, scale, b) : gguf_linear(x, packed, b);
   }
+  if (packed.scalar_type() == at::kFloat8_e4m3fn) return fp8_linear(x, packed, scale, b);
   if (packed.dim() == 4) return bf16_linear(x, packed, b);
   if (packed.dim() == 3) return f32_linear(x, packed, b);
   if (x.size(0) <= 4 && at::get_num_threads() > 1) return skinny_linear(x, w, b);
@@ -790,6 +797,7 @@ torch::Tensor linear_any(const torch::Tensor& x, const torch::Tensor& w, const t
 torch::Tensor gate_up_silu(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
                            const torch::Tensor& scale) {
   const bool bytes = packed.scalar_type() == at::kByte;
+  if (packed.dim() == 5 && packed.scalar_type() == at::kFloat8_e4m3fn) return fp8_linear_silu(x, packed, scale);
   if (packed.dim() == 5) return bytes ? int8_linear_silu(x, packed, scale) : amx_linear_silu(x, packed);
   if (bytes && packed.dim() == 4 && scale.numel() == 0) return gguf_linear_silu(x, packed);
   return silu_mul(linear_any(x, w, packed, scale, c10::nullopt));
@@ -836,6 +844,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_pack_gate_up", &int8_pack_gate_up, "a [2I, K] int8 gate/up weight in gate, up block pairs");
   m.def("int8_linear", &int8_linear, "(x @ q.T) * scale (+ b), q from int8_pack, on AMX tiles; batch-invariant");
   m.def("int8_linear_silu", &int8_linear_silu, "silu(gate) * up of int8 gate/up pairs on AMX tiles");
+  m.def("fp8_pack", &fp8_pack, "a [N, K] float8_e4m3fn weight in bf16_pack's tile layout");
+  m.def("fp8_pack_gate_up", &fp8_pack_gate_up, "a [2I, K] float8_e4m3fn gate/up weight in gate, up block pairs");
+  m.def("fp8_linear", &fp8_linear, "(x @ q.T) * scale (+ b), q e4m3 from fp8_pack, on AMX tiles; batch-invariant");
+  m.def("fp8_linear_silu", &fp8_linear_silu, "silu(gate) * up of FP8 gate/up pairs on AMX tiles");
   m.def("gguf_tile_bytes", &gguf_tile_bytes, "packed bytes per 16 x 32 tile of a kept GGML type (0: not kept)");
   m.def("gguf_linear", &gguf_linear, "x @ w.T (+ b), w in GGML blocks packed as tiles; bit for bit the dequantized");
   m.def("gguf_linear_silu", &gguf_linear_silu, "silu(gate) * up of GGML gate/up block pairs on AMX tiles");
