@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model (default: the embedded SmolLM2 GGUF)")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--formats", default="int8,gguf", help="--quantization values to compare with the reference")
+    p.add_argument("--formats", default="int8,gguf", help="--quantization values to compare with the reference "
+                                                         "(the weights dequantized to --dtype: `none`)")
     p.add_argument("--num-samples", type=int, default=200)
     p.add_argument("--max-tokens-per-sample", type=int, default=512)
     p.add_argument("--greedy-prompts", type=int, default=32)
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results = {}
     for fmt in ["reference", *args.formats.split(",")]:
-        llm = LLM(args.model, dtype=args.dtype, quantization=None if fmt == "reference" else fmt)
+        llm = LLM(args.model, dtype=args.dtype, quantization="none" if fmt == "reference" else fmt)
         if fmt == "reference":
             samples = heldout_samples(llm.get_tokenizer(), args.num_samples, args.seed, args.max_tokens_per_sample)
             prompts = [s[:64] for s in samples[:args.greedy_prompts]]

@@ -131,7 +131,7 @@ class SchedulerConfig:
             raise ConfigError(f"--scheduling-policy must be 'continuous' or 'static', got {self.policy!r}")
 
 
-QUANTIZATION_CHOICES = ("int8", "fp8", "gguf")  # tokenmill/quant/methods.py builds each (kept here: no model stack to import)
+QUANTIZATION_CHOICES = ("int8", "fp8", "gguf", "none")  # tokenmill/quant/methods.py builds each (kept here: no model stack to import)
 
 
 @dataclass
@@ -140,7 +140,7 @@ class EngineConfig:
     dtype: str = "auto"  # float32 | bfloat16 | auto
     device: str = "cpu"
     batch_invariant: bool = True  # prompt tokens read their context through the paged kernel (runner.py)
-    quantization: str | None = None  # a weight format of QUANTIZATION_CHOICES (tokenmill/quant/methods.py)
+    quantization: str | None = None  # QUANTIZATION_CHOICES; None: the default (tokenmill/quant/methods.py)
     seed: int = 0
     tokenizer: str | None = None
     num_threads: int | None = None  # compute threads (torch intra-op); None = torch's default (the cores)

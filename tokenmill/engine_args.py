@@ -51,8 +51,9 @@ class EngineArgs:
     device: str = _opt("cpu", "torch device (cpu, cuda, ...)")
     quantization: str | None = _opt(None, "int8 / fp8: quantize the weights as they load (weight-only, one scale per "
                                           "output feature; half the bytes of bfloat16); gguf: keep a GGUF file's "
-                                          "Q4_0/Q4_1/Q8_0 blocks at run time. Default: the checkpoint's own "
-                                          "weights, dequantized", choices=list(QUANTIZATION_CHOICES))
+                                          "Q4_0/Q4_1/Q8_0 blocks at run time (outputs bit for bit the dequantized "
+                                          "model's); none: dequantize. Default: gguf for a GGUF file where its "
+                                          "kernel runs (AMX, bfloat16), else none", choices=list(QUANTIZATION_CHOICES))
     batch_invariant: bool = _opt(True, "bit-for-bit the same output for a request whatever else is batched and "
                                        "however its prompt is chunked: matmul kernels whose rows do not depend on "
                                        "the batch (bfloat16 with AMX or AVX512-BF16, float32 with AVX2), and prompt "

@@ -87,7 +87,7 @@ def test_tiny_gguf_kept_matches_dequantized_token_for_token_and_logprob_for_logp
     g = torch.Generator().manual_seed(0)
     batch = [{"prompt_token_ids": torch.randint(3, 256, (n,), generator=g).tolist()} for n in (5, 19, 40)]
     tokenizer = str(tmp_path / "tiny-llama-0")  # the tiny GGUF carries no vocabulary; its source directory does
-    dense = LLM(str(path), tokenizer=tokenizer, dtype="bfloat16", kv_cache_memory=KV)
+    dense = LLM(str(path), tokenizer=tokenizer, dtype="bfloat16", quantization="none", kv_cache_memory=KV)
     kept = LLM(str(path), tokenizer=tokenizer, dtype="bfloat16", quantization="gguf", kv_cache_memory=KV)
     layer = kept.engine.core.runner.model.layers[0]
     assert layer.self_attn.qkv_proj.packed_weight.dtype == torch.uint8
@@ -116,8 +116,8 @@ def test_smollm2_kept_blocks_match_the_dequantized_model(tmp_path):
     """The embedded default: Q4_1 layers and a Q8_0 embedding that is also the LM head."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
     prompts = ["The capital of France is", "def fibonacci(n):", "Owls are birds that"]
-    dense = LLM(dtype="bfloat16", kv_cache_memory=KV)
-    kept = LLM(dtype="bfloat16", quantization="gguf", kv_cache_memory=KV)
+    dense = LLM(dtype="bfloat16", quantization="none", kv_cache_memory=KV)
+    kept = LLM(dtype="bfloat16", kv_cache_memory=KV)  # the default where the kernel runs
     assert "gguf" in kept.engine.core.runner.weight_summary()
     from tokenmill.engine.runner import weight_bytes
 
@@ -126,3 +126,15 @@ def test_smollm2_kept_blocks_match_the_dequantized_model(tmp_path):
     for a, b in zip(dense.generate(prompts, params, use_tqdm=False), kept.generate(prompts, params, use_tqdm=False)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_gguf_blocks_are_kept_by_default_only_where_their_kernel_runs(tmp_path):
+    from tokenmill.model.loader import default_model_path
+    from tokenmill.quant.methods import resolve_quantization
+
+    gguf = default_model_path()
+    assert resolve_quantization(None, gguf, torch.bfloat16, "cpu") == ("gguf" if AMX else None)
+    assert resolve_quantization(None, gguf, torch.float32, "cpu") is None  # the kernel computes in bfloat16
+    assert resolve_quantization(None, tmp_path, torch.bfloat16, "cpu") is None  # a Hugging Face directory
+    assert resolve_quantization("none", gguf, torch.bfloat16, "cpu") is None
+    assert resolve_quantization("int8", gguf, torch.bfloat16, "cpu") == "int8"

@@ -19,6 +19,7 @@ from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 from tokenmill.errors import ConfigError
 from tokenmill.model.backends import auto_dtype
 from tokenmill.model.loader import load_model_config, load_weights, resolve_model_path
+from tokenmill.quant.methods import resolve_quantization
 from tokenmill.request import Request, RequestStatus
 
 log = logging.getLogger("tokenmill")
@@ -53,6 +54,7 @@ class EngineCore:
         self.model_path = path
         self.model_config: ModelConfig = load_model_config(path)
         self.dtype = DTYPES[auto_dtype(config.device, config.quantization) if config.dtype == "auto" else config.dtype]
+        self.quantization = resolve_quantization(config.quantization, path, self.dtype, config.device)
         weights = load_weights(path, self.model_config, self.dtype)
         mc, cc = self.model_config, config.cache
         per_token = kv_bytes_per_token(mc, self.dtype)
@@ -70,7 +72,7 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(mc, weights, self.dtype, config.device, num_blocks, cc.block_size, config.seed,
-                                  batch_invariant=config.batch_invariant, quantization=config.quantization)
+                                  batch_invariant=config.batch_invariant, quantization=self.quantization)
         del weights
         self._unstarted: set[str] = set()  # added, never scheduled yet: reported in `started` when first scheduled
 

@@ -2,14 +2,33 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import torch
+
 from tokenmill.config import QUANTIZATION_CHOICES
+from tokenmill.model import cpu_kernels
+from tokenmill.model.paths import is_gguf
 from tokenmill.errors import ConfigError
 from tokenmill.model.linear import DenseLinearMethod, LinearMethod
 
 
+def resolve_quantization(requested: str | None, model_path: str | Path, dtype: torch.dtype,
+                         device: str | torch.device) -> str | None:
+    """The weight format to serve: what was asked, or by default a GGUF file's blocks kept where their kernel runs
+    (the same outputs, bit for bit, in a third of the memory: BENCHMARKS.md "Quantized serving"), else the
+    dequantized weights (None). `none` asks for the dequantized weights."""
+    if requested is not None:
+        return None if requested == "none" else requested
+    if not is_gguf(Path(model_path)) or torch.device(device).type != "cpu" or dtype != torch.bfloat16:
+        return None
+    ops = cpu_kernels._extension()
+    return "gguf" if ops is not None and ops.bf16_kernel() == "amx" else None
+
+
 def linear_method(quantization: str | None) -> LinearMethod:
-    """The LinearMethod of a `--quantization` name (None: the checkpoint's own dense weights)."""
-    if quantization is None:
+    """The LinearMethod of a `--quantization` name (None or `none`: the checkpoint's own dense weights)."""
+    if quantization is None or quantization == "none":
         return DenseLinearMethod()
     if quantization == "int8":
         from tokenmill.quant.int8 import Int8LinearMethod
