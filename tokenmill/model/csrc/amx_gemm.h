@@ -174,6 +174,21 @@ void amx_tiles(const torch::Tensor& x, int64_t K, int64_t NB, int64_t scratch_el
   });
 }
 
+// A bias in float32 (the epilogues add it in float32), or none: `p` points into `t`.
+struct FloatBias {
+  torch::Tensor t;
+  const float* p = nullptr;
+};
+
+inline FloatBias float_bias(const c10::optional<torch::Tensor>& bias) {
+  FloatBias b;
+  if (bias.has_value()) {
+    b.t = bias->to(at::kFloat).contiguous();
+    b.p = b.t.data_ptr<float>();
+  }
+  return b;
+}
+
 // 16 float32 results of features [n0, n0 + 16), times their per-feature scales (if any) plus bias (if any),
 // rounded to bfloat16 (nearest-even, as torch rounds) still as floats. Scale first, then bias: the order a
 // dequantize-then-matmul reference with a bias applies them in.

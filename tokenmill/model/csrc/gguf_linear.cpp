@@ -108,6 +108,16 @@ void with_widener(int64_t tile_bytes, const Loop& loop) {
   }
 }
 
+// amx_tiles over a packed weight [NB, KB, tile bytes] with its type's widening.
+template <typename Epilogue>
+void block_tiles(const torch::Tensor& x, const torch::Tensor& packed, const Epilogue& epilogue) {
+  const int64_t NB = packed.size(0), KB = packed.size(1), tile_bytes = packed.size(2);
+  with_widener(tile_bytes, [&](auto widen) {
+    amx_tiles(x, KB * kTileK, NB, widened_scratch(KB),
+              widened_weight(packed.data_ptr<uint8_t>(), NB, KB, tile_bytes, widen), epilogue);
+  });
+}
+
 void check_packed(const torch::Tensor& x, const torch::Tensor& packed) {
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
               "a weight packed by gguf_pack: [N/16, K/32, tile bytes] uint8");
@@ -127,20 +137,12 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed,
   check_packed(x, packed);
   const int64_t NB = packed.size(0), KB = packed.size(1), N = NB * kTileN, M = x.size(0);
   auto y = torch::empty({M, N}, x.options());
-  torch::Tensor bias_f;
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    bias_f = bias->to(at::kFloat).contiguous();
-    b = bias_f.data_ptr<float>();
-  }
+  const FloatBias b = float_bias(bias);
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const auto epilogue = [&](float* c, int64_t m0, int64_t rows, int64_t nb, bool two_cols) {
-    write_rows(c, nullptr, b, yp, N, m0, rows, nb * kTileN, two_cols ? 2 * kTileN : kTileN);
+    write_rows(c, nullptr, b.p, yp, N, m0, rows, nb * kTileN, two_cols ? 2 * kTileN : kTileN);
   };
-  with_widener(packed.size(2), [&](auto widen) {
-    amx_tiles(x, KB * kTileK, NB, widened_scratch(KB),
-              widened_weight(packed.data_ptr<uint8_t>(), NB, KB, packed.size(2), widen), epilogue);
-  });
+  block_tiles(x, packed, epilogue);
   return y;
 #else
   TORCH_CHECK(false, "this build has no AMX kernels (the CPU it was built for lacks AMX-BF16)");
@@ -160,10 +162,7 @@ torch::Tensor gguf_linear_silu(const torch::Tensor& x, const torch::Tensor& pair
   const auto epilogue = [&](float* c, int64_t m0, int64_t rows, int64_t nb, bool) {
     write_silu_rows(c, nullptr, nullptr, yp, I, m0, rows, (nb / 2) * kTileN);
   };
-  with_widener(packed.size(2), [&](auto widen) {
-    amx_tiles(x, KB * kTileK, NB, widened_scratch(KB),
-              widened_weight(packed.data_ptr<uint8_t>(), NB, KB, packed.size(2), widen), epilogue);
-  });
+  block_tiles(x, packed, epilogue);
   return y;
 #else
   TORCH_CHECK(false, "this build has no AMX kernels (the CPU it was built for lacks AMX-BF16)");

@@ -170,17 +170,12 @@ torch::Tensor w8_linear(const torch::Tensor& x, const torch::Tensor& packed, con
                         const c10::optional<torch::Tensor>& bias) {
   const Int8Problem p = setup_int8(x, packed, scale, Fp8);
   auto y = torch::empty({p.M, p.N}, x.options());
-  torch::Tensor bias_f;
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    bias_f = bias->to(at::kFloat).contiguous();
-    b = bias_f.data_ptr<float>();
-  }
+  const FloatBias b = float_bias(bias);
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const auto offset = Fp8 ? std::vector<float>() : offset_sums(x);
   const auto epilogue = [&](float* c, int64_t m0, int64_t rows, int64_t nb, bool two_cols) {
     if (!Fp8) remove_offset(c, offset, m0, rows);
-    write_rows(c, p.scale, b, yp, p.N, m0, rows, nb * kTileN, two_cols ? 2 * kTileN : kTileN);
+    write_rows(c, p.scale, b.p, yp, p.N, m0, rows, nb * kTileN, two_cols ? 2 * kTileN : kTileN);
   };
   amx_tiles(x, p.K, p.NB, widened_scratch(p.KB), w8_tiles<Fp8>(p.qp, p.NB, p.KB), epilogue);
   return y;
