@@ -138,3 +138,7 @@ def test_gguf_blocks_are_kept_by_default_only_where_their_kernel_runs(tmp_path):
     assert resolve_quantization(None, tmp_path, torch.bfloat16, "cpu") is None  # a Hugging Face directory
     assert resolve_quantization("none", gguf, torch.bfloat16, "cpu") is None
     assert resolve_quantization("int8", gguf, torch.bfloat16, "cpu") == "int8"
+    from tokenmill.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not a .gguf file"):
+        resolve_quantization("gguf", tmp_path, torch.bfloat16, "cpu")

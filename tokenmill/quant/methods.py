@@ -18,6 +18,9 @@ def resolve_quantization(requested: str | None, model_path: str | Path, dtype: t
     """The weight format to serve: what was asked, or by default a GGUF file's blocks kept where their kernel runs
     (the same outputs, bit for bit, in a third of the memory: BENCHMARKS.md "Quantized serving"), else the
     dequantized weights (None). `none` asks for the dequantized weights."""
+    if requested == "gguf" and not is_gguf(Path(model_path)):
+        raise ConfigError(f"--quantization gguf keeps a GGUF file's blocks, and {model_path} is not a .gguf file; "
+                          "use --quantization int8 or fp8 to quantize other checkpoints")
     if requested is not None:
         return None if requested == "none" else requested
     if not is_gguf(Path(model_path)) or torch.device(device).type != "cpu" or dtype != torch.bfloat16:
