@@ -36,7 +36,7 @@ from tokenmill.quant.int8 import quantize_int8  # noqa: E402
 LAYERS = 30
 HIDDEN, INTER, QKV = 576, 1536, 960
 FORMATS = ("bfloat16", "int8", "fp8", "q4_1", "q8_0")  # the last two: GGUF blocks kept (--quantization gguf)
-DECODE = {"bfloat16": "none", "int8": "int8", "fp8": "fp8", "gguf (Q4_1 + Q8_0 head)": "gguf"}
+DECODE = {"bfloat16": "none", "int8": "int8", "fp8": "fp8", "int4": "int4", "gguf (Q4_1 + Q8_0 head)": "gguf"}
 
 
 def bandwidth_gbs() -> float:

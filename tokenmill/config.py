@@ -131,7 +131,7 @@ class SchedulerConfig:
             raise ConfigError(f"--scheduling-policy must be 'continuous' or 'static', got {self.policy!r}")
 
 
-QUANTIZATION_CHOICES = ("int8", "fp8", "gguf", "none")  # tokenmill/quant/methods.py builds each (kept here: no model stack to import)
+QUANTIZATION_CHOICES = ("int8", "fp8", "int4", "gguf", "none")  # tokenmill/quant/methods.py builds each (kept here: no model stack to import)
 
 
 @dataclass

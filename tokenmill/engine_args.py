@@ -50,7 +50,8 @@ class EngineArgs:
                               "else float32)", choices=["auto", "float32", "bfloat16", "float16"])
     device: str = _opt("cpu", "torch device (cpu, cuda, ...)")
     quantization: str | None = _opt(None, "int8 / fp8: quantize the weights as they load (weight-only, one scale per "
-                                          "output feature; half the bytes of bfloat16); gguf: keep a GGUF file's "
+                                          "output feature; half the bytes of bfloat16); int4: round-to-nearest in "
+                                          "groups of 32 (Q4_1 blocks; 5 bits a weight); gguf: keep a GGUF file's "
                                           "Q4_0/Q4_1/Q8_0 blocks at run time (outputs bit for bit the dequantized "
                                           "model's); none: dequantize. Default: gguf for a GGUF file where its "
                                           "kernel runs (AMX, bfloat16), else none", choices=list(QUANTIZATION_CHOICES))

@@ -41,6 +41,10 @@ def linear_method(quantization: str | None) -> LinearMethod:
         from tokenmill.quant.fp8 import Fp8LinearMethod
 
         return Fp8LinearMethod()
+    if quantization == "int4":
+        from tokenmill.quant.int4 import Int4LinearMethod
+
+        return Int4LinearMethod()
     if quantization == "gguf":
         from tokenmill.quant.gguf_linear import GGUFLinearMethod
 
