@@ -1,7 +1,7 @@
 """Linear layers behind one interface: the model says "project x"; the layer's LinearMethod owns how the weight is
 stored, loaded from a checkpoint and multiplied, and the backend's `linear` runs the matmul. Dense is the one method
-by default; a quantized format (tokenmill/quant/: INT8, ...) or a tensor-parallel shard is one more LinearMethod
-subclass.
+by default; a quantized format (tokenmill/quant/: int8, fp8, int4, GGUF blocks) or a tensor-parallel shard is one
+more LinearMethod subclass.
 model/backends/cpu.py says which CPU kernel serves which shape."""
 
 from __future__ import annotations
@@ -119,7 +119,8 @@ class TiedLMHead:
     """The LM head of a model whose head shares the input embedding: the embedding's weight read as a linear
     layer's. Not a module, so the checkpoint and state dict keep the one tensor; it holds the module, not the
     tensor, so it follows `to()` and reloads. Backends may give it a packed copy like any Linear, and a
-    quantization method its own quantized copy (the embedding itself stays as it is, for the lookups)."""
+    quantization method its own quantized copy, whose rows the embedding's lookups may then read instead of the
+    dense table (VocabEmbedding.keep_rows)."""
 
     bias = None
     packed_weight: torch.Tensor | None = None
