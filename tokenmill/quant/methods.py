@@ -7,10 +7,10 @@ from pathlib import Path
 import torch
 
 from tokenmill.config import QUANTIZATION_CHOICES
-from tokenmill.model import cpu_kernels
-from tokenmill.model.paths import is_gguf
 from tokenmill.errors import ConfigError
+from tokenmill.model import cpu_kernels
 from tokenmill.model.linear import DenseLinearMethod, LinearMethod
+from tokenmill.model.paths import is_gguf
 
 
 def resolve_quantization(requested: str | None, model_path: str | Path, dtype: torch.dtype,
