@@ -26,7 +26,8 @@ MEASURE_PROMPT_TOKENS = 32
 MEASURE_DECODE_STEPS = 8
 ENGINE_REPEATS = 2  # best of this many runs of each length
 # planner --dtype -> how the engine runs it: (its --dtype, its --quantization)
-ENGINE_FORMATS = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("bfloat16", "int8")}
+ENGINE_FORMATS = {"fp32": ("float32", "none"), "bf16": ("bfloat16", "none"), "int8": ("bfloat16", "int8"),
+                  "fp8": ("bfloat16", "fp8"), "int4": ("bfloat16", "int4")}
 
 
 @dataclass

@@ -85,7 +85,8 @@ def render_recommendations(console: Console, recs: list[Recommendation], tpot: f
 
 
 def render_measurement(console: Console, m: Measurement) -> None:
-    fmt = m.engine_dtype if m.engine_quantization is None else f"{m.engine_quantization} ({m.engine_dtype} compute)"
+    quantized = m.engine_quantization not in (None, "none")
+    fmt = f"{m.engine_quantization} ({m.engine_dtype} compute)" if quantized else m.engine_dtype
     t = _kv_table(f"Measured on this machine: {m.model}, {fmt}, batch {m.batch}")
     t.add_row("memory bandwidth (measured)", fmt_rate(m.bandwidth_bytes_per_s))
     t.add_row("fp32 matmul rate (measured)", f"{m.matmul_flops / 1e9:,.1f} GFLOP/s")
@@ -94,7 +95,7 @@ def render_measurement(console: Console, m: Measurement) -> None:
     t.add_row("measured / roofline", f"{m.ratio:.2f}x")
     t.add_row("weights, in the engine", f"{fmt_bytes(m.engine_weight_bytes)} (its start-up log and /metrics)")
     t.add_row("weights, planned", f"{fmt_bytes(m.predicted_weight_bytes)} (params x bytes per parameter; the "
-                                  "engine adds e.g. a dense table for lookups beside a quantized LM head)")
+                                  "engine also holds norms, scales, and for some formats a tied table twice)")
     console.print(t)
 
 
