@@ -15,7 +15,7 @@ CHANGED = {"model": ("m.gguf", "m.gguf"), "tokenizer": ("tok", "tok"), "dtype": 
            "max_num_seqs": ("9", 9), "max_num_batched_tokens": ("1024", 1024),
            "long_prefill_token_threshold": ("100", 100), "max_model_len": ("4096", 4096),
            "scheduling_policy": ("static", "static"), "batch_invariant": (None, False),
-           "quantization": ("int8", "int8")}
+           "quantization": ("int8", "int8"), "max_prefill_tokens_while_decoding": ("64", 64)}
 
 
 def config_value(config, field: dataclasses.Field):

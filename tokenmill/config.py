@@ -118,6 +118,9 @@ class SchedulerConfig:
     # prefills with more tokens left than this share the step (engine/scheduler.py); None = a quarter of
     # max_num_batched_tokens, at least one block; >= max_num_batched_tokens: no sharing (a long prompt takes it all)
     long_prefill_token_threshold: int | None = None
+    # while requests decode, a step carries at most this many prompt tokens besides them (None: no cap), so the
+    # decodes' steps stay short (inter-token latency) at the cost of prompts taking more steps
+    max_prefill_tokens_while_decoding: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -127,11 +130,15 @@ class SchedulerConfig:
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
             raise ConfigError(
                 f"--long-prefill-token-threshold must be >= 1, got {self.long_prefill_token_threshold}")
+        if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 1:
+            raise ConfigError("--max-prefill-tokens-while-decoding must be >= 1, got "
+                              f"{self.max_prefill_tokens_while_decoding}")
         if self.policy not in ("continuous", "static"):
             raise ConfigError(f"--scheduling-policy must be 'continuous' or 'static', got {self.policy!r}")
 
 
-QUANTIZATION_CHOICES = ("int8", "fp8", "int4", "gguf", "none")  # tokenmill/quant/methods.py builds each (kept here: no model stack to import)
+# tokenmill/quant/methods.py builds each (listed here: the config imports no model stack)
+QUANTIZATION_CHOICES = ("int8", "fp8", "int4", "gguf", "none")
 
 
 @dataclass

@@ -77,6 +77,10 @@ class EngineArgs:
     long_prefill_token_threshold: int | None = _opt(
         None, "prefills with more tokens left than this share the step with other requests (default: a quarter of "
               "--max-num-batched-tokens; >= it: a long prompt takes whole steps)", type=int, config="scheduler")
+    max_prefill_tokens_while_decoding: int | None = _opt(
+        None, "while requests decode, at most this many prompt tokens share a step with them (default: no cap "
+              "beyond --max-num-batched-tokens): shorter steps for the decodes (inter-token latency p99), more "
+              "steps for the prompts", type=int, config="scheduler")
     max_model_len: int | None = _opt(None, "context window (default: the model's)", type=int, config="scheduler")
     scheduling_policy: str = _opt("continuous", "continuous batching, or static (fixed batches, for measurement)",
                                   choices=["continuous", "static"], config="scheduler", key="policy")

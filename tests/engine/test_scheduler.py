@@ -69,6 +69,24 @@ def test_chunked_prefill_respects_budget_and_decodes_share_the_batch():
     check_blocks_match_tokens(sched)
 
 
+def test_prompt_tokens_beside_decodes_are_capped_when_asked():
+    """--max-prefill-tokens-while-decoding: while requests decode, a step carries at most that many prompt tokens
+    besides them; with nothing decoding (the first burst) the whole budget still goes to prompts."""
+    kv = KVCacheManager(256, 4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_prefill_tokens_while_decoding=10), kv)
+    for i in range(3):
+        sched.add_request(make_request(f"d{i}", 4, 20))
+    out, _ = run_step(sched)
+    assert out.num_tokens == 12  # no one decodes yet: no cap
+    sched.add_request(make_request("p", 40, 5))
+    for _ in range(3):
+        out, _ = run_step(sched)
+        decodes = [s for s in out.scheduled if s.request.request_id.startswith("d")]
+        assert [s.num_new_tokens for s in decodes] == [1, 1, 1]  # every decode still runs
+        assert out.num_tokens - 3 <= 10
+    check_blocks_match_tokens(sched)
+
+
 def test_preemption_frees_blocks_and_resumes_by_recompute():
     kv = KVCacheManager(6, 4)  # 24 tokens
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv)

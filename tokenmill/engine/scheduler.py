@@ -114,6 +114,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         now = time.monotonic()
         admitting = self.config.policy == "continuous"
+        cap = self.config.max_prefill_tokens_while_decoding
+        if cap is not None and admitting:
+            decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+            if decoding:
+                budget = min(budget, decoding + cap)
         threshold = self.long_prefill_threshold if admitting else budget
         share = threshold  # what running prefills longer than the threshold may take in phase A
         capped: list[ScheduledRequest] = []  # their chunks, grown in phase C
