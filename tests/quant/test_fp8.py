@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.models.tiny import make_tiny_model
-from tokenmill import LLM, SamplingParams
+from tests.quant.common import KV, tiny_batch_and_dense
+from tokenmill import LLM
 from tokenmill.model.backends import TorchBackend
 from tokenmill.model.cpu_kernels import _extension
 from tokenmill.quant.fp8 import E4M3_MAX, E4M3_MIN_NORMAL, dequantize_fp8, quantize_fp8
@@ -16,7 +16,6 @@ from tokenmill.quant.fp8 import E4M3_MAX, E4M3_MIN_NORMAL, dequantize_fp8, quant
 ops = _extension()
 AMX = ops is not None and ops.bf16_kernel() == "amx"
 needs_amx = pytest.mark.skipif(not AMX, reason="the FP8 tile kernel runs on AMX only; elsewhere the reference")
-KV = 64 << 20
 
 
 def test_quantize_fp8_keeps_to_normal_numbers_within_e4m3_precision():
@@ -81,13 +80,8 @@ def test_reference_fp8_linear_is_the_dequantized_product():
 def test_fp8_model_tracks_the_dense_model(tmp_path, dtype):
     """A whole model with FP8 weights: its first greedy token and logprob agree with the dense model's to FP8
     noise, batched outputs equal the same requests run alone, and no block leaks."""
-    path = make_tiny_model(tmp_path, vocab_size=512, hidden_size=128, intermediate_size=256, num_heads=4,
-                           num_kv_heads=2)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
-    g = torch.Generator().manual_seed(0)
-    batch = [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=g).tolist()} for n in (6, 21, 40)]
-    dense = LLM(str(path), dtype=dtype, kv_cache_memory=KV).generate(batch, params, use_tqdm=False)
-    llm = LLM(str(path), dtype=dtype, quantization="fp8", kv_cache_memory=KV)
+    path, batch, params, dense = tiny_batch_and_dense(tmp_path, dtype, max_tokens=8)
+    llm = LLM(path, dtype=dtype, quantization="fp8", kv_cache_memory=KV)
     assert "fp8" in llm.engine.core.runner.weight_summary()
     fp8 = llm.generate(batch, params, use_tqdm=False)
     for a, b in zip(dense, fp8):

@@ -8,15 +8,14 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
-from tests.models.tiny import make_tiny_model
-from tokenmill import LLM, SamplingParams
+from tests.quant.common import KV, tiny_batch_and_dense
+from tokenmill import LLM
 from tokenmill.model.cpu_kernels import _extension
 from tokenmill.quant.gguf import dequantize
 from tokenmill.quant.int4 import quantize_q4_1
 
 ops = _extension()
 AMX = ops is not None and ops.bf16_kernel() == "amx"
-KV = 64 << 20
 
 
 def test_quantize_q4_1_writes_valid_blocks_within_half_a_step():
@@ -37,13 +36,8 @@ def test_quantize_q4_1_writes_valid_blocks_within_half_a_step():
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
     not AMX, reason="the block tile kernel runs on AMX only"))])
 def test_int4_model_runs_kept_blocks_and_tracks_the_dense_model(tmp_path, dtype):
-    path = make_tiny_model(tmp_path, vocab_size=512, hidden_size=128, intermediate_size=256, num_heads=4,
-                           num_kv_heads=2)
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
-    g = torch.Generator().manual_seed(0)
-    batch = [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=g).tolist()} for n in (6, 21, 40)]
-    dense = LLM(str(path), dtype=dtype, kv_cache_memory=KV).generate(batch, params, use_tqdm=False)
-    llm = LLM(str(path), dtype=dtype, quantization="int4", kv_cache_memory=KV)
+    path, batch, params, dense = tiny_batch_and_dense(tmp_path, dtype, max_tokens=6)
+    llm = LLM(path, dtype=dtype, quantization="int4", kv_cache_memory=KV)
     model = llm.engine.core.runner.model
     assert "int4" in llm.engine.core.runner.weight_summary()
     assert all(m.gguf_type == int(T.Q4_1) for m in model.linear_layers())
