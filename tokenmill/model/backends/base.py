@@ -72,18 +72,12 @@ class Backend(ABC):
         if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2:
             y = torch._weight_int8pack_mm(x.contiguous(), layer.qweight, layer.weight_scale)
             return y if layer.bias is None else y.add_(layer.bias)
-        y = torch.nn.functional.linear(x.float(), layer.qweight.float()) * layer.weight_scale
-        if layer.bias is not None:
-            y += layer.bias.float()
-        return y.to(x.dtype)
+        return _scaled_product(x, layer)
 
     def fp8_linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
         """Weight-only FP8 (tokenmill/quant/fp8.py): (x @ layer.qweight.T) * layer.weight_scale (+ bias), in
         float32 and rounded once to x's dtype; this reference widens the whole weight on every call."""
-        y = torch.nn.functional.linear(x.float(), layer.qweight.float()) * layer.weight_scale
-        if layer.bias is not None:
-            y += layer.bias.float()
-        return y.to(x.dtype)
+        return _scaled_product(x, layer)
 
     def gguf_linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
         """A weight kept as GGUF blocks (quant/gguf_linear.py: layer.gguf_blocks of layer.gguf_type): x @ w.T
@@ -91,8 +85,7 @@ class Backend(ABC):
         call; a backend with a block kernel reads the blocks instead."""
         from tokenmill.quant.gguf import dequantize
 
-        n, k = layer.gguf_blocks.shape[0], layer.in_features if hasattr(layer, "in_features") else x.shape[-1]
-        w = dequantize(layer.gguf_blocks, layer.gguf_type, (n, k), x.dtype)
+        w = dequantize(layer.gguf_blocks, layer.gguf_type, (layer.gguf_blocks.shape[0], x.shape[-1]), x.dtype)
         return torch.nn.functional.linear(x, w, layer.bias)
 
     def gate_up_silu(self, x: torch.Tensor, gate_up: nn.Module) -> torch.Tensor:
@@ -115,3 +108,12 @@ class Backend(ABC):
     def describe(self) -> str:
         """One line for the start-up log: which backend, and on what."""
         return self.name
+
+
+def _scaled_product(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """(x @ layer.qweight.T) * layer.weight_scale (+ bias) in float32, rounded once to x's dtype: the reference of
+    the 8-bit weight formats, widening the whole weight."""
+    y = torch.nn.functional.linear(x.float(), layer.qweight.float()) * layer.weight_scale
+    if layer.bias is not None:
+        y += layer.bias.float()
+    return y.to(x.dtype)
