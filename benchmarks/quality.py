@@ -2,6 +2,8 @@
 serving: quality"), all in one process on the same held-out samples:
 
     python benchmarks/quality.py --num-samples 200 --formats int8,gguf
+    python benchmarks/quality.py --formats rtn=DIR1,awq=DIR2   # checkpoints (`tokenmill quantize --out DIR`)
+    python benchmarks/quality.py --formats none:kv-fp8,gguf:kv-fp8   # an FP8 KV cache (--kv-cache-dtype fp8)
 
 - perplexity on held-out ShareGPT text (tokenmill.eval: the half calibration never sees), with its bootstrap 95%
   interval, and the change against the reference with a *paired* bootstrap interval (the same samples resampled
@@ -23,8 +25,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from tokenmill import LLM, SamplingParams  # noqa: E402
-from tokenmill.eval import evaluate_perplexity, heldout_samples  # noqa: E402
+from tokenmill import LLM, SamplingParams
+from tokenmill.eval import evaluate_perplexity, heldout_samples
 
 
 def paired_change(ref: list[float], other: list[float], tokens: list[int], resamples: int = 1000,
@@ -53,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="model (default: the embedded SmolLM2 GGUF)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--formats", default="int8,gguf", help="--quantization values to compare with the reference "
-                                                         "(the weights dequantized to --dtype: `none`)")
+                                                         "(the weights dequantized to --dtype: `none`), or "
+                                                         "LABEL=PATH for another checkpoint in its own format; "
+                                                         "a :kv-fp8 suffix adds --kv-cache-dtype fp8")
     p.add_argument("--num-samples", type=int, default=200)
     p.add_argument("--max-tokens-per-sample", type=int, default=512)
     p.add_argument("--greedy-prompts", type=int, default=32)
@@ -63,7 +67,14 @@ def main(argv: list[str] | None = None) -> int:
 
     results = {}
     for fmt in ["reference", *args.formats.split(",")]:
-        llm = LLM(args.model, dtype=args.dtype, quantization="none" if fmt == "reference" else fmt)
+        weights, _, kv = fmt.partition(":kv-")  # e.g. none:kv-fp8: the dequantized weights with an FP8 KV cache
+        _, is_path, path = weights.partition("=")
+        kv_dtype = kv or "auto"
+        if is_path:  # a checkpoint served in its own format (e.g. an AWQ directory)
+            llm = LLM(path, dtype=args.dtype, kv_cache_dtype=kv_dtype)
+        else:
+            llm = LLM(args.model, dtype=args.dtype, quantization="none" if fmt == "reference" else weights,
+                      kv_cache_dtype=kv_dtype)
         if fmt == "reference":
             samples = heldout_samples(llm.get_tokenizer(), args.num_samples, args.seed, args.max_tokens_per_sample)
             prompts = [s[:64] for s in samples[:args.greedy_prompts]]

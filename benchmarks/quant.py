@@ -3,6 +3,7 @@
     python benchmarks/quant.py                         # all parts
     python benchmarks/quant.py --parts matmul --rows 1,8,64,512
     python benchmarks/quant.py --parts decode --runs 5
+    python benchmarks/quant.py --parts decode --formats bfloat16,gguf --checkpoints awq=DIR   # + an AWQ checkpoint
 
 - bandwidth: what these cores read from memory (a reduction over 1 GiB, all threads): the floors below use it.
 - matmul: a whole SmolLM2's matmuls (30 layers of qkv, o, gate/up with SiLU, down, each layer its own weights, so
@@ -28,15 +29,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tokenmill.model.cpu_kernels import _extension, cpu_isa  # noqa: E402
-from tokenmill.quant.fp8 import quantize_fp8  # noqa: E402
-from tokenmill.quant.gguf_tiles import gguf_pack  # noqa: E402
-from tokenmill.quant.int8 import quantize_int8  # noqa: E402
+from tokenmill.model.cpu_kernels import _extension, cpu_isa
+from tokenmill.quant.fp8 import quantize_fp8
+from tokenmill.quant.gguf_tiles import gguf_pack
+from tokenmill.quant.int8 import quantize_int8
 
 LAYERS = 30
 HIDDEN, INTER, QKV = 576, 1536, 960
 FORMATS = ("bfloat16", "int8", "fp8", "q4_1", "q8_0")  # the last two: GGUF blocks kept (--quantization gguf)
-DECODE = {"bfloat16": "none", "int8": "int8", "fp8": "fp8", "int4": "int4", "gguf (Q4_1 + Q8_0 head)": "gguf"}
+DECODE = {"bfloat16": "none", "int8": "int8", "fp8": "fp8", "int4": "int4", "gguf (Q4_1 + Q8_0 head)": "gguf",
+          "bfloat16+kv-fp8 (FP8 KV cache)": "none:fp8", "gguf+kv-fp8 (FP8 KV cache)": "gguf:fp8"}  # quant[:kv dtype]
 
 
 def bandwidth_gbs() -> float:
@@ -130,10 +132,21 @@ def matmul(rows: list[int], gbs: float) -> None:
 
 
 def engines(max_num_seqs: int = 128) -> dict:
+    """An engine per --formats name (DECODE's, on the embedded GGUF) and per --checkpoints LABEL=PATH (served in
+    its own format, e.g. an AWQ directory from `tokenmill quantize`)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from tokenmill import LLM
 
-    return {fmt: LLM(dtype="bfloat16", quantization=q, max_num_seqs=max_num_seqs) for fmt, q in DECODE.items()}
+    out = {fmt: LLM(dtype="bfloat16", quantization=q.partition(":")[0], max_num_seqs=max_num_seqs,
+                    kv_cache_dtype=q.partition(":")[2] or "auto")
+           for fmt, q in DECODE.items() if SELECTED is None or fmt.split(" ")[0] in SELECTED}
+    for label, path in CHECKPOINTS.items():
+        out[label] = LLM(path, dtype="bfloat16", max_num_seqs=max_num_seqs)
+    return out
+
+
+SELECTED: set[str] | None = None  # --formats: DECODE names (the first word) to run; None = all
+CHECKPOINTS: dict[str, str] = {}  # --checkpoints
 
 
 def decode(runs: int, tokens: int, gbs: float) -> None:
@@ -196,7 +209,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="1,8,64,512")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--formats", default=None, help="decode/batched: which of " + ", ".join(DECODE) + " to run "
+                   "(first word; default all; bfloat16 is the baseline and must be among them)")
+    p.add_argument("--checkpoints", default="", help="decode/batched: LABEL=PATH,... checkpoints served in their "
+                   "own format beside the formats (e.g. awq=DIR from `tokenmill quantize`)")
     args = p.parse_args(argv)
+    global SELECTED
+    SELECTED = None if args.formats is None else set(args.formats.split(",")) | {"bfloat16"}
+    CHECKPOINTS.update(dict(item.split("=", 1) for item in args.checkpoints.split(",") if item))
     parts = args.parts.split(",")
     print(f"cpu isa: {cpu_isa()}, threads: {torch.get_num_threads()}")
     gbs = bandwidth_gbs()

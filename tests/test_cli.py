@@ -85,7 +85,7 @@ def test_generate_prints_paris_and_the_kv_cache_line():
     # start-up names the compute path: which backend, on which instruction sets, and the batch-invariance mode
     from tokenmill.model.cpu_kernels import cpu_isa
 
-    backend = re.search(r"^backend: (.*)$", proc.stderr, re.M)
+    backend = re.search(r"^backend: (.*)$", proc.stderr, re.MULTILINE)
     assert backend and backend.group(1).endswith("; batch-invariant"), proc.stderr
     assert ("isa: " + (cpu_isa() or "baseline")) in backend.group(1) or backend.group(1).startswith("torch")
 

@@ -303,7 +303,7 @@ def test_measure_report_wiring(monkeypatch, capsys):
 
     monkeypatch.setattr(measure_mod, "measure_bandwidth", lambda: 10e9)
     monkeypatch.setattr(measure_mod, "measure_matmul_flops", lambda: 50e9)
-    monkeypatch.setattr(measure_mod, "time_engine_decode_step", lambda *a: (0.030, 300 << 20))
+    monkeypatch.setattr(measure_mod, "time_engine_decode_step", lambda *a: (0.030, 300 << 20, 1234))
     rc, out, err = _run(["--gpu", "cpu", "--batch", "2", "--measure", "--json"], capsys)
     assert rc == 0, err
     m = json.loads(out)["measured"]
@@ -314,8 +314,13 @@ def test_measure_report_wiring(monkeypatch, capsys):
     assert m["ratio"] == pytest.approx(30.0 / m["predicted_decode_step_ms"])
     assert m["engine_weight_bytes"] == 300 << 20
     assert m["predicted_weight_bytes"] == PRESETS["smollm2-135m"].weight_bytes("fp32")
+    shape = PRESETS["smollm2-135m"]
+    assert m["engine_kv_bytes_per_token"] == 1234
+    assert m["predicted_kv_bytes_per_token"] == shape.kv_elements_per_token() * 4  # fp32, the compute dtype
     rc, out, _ = _run(["--gpu", "cpu", "--measure"], capsys)
-    assert rc == 0 and "measured / roofline" in out
+    assert rc == 0 and "measured / roofline" in out and "1,234 B" in out
+    rc, out, _ = _run(["--gpu", "cpu", "--measure", "--kv-dtype", "fp8", "--json"], capsys)
+    assert json.loads(out)["measured"]["predicted_kv_bytes_per_token"] == shape.kv_elements_per_token()
 
 
 def test_measure_rejects_presets_without_weights(capsys):

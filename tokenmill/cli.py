@@ -1,4 +1,4 @@
-"""`tokenmill` command line: serve, generate, chat, bench, plan, eval."""
+"""`tokenmill` command line: serve, generate, chat, bench, plan, eval, quantize."""
 
 from __future__ import annotations
 
@@ -171,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.eval import add_eval_parser
 
     add_eval_parser(sub)
+
+    from tokenmill.quantize import add_quantize_parser
+
+    add_quantize_parser(sub)
     return parser
 
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -68,6 +71,22 @@ class ModelConfig:
             eos_token_ids=eos_ids,
         )
 
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A Hugging Face config.json dictionary that from_hf_dict reads back as this config (for writing a model
+        directory from a GGUF file, e.g. `tokenmill quantize`)."""
+        model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                      "Qwen2ForCausalLM": "qwen2"}.get(self.architecture, "llama")
+        eos = self.eos_token_ids
+        return {"architectures": [self.architecture], "model_type": model_type, "vocab_size": self.vocab_size,
+                "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+                "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+                "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps,
+                "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
+                "max_position_embeddings": self.max_position_embeddings,
+                "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.attention_bias,
+                "hidden_act": "silu", "bos_token_id": self.bos_token_id,
+                "eos_token_id": eos[0] if len(eos) == 1 else (list(eos) or None)}
+
     @property
     def kv_bytes_per_token_per_element(self) -> int:
         """K and V elements per token over all layers (multiply by the dtype's size)."""
@@ -99,6 +118,7 @@ def default_kv_cache_memory() -> int:
 class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None = default_kv_cache_memory()
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: auto = the model's dtype; fp8 = e4m3, half of bfloat16's bytes
     num_blocks: int | None = None  # set by the engine once the pool is sized
     enable_prefix_caching: bool = True  # share KV blocks of common prefixes (engine/prefix_cache.py)
 
@@ -107,6 +127,15 @@ class CacheConfig:
             raise ConfigError(f"--block-size must be in [1, 1024], got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError(f"--kv-cache-memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got "
+                              f"{self.kv_cache_dtype!r}")
+
+    def cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's element type for a model computing in `model_dtype`."""
+        import torch  # not at import: the API process reads this module without the model stack
+
+        return model_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
 
 @dataclass
@@ -138,7 +167,10 @@ class SchedulerConfig:
 
 
 # tokenmill/quant/methods.py builds each (listed here: the config imports no model stack)
-QUANTIZATION_CHOICES = ("int8", "fp8", "int4", "gguf", "none")
+# the KV cache's element type: the model's (auto), or FP8 e4m3 (fp8 and fp8_e4m3, vLLM's names), values as they are
+# (scale 1, as vLLM without calibrated scales), clamped to +-448
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+QUANTIZATION_CHOICES = ("int8", "fp8", "int4", "awq", "gguf", "none")
 
 
 @dataclass

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.config import QUANTIZATION_CHOICES, CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES, CacheConfig, EngineConfig, SchedulerConfig
 
 
 def parse_bytes(text: str) -> int:
@@ -51,10 +51,11 @@ class EngineArgs:
     device: str = _opt("cpu", "torch device (cpu, cuda, ...)")
     quantization: str | None = _opt(None, "int8 / fp8: quantize the weights as they load (weight-only, one scale per "
                                           "output feature; half the bytes of bfloat16); int4: round-to-nearest in "
-                                          "groups of 32 (Q4_1 blocks; 5 bits a weight); gguf: keep a GGUF file's "
+                                          "groups of 32 (Q4_1 blocks; 5 bits a weight); awq: an AWQ checkpoint's "
+                                          "4-bit groups (`tokenmill quantize`); gguf: keep a GGUF file's "
                                           "Q4_0/Q4_1/Q8_0 blocks at run time (outputs bit for bit the dequantized "
-                                          "model's); none: dequantize. Default: gguf for a GGUF file where its "
-                                          "kernel runs (AMX, bfloat16), else none", choices=list(QUANTIZATION_CHOICES))
+                                          "model's); none: dequantize. Default: awq for an AWQ checkpoint, gguf for "
+                                          "a GGUF file where its kernel runs (AMX, bfloat16), else none", choices=list(QUANTIZATION_CHOICES))
     batch_invariant: bool = _opt(True, "bit-for-bit the same output for a request whatever else is batched and "
                                        "however its prompt is chunked: matmul kernels whose rows do not depend on "
                                        "the batch (bfloat16 with AMX or AVX512-BF16, float32 with AVX2), and prompt "
@@ -69,6 +70,10 @@ class EngineArgs:
     kv_cache_memory: int | None = _opt(None, "bytes for the KV cache, e.g. 2GiB (default: a quarter of free RAM, at "
                                              "most 2 GiB)", type=parse_bytes, config="cache")
     block_size: int = _opt(16, "tokens per KV block", type=int, config="cache")
+    kv_cache_dtype: str = _opt("auto", "KV cache element type: auto (the model's dtype) or fp8 / fp8_e4m3 (e4m3, one "
+                                       "byte an element: twice the tokens in the same memory; values stored as "
+                                       "they are, clamped to +-448)", choices=list(KV_CACHE_DTYPES),
+                               config="cache")
     enable_prefix_caching: bool = _opt(True, "share the KV blocks of common prompt prefixes between requests "
                                              "(--no-prefix-caching turns it off)", flag="--prefix-caching",
                                        config="cache")

@@ -119,7 +119,7 @@ def build_report(args: argparse.Namespace) -> PlanReport:
     if _opt(args, "measure"):
         from tokenmill.planner.measure import measure
 
-        report.measured = measure(_opt(args, "model"), dep.batch, _opt(args, "dtype"))
+        report.measured = measure(_opt(args, "model"), dep.batch, _opt(args, "dtype"), kv_dtype=_opt(args, "kv_dtype"))
     return report
 
 

@@ -250,3 +250,51 @@ def test_dtype_probe_times_both_kernels():
         pytest.skip("no packed bfloat16 kernel on this CPU: auto is float32 without a probe (tested above)")
     ms = dtype_probe.probe_matmul_ms(ops)
     assert set(ms) == {"bfloat16", "float32"} and all(0 < v < 10_000 for v in ms.values())
+
+
+@pytest.mark.skipif(ops is None or not ops.bf16_kernel(), reason="bf16_pack needs our bfloat16 kernel")
+def test_tied_embedding_reads_its_rows_from_the_heads_tiles(tmp_path):
+    from tokenmill.model.backends.cpu import tile_rows
+
+    w = torch.randn(96, 64).bfloat16()
+    ids = torch.tensor([[0, 95, 17], [16, 15, 40]])
+    assert torch.equal(tile_rows(ops.bf16_pack(w))(ids), w[ids])
+    # a tied bfloat16 model releases its table once the head is packed; the lookups give the same rows
+    path = make_tiny_model(tmp_path, tie_word_embeddings=True)
+    cfg = load_model_config(path)
+    runner = ModelRunner(cfg, load_weights(path, cfg, torch.bfloat16), torch.bfloat16, "cpu", num_blocks=8,
+                         block_size=16)
+    model = runner.model
+    if model.tied_head.packed_weight is None or model.tied_head.packed_weight.dim() != 4:
+        pytest.skip("the head is not packed in bfloat16 tiles on this CPU")
+    dense = load_weights(path, cfg, torch.bfloat16)["model.embed_tokens.weight"]
+    assert model.embed_tokens.weight.is_meta
+    assert torch.equal(model.embed_tokens(ids), dense[ids])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_cache_attention_and_writes_match_the_reference(dtype):
+    """--kv-cache-dtype fp8: the kernel decodes e4m3 codes exactly as torch widens them, and writes them as torch
+    casts (clamped to +-448), whatever the model's dtype."""
+    q, kc, vc, tables, rows, lens, _ = make_paged_batch(5, dtype, 3, 64, 16, contexts_for(16))
+    kc8, vc8 = (c.float().clamp(-448, 448).to(torch.float8_e4m3fn) for c in (kc, vc))
+    meta = AttentionMetadata(slot_mapping=torch.zeros(q.shape[0], dtype=torch.long), num_paged_tokens=q.shape[0],
+                             block_tables=tables, q_rows=rows, kv_lens=lens, fresh_spans=[])
+    got = CpuBackend(ops).paged_attention(q, q, q, kc8, vc8, meta)
+    want = CpuBackend(ops).paged_attention(q, q, q, kc8.to(dtype), vc8.to(dtype), meta)  # the widened cache
+    if dtype == torch.float32:  # the same vector kernel on the same values
+        assert torch.equal(got, want)
+    torch.testing.assert_close(got, TorchBackend().paged_attention(q, q, q, kc8, vc8, meta),
+                               **(tol(dtype) if dtype == torch.float32 else {"atol": 6e-2, "rtol": 5e-2}))
+    g = torch.Generator().manual_seed(1)
+    heads, kvh, d = 4, 2, 32
+    qkv = (torch.randn(9, (heads + 2 * kvh) * d, generator=g) * 100).to(dtype)  # some past +-448
+    cos, sin = torch.randn(9, 1, d, generator=g).to(dtype), torch.randn(9, 1, d, generator=g).to(dtype)
+    slots = torch.tensor([3, 17, 4, 30, 31, 0, 8, 9, 22])
+    caches = [[torch.zeros(2, 16, kvh, d, dtype=torch.float8_e4m3fn) for _ in range(2)] for _ in range(2)]
+    for backend, (k8, v8) in zip((CpuBackend(ops), TorchBackend()), caches):
+        backend.rotary_and_write_kv(qkv.clone(), heads, kvh, cos, sin, k8, v8, slots)
+    for a, b in zip(*caches):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        assert not a.float().isnan().any()

@@ -241,7 +241,8 @@ def test_gate_up_pairs_apply_silu_bit_for_bit_as_the_separate_ops(m, i, k):
 @pytest.mark.skipif(BF16_KERNEL == "", reason="no bfloat16 matmul kernel on this CPU")
 def test_bf16_tile_packing_releases_the_plain_weights_and_reloads(tmp_path):
     """Where the tile copy serves every row count, the plain copy is not kept (the weights are held once); the
-    tied LM head keeps its weight (it is the embedding), and loading again brings the plain weights back."""
+    tied LM head's tiles serve the embedding's lookups too, so the table goes as well, and loading again brings
+    the plain weights back."""
     from tests.models.tiny import make_tiny_model
     from tokenmill.model.llama import LlamaForCausalLM
     from tokenmill.model.loader import load_model_config, load_weights
@@ -254,9 +255,12 @@ def test_bf16_tile_packing_releases_the_plain_weights_and_reloads(tmp_path):
     x = torch.randn(5, cfg.hidden_size).to(torch.bfloat16)
     qkv = model.layers[0].self_attn.qkv_proj
     before = F.linear(x, qkv.weight)
+    ids = torch.tensor([0, 7, cfg.vocab_size - 1])
+    rows = model.embed_tokens(ids)
     assert backend.prepack(model)
     assert qkv.weight.is_meta and qkv.packed_weight.dim() == 4
-    assert not model.embed_tokens.weight.is_meta and model.tied_head.packed_weight.dim() == 4
+    assert model.embed_tokens.weight.is_meta and model.tied_head.packed_weight.dim() == 4
+    assert torch.equal(model.embed_tokens(ids), rows)
     torch.testing.assert_close(qkv(x), before, atol=0.05, rtol=2e-2)
     model.load_hf_weights(load_weights(path, cfg, torch.bfloat16))
     assert not any(p.is_meta for p in model.parameters()) and qkv.packed_weight is None

@@ -19,7 +19,7 @@ from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 from tokenmill.errors import ConfigError
 from tokenmill.model.backends import auto_dtype
 from tokenmill.model.loader import load_model_config, load_weights, resolve_model_path
-from tokenmill.quant.methods import resolve_quantization
+from tokenmill.quant.methods import checkpoint_quantization, resolve_quantization
 from tokenmill.request import Request, RequestStatus
 
 log = logging.getLogger("tokenmill")
@@ -53,17 +53,20 @@ class EngineCore:
         path = resolve_model_path(config.model)
         self.model_path = path
         self.model_config: ModelConfig = load_model_config(path)
-        self.dtype = DTYPES[auto_dtype(config.device, config.quantization) if config.dtype == "auto" else config.dtype]
+        stored = checkpoint_quantization(path)  # an AWQ checkpoint computes as --quantization awq would
+        self.dtype = DTYPES[auto_dtype(config.device, config.quantization or stored) if config.dtype == "auto"
+                            else config.dtype]
         self.quantization = resolve_quantization(config.quantization, path, self.dtype, config.device)
         weights = load_weights(path, self.model_config, self.dtype)
         mc, cc = self.model_config, config.cache
-        per_token = kv_bytes_per_token(mc, self.dtype)
+        self.kv_dtype = cc.cache_dtype(self.dtype)
+        per_token = kv_bytes_per_token(mc, self.kv_dtype)
         budget = cc.kv_cache_memory or default_kv_cache_memory()
         num_blocks = cc.num_blocks or budget // (per_token * cc.block_size)
         if num_blocks < 1:
             raise ConfigError(f"--kv-cache-memory {budget} bytes holds no block of {cc.block_size} tokens "
                               f"({per_token * cc.block_size} bytes); raise it")
-        self.cache_info = CacheInfo(num_blocks, cc.block_size, per_token, str(self.dtype).removeprefix("torch."),
+        self.cache_info = CacheInfo(num_blocks, cc.block_size, per_token, str(self.kv_dtype).removeprefix("torch."),
                                     cc.enable_prefix_caching)
         max_len = config.scheduler.max_model_len or mc.max_position_embeddings
         if max_len > mc.max_position_embeddings:
@@ -72,7 +75,8 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(mc, weights, self.dtype, config.device, num_blocks, cc.block_size, config.seed,
-                                  batch_invariant=config.batch_invariant, quantization=self.quantization)
+                                  batch_invariant=config.batch_invariant, quantization=self.quantization,
+                                  kv_dtype=self.kv_dtype)
         del weights
         self._unstarted: set[str] = set()  # added, never scheduled yet: reported in `started` when first scheduled
 

@@ -64,7 +64,8 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: str,
                  num_blocks: int, block_size: int, seed: int = 0, use_kernel: bool = True,
-                 batch_invariant: bool = False, quantization: str | None = None):
+                 batch_invariant: bool = False, quantization: str | None = None,
+                 kv_dtype: torch.dtype | None = None):
         self.use_kernel = use_kernel
         # batch_invariant: every prompt token reads its context through the block tables (its K/V written first),
         # so its attention is the same computation however the prompt was chunked and whatever shares the step,
@@ -85,8 +86,10 @@ class ModelRunner:
         self.prepacked = self.backend.prepack(self.model)  # e.g. oneDNN layouts on CPU (model/backends/cpu.py)
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeroed, not empty: masked-out slots are still multiplied by 0 and must not hold NaN bit patterns.
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
-                           torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(cfg.num_layers)]
+        # kv_dtype: the model's dtype by default, or FP8 e4m3 (--kv-cache-dtype fp8; written clamped to +-448)
+        kv_dtype = kv_dtype or dtype
+        self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=self.device),
+                           torch.zeros(shape, dtype=kv_dtype, device=self.device)) for _ in range(cfg.num_layers)]
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self._seed_rng = random.Random(seed)

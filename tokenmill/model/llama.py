@@ -129,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
         goes, so the model is never held twice. Every parameter must be covered and every tensor used; packed
         copies of the old weights and the backend's cache are dropped (call backend.prepack again)."""
         if any(p.is_meta for p in self.parameters()):  # plain weights a backend released after packing
-            allocate_parameters(self, self.embed_tokens.weight.device)
+            allocate_parameters(self, self.norm.weight.device)  # the norms stay dense; a table may be released
         targets = self.weight_targets()
         missing = sorted(set(targets) - set(weights))
         if missing:

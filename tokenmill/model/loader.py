@@ -1,13 +1,14 @@
 """Find a model, read its shape (ModelConfig) and its weights under Hugging Face parameter names.
 
-Two on-disk forms are supported: a Hugging Face directory (config.json + *.safetensors) and a llama.cpp
-GGUF file. Everything downstream sees one state-dict layout, whichever form the model came in, as a Checkpoint:
+Two on-disk forms are supported: a Hugging Face directory (config.json + *.safetensors; an AWQ checkpoint is one
+too, its matmul weights stored in AutoAWQ's layout) and a llama.cpp GGUF file. Everything downstream sees one state-dict layout, whichever form the model came in, as a Checkpoint:
 checked when opened, read one tensor at a time as the model loads it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from abc import abstractmethod
 from collections.abc import Iterator, Mapping
@@ -21,7 +22,10 @@ from torch import nn
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ConfigError, ModelLoadError
 from tokenmill.model.paths import SUPPORTED_FORMS, default_model_path, is_gguf, resolve_model_path  # noqa: F401
+from tokenmill.quant.awq_format import BLOCK, Int4Groups, awq_config
 from tokenmill.quant.gguf import GGMLBlocks, GGUFFile, kept_gguf_type
+
+log = logging.getLogger(__name__)
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
@@ -175,7 +179,12 @@ def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype = torch.flo
     """The model's parameters under HF names, in `dtype`: names and shapes are checked against the config now,
     from the file headers; each tensor is read when it is asked for (see Checkpoint)."""
     path = Path(path)
-    return GGUFCheckpoint(path, config, dtype) if is_gguf(path) else SafetensorsCheckpoint(path, config, dtype)
+    if is_gguf(path):
+        return GGUFCheckpoint(path, config, dtype)
+    awq = awq_config(path)
+    if awq is not None:
+        return AWQCheckpoint(path, config, dtype, awq["group_size"])
+    return SafetensorsCheckpoint(path, config, dtype)
 
 
 class Checkpoint(Mapping[str, torch.Tensor]):
@@ -269,6 +278,74 @@ def _safetensors_files(path: Path) -> list[Path]:
     if missing:
         raise ModelLoadError(f"{index} names shards that are missing from {path}: {missing[:4]}")
     return files
+
+
+AWQ_PARTS = ("qweight", "qzeros", "scales")
+
+
+class AWQCheckpoint(Checkpoint):
+    """The checkpoint's tensors by HF name; a quantized weight reads as its dequantized values (`self[name]`) or
+    as Q4_Z blocks (`blocks(name)`, what the awq method keeps)."""
+
+    def __init__(self, path: Path, config: ModelConfig, dtype: torch.dtype, group_size: int):
+        self.group_size = group_size
+        expected = expected_shapes(config)
+        self._files: dict[str, Path] = {}
+        parts: dict[str, dict[str, tuple[Path, tuple[int, ...]]]] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        for file in _safetensors_files(path):
+            with _reading(file) as f:
+                for name in f.keys():  # noqa: SIM118 - a safe_open handle is not iterable
+                    base, _, suffix = name.rpartition(".")
+                    if suffix in AWQ_PARTS and f"{base}.weight" in expected:
+                        parts.setdefault(base, {})[suffix] = (file, tuple(f.get_slice(name).get_shape()))
+                    elif name in expected:
+                        self._files[name] = file
+                        shapes[name] = tuple(f.get_slice(name).get_shape())
+                    elif not _ignorable_hf_name(name, config):
+                        raise ModelLoadError(f"{file} holds tensor {name!r}, which a {config.architecture} "
+                                             "model does not have")
+        self._quantized: dict[str, dict[str, Path]] = {}
+        for base, found in parts.items():
+            missing = [p for p in AWQ_PARTS if p not in found]
+            if missing:
+                raise ModelLoadError(f"{path} is an AWQ checkpoint, but {base} lacks {', '.join(missing)} "
+                                     f"(it has {', '.join(sorted(found))}); quantize the model again")
+            (k, n8), name = found["qweight"][1], f"{base}.weight"
+            if name in shapes:
+                raise ModelLoadError(f"{path} holds {name} both dense and quantized")
+            shapes[name] = (n8 * 8, k)
+            self._quantized[name] = {p: found[p][0] for p in AWQ_PARTS}
+        super().__init__(path, config, dtype, shapes)
+
+    def groups(self, name: str) -> Int4Groups:
+        base = name.removesuffix(".weight")
+        tensors = {}
+        for part, file in self._quantized[name].items():
+            with _reading(file) as f:
+                tensors[part] = f.get_tensor(f"{base}.{part}")
+        return Int4Groups.from_awq(tensors["qweight"], tensors["qzeros"], tensors["scales"], self.group_size, base)
+
+    def _read(self, name: str) -> torch.Tensor:
+        if name in self._quantized:
+            return self.groups(name).dequantize(self.dtype)
+        with _reading(self._files[name]) as f:
+            return f.get_tensor(name).to(self.dtype)
+
+    def blocks(self, name: str) -> torch.Tensor | GGMLBlocks:
+        """A quantized weight as Q4_Z blocks (quant/gguf_linear.py keeps them); any other tensor, and groups the
+        blocks cannot hold (under 32 inputs), as `self[name]`: dense, dequantized."""
+        if name not in self._quantized:
+            return self[name]
+        if self.group_size % BLOCK:
+            log.warning("AWQ groups of %d inputs are served dequantized (the kernel takes multiples of %d): %s",
+                        self.group_size, BLOCK, name)
+            return self[name]
+        return self.groups(name).to_blocks()
+
+    @property
+    def quantized_names(self) -> list[str]:
+        return list(self._quantized)
 
 
 # GGUF leaf name -> HF leaf name, within `blk.N.` / `model.layers.N.`

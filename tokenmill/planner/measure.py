@@ -17,7 +17,7 @@ from typing import Any
 from tokenmill.planner.common import PlanError
 from tokenmill.planner.hardware import cpu_hardware
 from tokenmill.planner.models import PRESETS, ModelShape, default_gguf_path, load_model
-from tokenmill.planner.roofline import Deployment, decode_step_seconds
+from tokenmill.planner.roofline import Deployment, decode_step_seconds, kv_bytes_per_token
 
 BANDWIDTH_TENSOR_BYTES = 256 << 20
 MATMUL_SIZE = 1024
@@ -48,6 +48,8 @@ class Measurement:
     ratio: float  # measured / predicted
     engine_weight_bytes: int  # what the engine's weights hold (its start-up log and /metrics say the same)
     predicted_weight_bytes: int  # the planner's params x bytes per parameter
+    engine_kv_bytes_per_token: int = 0  # the engine's KV cache (its start-up log says the same)
+    predicted_kv_bytes_per_token: int = 0  # the planner's, at the same KV dtype
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,14 +85,14 @@ def measure_matmul_flops(n: int = MATMUL_SIZE, repeats: int = REPEATS) -> float:
 
 def time_engine_decode_step(model_path: str | None, batch: int, prompt_tokens: int, steps: int,
                             engine_dtype: str, repeats: int = ENGINE_REPEATS,
-                            quantization: str | None = None) -> tuple[float, int]:
-    """Seconds per decode step of the real engine at batch `batch`, and the bytes its weights hold (imported
-    here: it needs torch)."""
+                            quantization: str | None = None, kv_cache_dtype: str = "auto") -> tuple[float, int, int]:
+    """Seconds per decode step of the real engine at batch `batch`, the bytes its weights hold and its KV bytes
+    per token (imported here: it needs torch)."""
     from tokenmill import LLM, SamplingParams
     from tokenmill.engine.runner import weight_bytes
 
     llm = LLM(model=model_path, dtype=engine_dtype, quantization=quantization, max_num_seqs=max(batch, 1),
-              max_num_batched_tokens=max(512, batch * prompt_tokens))
+              max_num_batched_tokens=max(512, batch * prompt_tokens), kv_cache_dtype=kv_cache_dtype)
     # Distinct prompts, so no two sequences share a prefix.
     prompts = [{"prompt_token_ids": [100 + (7 * j + 13 * i) % 1000 for j in range(prompt_tokens)]}
                for i in range(batch)]
@@ -102,13 +104,15 @@ def time_engine_decode_step(model_path: str | None, batch: int, prompt_tokens: i
     run(2)  # warm-up: allocations, first-call overheads
     t_one = _best_seconds(lambda: run(1), repeats)
     t_many = _best_seconds(lambda: run(1 + steps), repeats)
-    return max(t_many - t_one, 0.0) / steps, weight_bytes(llm.engine.core.runner.model)
+    return (max(t_many - t_one, 0.0) / steps, weight_bytes(llm.engine.core.runner.model),
+            llm.engine.core.cache_info.kv_bytes_per_token)
 
 
 def measure(model_spec: str | None, batch: int, dtype: str | None = None,
             prompt_tokens: int = MEASURE_PROMPT_TOKENS, steps: int = MEASURE_DECODE_STEPS,
-            repeats: int = ENGINE_REPEATS) -> Measurement:
-    """Measure this machine and the engine on `model_spec` (a model file; None = the embedded SmolLM2)."""
+            repeats: int = ENGINE_REPEATS, kv_dtype: str | None = None) -> Measurement:
+    """Measure this machine and the engine on `model_spec` (a model file; None = the embedded SmolLM2); `kv_dtype`
+    fp8 runs the engine with --kv-cache-dtype fp8, anything else with the cache in the compute dtype."""
     path = _engine_model_path(model_spec)
     shape: ModelShape = load_model(path)
     weight_dtype = dtype if dtype in ENGINE_FORMATS else "fp32"
@@ -116,12 +120,13 @@ def measure(model_spec: str | None, batch: int, dtype: str | None = None,
     bandwidth = measure_bandwidth()
     flops = measure_matmul_flops()
     try:
-        measured_s, engine_bytes = time_engine_decode_step(path, batch, prompt_tokens, steps, engine_dtype, repeats,
-                                                           quantization)
+        measured_s, engine_bytes, engine_kv = time_engine_decode_step(
+            path, batch, prompt_tokens, steps, engine_dtype, repeats, quantization,
+            "fp8" if kv_dtype == "fp8" else "auto")
     except ImportError as e:
         raise PlanError(f"--measure needs the tokenmill engine, which failed to import: {e}") from None
     dep = Deployment(hardware=cpu_hardware(bandwidth=bandwidth, flops=flops), dtype=weight_dtype,
-                     kv_dtype="fp32" if engine_dtype == "float32" else "bf16",  # the cache is in the compute dtype
+                     kv_dtype="fp8" if kv_dtype == "fp8" else "fp32" if engine_dtype == "float32" else "bf16",
                      context=prompt_tokens + steps // 2, batch=batch)
     predicted_s, bound = decode_step_seconds(shape, dep)
     return Measurement(
@@ -130,7 +135,8 @@ def measure(model_spec: str | None, batch: int, dtype: str | None = None,
         decode_steps=steps, bandwidth_bytes_per_s=bandwidth, matmul_flops=flops,
         measured_decode_step_ms=measured_s * 1e3, predicted_decode_step_ms=predicted_s * 1e3,
         predicted_bound=bound, ratio=measured_s / predicted_s, engine_weight_bytes=engine_bytes,
-        predicted_weight_bytes=shape.weight_bytes(weight_dtype),
+        predicted_weight_bytes=shape.weight_bytes(weight_dtype), engine_kv_bytes_per_token=engine_kv,
+        predicted_kv_bytes_per_token=kv_bytes_per_token(shape, dep.kv_dtype),
     )
 
 

@@ -141,8 +141,14 @@ class GGUFFile:
         return dequantize(self.read_raw(name), info.ggml_type, info.shape, dtype)
 
 
+# tokenmill's own block type, never in a GGUF file: 32 four-bit weights with a float16 scale s and an integer
+# zero point z, w = (q - z) * s (AWQ's format, group sizes of 32 or more, quant/awq_format.py). 19 bytes a block:
+# s, z, then 16 bytes of nibbles ordered as Q4_0's.
+Q4_Z = 256
+Q4_Z_BLOCK_BYTES = 19
+
 # The types whose blocks a model can keep at run time (quant/gguf_linear.py, csrc/gguf_linear.cpp).
-KEPT_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+KEPT_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, Q4_Z)
 
 
 def kept_gguf_type(ggml_type: int) -> bool:
@@ -214,6 +220,8 @@ def tensor_nbytes(ggml_type: int, shape: Sequence[int]) -> int:
 
 
 def _block_layout(ggml_type: int) -> tuple[int, int]:
+    if int(ggml_type) == Q4_Z:
+        return 32, Q4_Z_BLOCK_BYTES
     try:
         return GGML_QUANT_SIZES[GGMLQuantizationType(int(ggml_type))]
     except (ValueError, KeyError):
@@ -222,6 +230,8 @@ def _block_layout(ggml_type: int) -> tuple[int, int]:
 
 
 def _type_name(ggml_type: int) -> str:
+    if int(ggml_type) == Q4_Z:
+        return "Q4_Z"
     try:
         return GGMLQuantizationType(int(ggml_type)).name
     except ValueError:
@@ -286,6 +296,13 @@ def _deq_q4_1(raw: torch.Tensor) -> torch.Tensor:
     return _unpack_nibbles(blocks[:, 4:]).mul_(_half(blocks, 0)).add_(_half(blocks, 2))
 
 
+def _deq_q4_z(raw: torch.Tensor) -> torch.Tensor:
+    import torch
+    blocks = raw.view(-1, Q4_Z_BLOCK_BYTES)
+    zero = blocks[:, 2:3].to(torch.float32)
+    return _unpack_nibbles(blocks[:, 3:]).sub_(zero).mul_(_half(blocks, 0))  # exact: a small integer times a half
+
+
 _DEQUANTIZERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
     GGMLQuantizationType.F32: _deq_f32,
     GGMLQuantizationType.F16: _deq_f16,
@@ -295,6 +312,7 @@ _DEQUANTIZERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
     GGMLQuantizationType.Q4_1: _deq_q4_1,
 }
 SUPPORTED_TYPE_NAMES = tuple(GGMLQuantizationType(t).name for t in _DEQUANTIZERS)
+_DEQUANTIZERS[Q4_Z] = _deq_q4_z
 
 
 DEQUANTIZE_CHUNK = 1 << 20  # elements decoded at a time into a narrower dtype: 4 MiB of float32 in flight

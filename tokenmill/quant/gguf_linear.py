@@ -77,3 +77,10 @@ class GGUFLinearMethod(DenseLinearMethod):
         if getattr(layer, "gguf_type", None) is None:
             return layer.backend.linear(x, layer)
         return layer.backend.gguf_linear(x, layer)
+
+
+class AWQLinearMethod(GGUFLinearMethod):
+    """An AWQ checkpoint's 4-bit groups (model/loader.py AWQCheckpoint hands them as Q4_Z blocks), kept and multiplied
+    as GGUF blocks are: the same tiles, widened to exactly (q - z) * s."""
+
+    name = "awq"

@@ -5,21 +5,22 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.quant.gguf import KEPT_TYPES, GGMLQuantizationType
+from tokenmill.quant.gguf import KEPT_TYPES, Q4_Z, GGMLQuantizationType
 
 Q4_0, Q4_1, Q8_0 = (int(GGMLQuantizationType.Q4_0), int(GGMLQuantizationType.Q4_1),
                     int(GGMLQuantizationType.Q8_0))
-# type -> (bytes per block, offset of the quants in a block, float16 fields before them)
-BLOCK_LAYOUT = {Q4_0: (18, 2, 1), Q4_1: (20, 4, 2), Q8_0: (34, 2, 1)}
+# type -> (bytes per block, offset of the quants in a block, the widths in bytes of the per-block fields before
+# them: float16 scales and mins, Q4_Z's uint8 zero point)
+BLOCK_LAYOUT = {Q4_0: (18, 2, (2,)), Q4_1: (20, 4, (2, 2)), Q8_0: (34, 2, (2,)), Q4_Z: (19, 3, (2, 1))}
 assert set(BLOCK_LAYOUT) == set(KEPT_TYPES)
 
 
 def gguf_pack(data: torch.Tensor, ggml_type: int, pairs: bool = False) -> torch.Tensor:
     """Raw blocks [N, K/32 * block bytes] -> tiles [N/16, K/32, tile bytes] for csrc/gguf_linear.cpp: per
     16 features x 32 K, the quants in the VNNI order of an AMX B tile (row r: each feature's K 2r and 2r + 1),
-    then the 16 blocks' float16 scales (and mins). `pairs`: a fused gate/up weight [2I, K] as gate, up block
+    then the 16 blocks' fields (float16 scales, and mins or zero points). `pairs`: a fused gate/up weight [2I, K] as gate, up block
     pairs [I/16, 2, K/32, tile bytes], whose matmul applies SiLU-and-multiply."""
-    size, quants_at, halves = BLOCK_LAYOUT[int(ggml_type)]
+    size, quants_at, widths = BLOCK_LAYOUT[int(ggml_type)]
     n = data.shape[0]
     kb = data.shape[1] // size
     if n % (32 if pairs else 16):
@@ -36,7 +37,9 @@ def gguf_pack(data: torch.Tensor, ggml_type: int, pairs: bool = False) -> torch.
     vnni = values.reshape(n // 16, 16, kb, 16, 2).permute(0, 2, 3, 1, 4)
     if ggml_type != Q8_0:
         vnni = vnni[..., 0] | (vnni[..., 1] << 4)  # one byte per pair
-    fields = [blocks[..., 2 * h:2 * h + 2].reshape(n // 16, 16, kb, 2).permute(0, 2, 1, 3) for h in range(halves)]
-    tiles = torch.cat([vnni.reshape(n // 16, kb, -1), *(f.reshape(n // 16, kb, 32) for f in fields)], dim=-1)
+    starts = [sum(widths[:i]) for i in range(len(widths))]
+    fields = [blocks[..., at:at + w].reshape(n // 16, 16, kb, w).permute(0, 2, 1, 3).reshape(n // 16, kb, 16 * w)
+              for at, w in zip(starts, widths, strict=True)]
+    tiles = torch.cat([vnni.reshape(n // 16, kb, -1), *fields], dim=-1)
     tiles = tiles.contiguous()
     return tiles.view(n // 32, 2, kb, -1) if pairs else tiles

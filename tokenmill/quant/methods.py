@@ -13,16 +13,29 @@ from tokenmill.model.linear import DenseLinearMethod, LinearMethod
 from tokenmill.model.paths import is_gguf
 
 
+def checkpoint_quantization(model_path: str | Path) -> str | None:
+    """The format a checkpoint is stored in, where it names one: `awq` for an AWQ directory, else None."""
+    from tokenmill.quant.awq_format import awq_config
+
+    return None if is_gguf(Path(model_path)) else ("awq" if awq_config(model_path) is not None else None)
+
+
 def resolve_quantization(requested: str | None, model_path: str | Path, dtype: torch.dtype,
                          device: str | torch.device) -> str | None:
-    """The weight format to serve: what was asked, or by default a GGUF file's blocks kept where their kernel runs
-    (the same outputs, bit for bit, in a third of the memory: BENCHMARKS.md "Quantized serving"), else the
-    dequantized weights (None). `none` asks for the dequantized weights."""
+    """The weight format to serve: what was asked; by default an AWQ checkpoint's own groups, or a GGUF file's
+    blocks kept where their kernel runs (the same outputs, bit for bit, in a third of the memory: BENCHMARKS.md
+    "Quantized serving"), else the dequantized weights (None). `none` asks for the dequantized weights."""
+    stored = checkpoint_quantization(model_path)
     if requested == "gguf" and not is_gguf(Path(model_path)):
         raise ConfigError(f"--quantization gguf keeps a GGUF file's blocks, and {model_path} is not a .gguf file; "
                           "use --quantization int8 or fp8 to quantize other checkpoints")
+    if requested == "awq" and stored != "awq":
+        raise ConfigError(f"--quantization awq serves an AWQ checkpoint, and {model_path} is not one; make one with "
+                          f"`tokenmill quantize --method awq --model {model_path} --out DIR` and serve DIR")
     if requested is not None:
         return None if requested == "none" else requested
+    if stored is not None:
+        return stored
     if not is_gguf(Path(model_path)) or torch.device(device).type != "cpu" or dtype != torch.bfloat16:
         return None
     ops = cpu_kernels._extension()
@@ -49,4 +62,8 @@ def linear_method(quantization: str | None) -> LinearMethod:
         from tokenmill.quant.gguf_linear import GGUFLinearMethod
 
         return GGUFLinearMethod()
+    if quantization == "awq":
+        from tokenmill.quant.gguf_linear import AWQLinearMethod
+
+        return AWQLinearMethod()
     raise ConfigError(f"unknown --quantization {quantization!r}; choose one of {', '.join(QUANTIZATION_CHOICES)}")

@@ -17,6 +17,7 @@ Otherwise three kernels serve three shapes (measured on 2 AVX2 cores, BENCHMARKS
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,6 +51,19 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     except (RuntimeError, AttributeError) as e:
         log.debug("no prepacked weights for %s %s: %s", weight.dtype, tuple(weight.shape), e)
         return None
+
+
+def tile_rows(packed: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Token ids -> rows of a weight packed by bf16_pack ([N/16, K/32, 16 r, 16 n x 2]: feature n's K 2r, 2r + 1
+    in each 32-wide K block): a tied embedding reads its head's tiles, so the dense table need not stay."""
+    nb, kb = packed.shape[:2]
+    tiles = packed.view(nb, kb, 16, 16, 2)
+
+    def rows(ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to(packed.device)
+        return tiles[flat // 16, :, :, flat % 16, :].reshape(*ids.shape, kb * 32).to(ids.device)
+
+    return rows
 
 
 def _rows(x: torch.Tensor) -> bool:
@@ -94,8 +108,8 @@ class CpuBackend(TorchBackend):
 
     def rotary_and_write_kv(self, qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping):
         t = qkv.shape[0]
-        if (_rows(qkv) and k_cache.is_contiguous() and v_cache.is_contiguous() and
-                qkv.dtype == cos.dtype == k_cache.dtype == v_cache.dtype and slot_mapping.dtype == torch.long):
+        if (_rows(qkv) and k_cache.is_contiguous() and v_cache.is_contiguous() and qkv.dtype == cos.dtype and
+                k_cache.dtype == v_cache.dtype in (qkv.dtype, torch.float8_e4m3fn) and slot_mapping.dtype == torch.long):
             # rotary in place and the K/V cache write, in one call
             self.ops.rotary_write_kv(qkv, num_heads, num_kv_heads, cos.reshape(t, -1).contiguous(),
                                      sin.reshape(t, -1).contiguous(), k_cache, v_cache, slot_mapping)
@@ -105,8 +119,8 @@ class CpuBackend(TorchBackend):
 
     # ---- attention ---------------------------------------------------------------------------------------
     def attend_paged(self, q, k_cache, v_cache, meta, scale):
-        if (q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype and k_cache.is_contiguous()
-                and v_cache.is_contiguous()):
+        if (q.device.type == "cpu" and k_cache.dtype == v_cache.dtype in (q.dtype, torch.float8_e4m3fn)
+                and k_cache.is_contiguous() and v_cache.is_contiguous()):
             idx = (meta.block_tables, meta.q_rows, meta.kv_lens)
             if all(i.dtype == torch.long and i.is_contiguous() for i in idx):
                 return self.ops.paged_attention(q.contiguous(), k_cache, v_cache, *idx, scale)
@@ -207,7 +221,8 @@ class CpuBackend(TorchBackend):
         plain weight (the skinny kernel reads that for a few rows); a bfloat16 tile or float32 panel copy serves
         every row count, so the plain weight is released as soon as its copy exists (left on the meta device: shape
         and dtype, no memory; load_hf_weights allocates it again), which keeps the peak one layer above the final
-        weights. The tied LM head's weight is the embedding and stays."""
+        weights. A tied LM head packed in bfloat16 tiles serves the embedding's lookups from them too, and the table
+        is released likewise."""
         packed_any = False
         for m in model.linear_layers():
             pairs = getattr(m, "silu_pairs", False) and m.bias is None  # the fused epilogue adds no bias
@@ -229,6 +244,9 @@ class CpuBackend(TorchBackend):
             packed_any |= m.packed_weight is not None
             if isinstance(m, nn.Module) and m.packed_weight is not None and m.packed_weight.dim() in (3, 4, 5):
                 m.weight = nn.Parameter(m.weight.to("meta"), requires_grad=False)
+            elif (getattr(m, "shares_weight", False) and m.packed_weight is not None
+                  and m.packed_weight.dtype == torch.bfloat16 and m.packed_weight.dim() == 4):
+                m.embedding.keep_rows(tile_rows(m.packed_weight))  # lookups read the head's tiles
         model.backend_cache.pop(_LAYER_WEIGHTS, None)
         return packed_any
 

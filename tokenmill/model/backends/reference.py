@@ -35,8 +35,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     kvh, hd = k.shape[1], k.shape[2]
+    if k_cache.dtype != k.dtype:  # an FP8 cache: e4m3 holds +-448 at most, and a cast past it gives NaN
+        limit = torch.finfo(k_cache.dtype).max
+        k, v = k.clamp(-limit, limit).to(k_cache.dtype), v.clamp(-limit, limit).to(v_cache.dtype)
+        if k_cache.dtype.itemsize == 1:  # torch has no index_copy_ for float8: copy the codes as bytes
+            k_cache, v_cache, k, v = (t.view(torch.uint8) for t in (k_cache, v_cache, k, v))
     k_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, v)
+
+
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache[block_tables] in `dtype` (an FP8 cache gathered as bytes, which torch indexes, then widened)."""
+    if cache.dtype == dtype:
+        return cache[block_tables]
+    if cache.dtype.itemsize == 1:
+        return cache.view(torch.uint8)[block_tables].view(cache.dtype).to(dtype)
+    return cache[block_tables].to(dtype)
 
 
 def query_layout(num_requests: int, q_rows: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -59,8 +73,8 @@ def paged_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     Gathering per request rather than per token keeps memory and traffic at R x L, not P x L."""
     r, heads, hd, kvh = block_tables.shape[0], q.shape[1], q.shape[2], k_cache.shape[2]
     rank, max_q = layout if layout is not None else query_layout(r, q_rows)
-    keys = k_cache[block_tables].view(r, -1, kvh, hd).transpose(1, 2)  # [R, KVH, L, D]
-    values = v_cache[block_tables].view(r, -1, kvh, hd).transpose(1, 2)
+    keys, values = (gather_blocks(c, block_tables, q.dtype).view(r, -1, kvh, hd).transpose(1, 2)  # [R, KVH, L, D]
+                    for c in (k_cache, v_cache))
     queries = q.new_zeros(r, max_q, heads, hd)
     queries[q_rows, rank] = q
     # padding queries see one key (never none: an all-masked row is NaN); their outputs are dropped

@@ -42,6 +42,44 @@ inline float to_float(c10::Half x) { return static_cast<float>(x); }
 template <typename T>
 inline T round_to(float x) { return static_cast<T>(x); }
 
+// FP8 e4m3 ("fn": no infinities, one NaN code per sign) for the KV cache (--kv-cache-dtype fp8): a cache element is
+// the byte of its code. Decoding is a table lookup (every code is exact in float32); encoding rounds to nearest
+// even, saturating at +-448 as the cache writes of the reference do (it clamps before casting).
+struct E4m3Table {
+  float value[256];
+  E4m3Table() {
+    for (int c = 0; c < 256; ++c) {
+      const int e = (c >> 3) & 15, m = c & 7;
+      const float mag = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(1.f + m / 8.f, e - 7);
+      value[c] = (e == 15 && m == 7) ? std::numeric_limits<float>::quiet_NaN() : ((c & 128) ? -mag : mag);
+    }
+  }
+};
+inline const E4m3Table& e4m3_table() {
+  static const E4m3Table table;
+  return table;
+}
+
+inline uint8_t float_to_e4m3(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint8_t sign = (bits >> 24) & 0x80;
+  if (std::isnan(x)) return sign | 0x7F;
+  const float a = std::fabs(x);
+  if (a >= 448.f) return sign | 0x7E;  // saturate (448 is the largest finite code)
+  if (a < 0.015625f) {  // below the smallest normal 2^-6: multiples of 2^-9, rounded to nearest even
+    return sign | static_cast<uint8_t>(std::nearbyint(a * 512.f));  // 8 -> 0x08, the smallest normal: right
+  }
+  int exp = static_cast<int>((bits >> 23) & 0xFF) - 127;
+  uint32_t mant = bits & 0x7FFFFF, keep = mant >> 20;
+  const uint32_t rest = mant & 0xFFFFF;
+  if (rest > 0x80000 || (rest == 0x80000 && (keep & 1))) ++keep;
+  if (keep == 8) keep = 0, ++exp;
+  const int e = exp + 7;
+  if (e > 15 || (e == 15 && keep == 7)) return sign | 0x7E;
+  return sign | static_cast<uint8_t>((e << 3) | keep);
+}
+
 template <typename T>
 void from_float(const float* src, T* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
@@ -130,6 +168,10 @@ template <typename T>
 inline const float* as_float(const T* row, float* buf, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     return row;
+  } else if constexpr (std::is_same_v<T, uint8_t>) {  // FP8 e4m3 codes
+    const float* table = e4m3_table().value;
+    for (int64_t d = 0; d < n; ++d) buf[d] = table[row[d]];
+    return buf;
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
     bf16_to_float(row, buf, n);
     return buf;
@@ -350,8 +392,8 @@ inline void softmax_block(float* scores, const float* const* v_rows, float* acc,
 // only formed where the 2G-head kernels take the same path as the G-head ones), so decode and prefill, alone or
 // batched, agree bit for bit. Blocks sit anywhere in the pool, so the next block's rows are prefetched while this
 // one is computed (a hardware prefetcher cannot guess the jump).
-template <typename T>
-void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables, const int64_t* q_rows,
+template <typename T, typename C = T>  // C: the cache element (T, or uint8_t for FP8 e4m3 codes)
+void attend(const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables, const int64_t* q_rows,
             const int64_t* kv_lens, T* out, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
             int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale) {
   const int64_t group = num_heads / num_kv_heads, D = head_dim, bs = block_size;
@@ -367,7 +409,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
   at::parallel_for(0, num_tiles * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     const int64_t heads_max = 2 * group;
     std::vector<float> qf(heads_max * D), acc(heads_max * D), scores(heads_max * bs), m(heads_max), l(heads_max);
-    std::vector<float> res(D), kbuf(std::is_same_v<T, float> ? 0 : bs * D), vbuf(kbuf.size());
+    std::vector<float> res(D), kbuf(std::is_same_v<C, float> ? 0 : bs * D), vbuf(kbuf.size());
     std::vector<const float*> k_rows(bs), v_rows(bs);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t tile = item / num_kv_heads, h = item % num_kv_heads;
@@ -385,13 +427,13 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
       std::fill(acc.begin(), acc.begin() + heads * D, 0.f);
       for (int64_t start = 0; start < len; start += bs) {
         const int64_t n = std::min(bs, len - start);
-        const T* k_blk = k_cache + (table[start / bs] * bs * num_kv_heads + h) * D;
-        const T* v_blk = v_cache + (table[start / bs] * bs * num_kv_heads + h) * D;
+        const C* k_blk = k_cache + (table[start / bs] * bs * num_kv_heads + h) * D;
+        const C* v_blk = v_cache + (table[start / bs] * bs * num_kv_heads + h) * D;
         if (start + bs < len) {
           const int64_t next = table[start / bs + 1] * bs * num_kv_heads + h;
           const int64_t next_n = std::min(bs, len - start - bs);
-          prefetch_rows(k_cache + next * D, row_stride * sizeof(T), next_n, D * sizeof(T));
-          prefetch_rows(v_cache + next * D, row_stride * sizeof(T), next_n, D * sizeof(T));
+          prefetch_rows(k_cache + next * D, row_stride * sizeof(C), next_n, D * sizeof(C));
+          prefetch_rows(v_cache + next * D, row_stride * sizeof(C), next_n, D * sizeof(C));
         }
         for (int64_t j = 0; j < n; ++j) {
           k_rows[j] = as_float(k_blk + j * row_stride, kbuf.data() + j * D, D);
@@ -439,11 +481,23 @@ torch::Tensor attention_on(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   TORCH_CHECK(block_tables.is_contiguous() && q_rows.is_contiguous() && kv_lens.is_contiguous());
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && q_rows.scalar_type() == at::kLong &&
               kv_lens.scalar_type() == at::kLong, "int64 index tensors");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type());
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches of one dtype");
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 || q.scalar_type() == k_cache.scalar_type(), "the cache holds q's dtype, or FP8 e4m3");
   auto out = torch::empty_like(q);
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = k_cache.size(2), BS = k_cache.size(1), MB = block_tables.size(1);
   TORCH_CHECK(H % KVH == 0, "heads must be a multiple of KV heads");
+  if (fp8) {  // the vector kernel, decoding each row through a table (the AMX kernel reads bfloat16 rows only)
+    const uint8_t* kc = reinterpret_cast<const uint8_t*>(k_cache.data_ptr());
+    const uint8_t* vc = reinterpret_cast<const uint8_t*>(v_cache.data_ptr());
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_fp8", [&] {
+      attend<scalar_t, uint8_t>(q.data_ptr<scalar_t>(), kc, vc, block_tables.data_ptr<int64_t>(),
+                                q_rows.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
+                                T, H, KVH, D, BS, MB, static_cast<float>(scale));
+    });
+    return out;
+  }
   if (tiles && q.scalar_type() == at::kBFloat16 &&
       amx_attention(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
                     reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
@@ -650,7 +704,9 @@ void rotary_write_kv(torch::Tensor qkv, int64_t num_heads, int64_t num_kv_heads,
                      torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && cos.is_contiguous() && sin.is_contiguous());
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slot_mapping.scalar_type() == at::kLong);
-  TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && qkv.scalar_type() == k_cache.scalar_type());
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && (fp8 || qkv.scalar_type() == k_cache.scalar_type()) &&
+              k_cache.scalar_type() == v_cache.scalar_type(), "caches of qkv's dtype, or FP8 e4m3");
   const int64_t T = qkv.size(0), D = k_cache.size(3), stride = qkv.stride(0);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * D && cos.size(1) == D);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
@@ -658,8 +714,6 @@ void rotary_write_kv(torch::Tensor qkv, int64_t num_heads, int64_t num_kv_heads,
     scalar_t* base = qkv.data_ptr<scalar_t>();
     const scalar_t* c = cos.data_ptr<scalar_t>();
     const scalar_t* s = sin.data_ptr<scalar_t>();
-    scalar_t* kc = k_cache.data_ptr<scalar_t>();
-    scalar_t* vc = v_cache.data_ptr<scalar_t>();
     const int64_t kv_row = num_kv_heads * D;
     at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
@@ -667,8 +721,17 @@ void rotary_write_kv(torch::Tensor qkv, int64_t num_heads, int64_t num_kv_heads,
         scalar_t* k = q + num_heads * D;
         rotate_heads<scalar_t>(q, num_heads, D, c + t * D, s + t * D);
         rotate_heads<scalar_t>(k, num_kv_heads, D, c + t * D, s + t * D);
-        std::memcpy(kc + slots[t] * kv_row, k, kv_row * sizeof(scalar_t));
-        std::memcpy(vc + slots[t] * kv_row, k + kv_row, kv_row * sizeof(scalar_t));
+        if (fp8) {
+          uint8_t* kc = reinterpret_cast<uint8_t*>(k_cache.data_ptr()) + slots[t] * kv_row;
+          uint8_t* vc = reinterpret_cast<uint8_t*>(v_cache.data_ptr()) + slots[t] * kv_row;
+          for (int64_t i = 0; i < kv_row; ++i) {
+            kc[i] = float_to_e4m3(to_float(k[i]));
+            vc[i] = float_to_e4m3(to_float(k[kv_row + i]));
+          }
+        } else {
+          std::memcpy(k_cache.data_ptr<scalar_t>() + slots[t] * kv_row, k, kv_row * sizeof(scalar_t));
+          std::memcpy(v_cache.data_ptr<scalar_t>() + slots[t] * kv_row, k + kv_row, kv_row * sizeof(scalar_t));
+        }
       }
     });
   });

@@ -7,8 +7,9 @@
 //   Q4_0: 256 bytes of nibble pairs (row r, byte j: feature j's K 2r | K 2r+1 << 4), 16 float16 d  = 288 bytes
 //   Q4_1: the same, 16 float16 d, 16 float16 m                                                      = 320 bytes
 //   Q8_0: 512 int8 (row r: feature j's K 2r, 2r+1), 16 float16 d                                    = 544 bytes
+//   Q4_Z: the Q4 nibbles, 16 float16 s, 16 uint8 zero points z (AWQ's (q - z) * s, quant/awq_format.py) = 304 bytes
 // A tile widens to bfloat16 with the arithmetic of the dequantize-at-load path (quant/gguf.py), in float32 in
-// the same order and without fused multiply-adds ((q - 8) * d; q * d + m; q * d), rounded to nearest-even:
+// the same order and without fused multiply-adds ((q - 8) * d; q * d + m; q * d; (q - z) * s), rounded to nearest-even:
 // the very bfloat16 weights that path loads. The tile loop is the bfloat16 kernel's (amx_gemm.h), so a kept
 // model's outputs are bit for bit those of the dequantized one, and batch-invariant like them.
 #include <torch/extension.h>
@@ -20,8 +21,10 @@
 namespace {
 
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // GGMLQuantizationType
+constexpr int64_t kQ4_Z = 256;  // tokenmill's own: 4-bit with an integer zero point (quant/gguf.py Q4_Z)
 
-constexpr int64_t kTileBytesQ4_0 = 256 + 32, kTileBytesQ4_1 = 256 + 64, kTileBytesQ8_0 = 512 + 32;
+constexpr int64_t kTileBytesQ4_0 = 256 + 32, kTileBytesQ4_1 = 256 + 64, kTileBytesQ8_0 = 512 + 32,
+                  kTileBytesQ4_Z = 256 + 32 + 16;
 
 }  // namespace
 
@@ -32,6 +35,7 @@ int64_t gguf_tile_bytes(int64_t type) {
     case kQ4_0: return kTileBytesQ4_0;
     case kQ4_1: return kTileBytesQ4_1;
     case kQ8_0: return kTileBytesQ8_0;
+    case kQ4_Z: return kTileBytesQ4_Z;
     default: return 0;
   }
 }
@@ -55,6 +59,13 @@ inline __m512 nibble_pairs(const uint8_t* src) {
   const __m512i t = _mm512_and_si512(_mm512_or_si512(x, _mm512_slli_epi64(x, 28)),
                                      _mm512_set1_epi64(0x0000000F0000000FLL));
   return _mm512_cvtepi32_ps(t);
+}
+
+// 16 per-feature bytes (uint8) -> pairs as feature_pairs.
+inline void feature_byte_pairs(const uint8_t* bytes16, __m512& lo, __m512& hi) {
+  const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes16))));
+  lo = _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), v);
+  hi = _mm512_permutexvar_ps(_mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8), v);
 }
 
 inline __m512 int8_values(const uint8_t* src) {  // 16 int8 -> 16 floats
@@ -87,6 +98,19 @@ void widen_q4_1(const uint8_t* t, uint16_t* dst) {
   }
 }
 
+// (q - z) * s: q - z is a small integer and s a float16, so the float32 product is exact and only the bfloat16
+// store rounds.
+void widen_q4_z(const uint8_t* t, uint16_t* dst) {
+  __m512 slo, shi, zlo, zhi;
+  feature_pairs(t + 256, slo, shi);
+  feature_byte_pairs(t + 288, zlo, zhi);
+  for (int r = 0; r < 16; ++r) {
+    const uint8_t* row = t + r * 16;
+    store_row(dst + r * 32, _mm512_mul_round_ps(_mm512_sub_round_ps(nibble_pairs(row), zlo, kRound), slo, kRound),
+              _mm512_mul_round_ps(_mm512_sub_round_ps(nibble_pairs(row + 8), zhi, kRound), shi, kRound));
+  }
+}
+
 void widen_q8_0(const uint8_t* t, uint16_t* dst) {
   __m512 dlo, dhi;
   feature_pairs(t + 512, dlo, dhi);
@@ -104,7 +128,8 @@ void with_widener(int64_t tile_bytes, const Loop& loop) {
     case kTileBytesQ4_0: loop(widen_q4_0); break;
     case kTileBytesQ4_1: loop(widen_q4_1); break;
     case kTileBytesQ8_0: loop(widen_q8_0); break;
-    default: TORCH_CHECK(false, "not a packed Q4_0, Q4_1 or Q8_0 weight (tiles of ", tile_bytes, " bytes)");
+    case kTileBytesQ4_Z: loop(widen_q4_z); break;
+    default: TORCH_CHECK(false, "not a packed Q4_0, Q4_1, Q8_0 or Q4_Z weight (tiles of ", tile_bytes, " bytes)");
   }
 }
 
