@@ -275,16 +275,15 @@ def test_tied_embedding_reads_its_rows_from_the_heads_tiles(tmp_path):
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fp8_cache_attention_and_writes_match_the_reference(dtype):
-    """--kv-cache-dtype fp8: the kernel decodes e4m3 codes exactly as torch widens them, and writes them as torch
-    casts (clamped to +-448), whatever the model's dtype."""
+    """--kv-cache-dtype fp8: the kernels (vector, and AMX tiles for bfloat16) decode e4m3 codes exactly as torch
+    widens them, and write them as torch casts (clamped to +-448), whatever the model's dtype."""
     q, kc, vc, tables, rows, lens, _ = make_paged_batch(5, dtype, 3, 64, 16, contexts_for(16))
     kc8, vc8 = (c.float().clamp(-448, 448).to(torch.float8_e4m3fn) for c in (kc, vc))
     meta = AttentionMetadata(slot_mapping=torch.zeros(q.shape[0], dtype=torch.long), num_paged_tokens=q.shape[0],
                              block_tables=tables, q_rows=rows, kv_lens=lens, fresh_spans=[])
     got = CpuBackend(ops).paged_attention(q, q, q, kc8, vc8, meta)
     want = CpuBackend(ops).paged_attention(q, q, q, kc8.to(dtype), vc8.to(dtype), meta)  # the widened cache
-    if dtype == torch.float32:  # the same vector kernel on the same values
-        assert torch.equal(got, want)
+    assert torch.equal(got, want)  # the same kernel (AMX tiles for bfloat16 where they run) on the same values
     torch.testing.assert_close(got, TorchBackend().paged_attention(q, q, q, kc8, vc8, meta),
                                **(tol(dtype) if dtype == torch.float32 else {"atol": 6e-2, "rtol": 5e-2}))
     g = torch.Generator().manual_seed(1)

@@ -15,6 +15,8 @@
 // column, and a row's softmax never looks at another row. A token walks its blocks in the same order with the
 // same masks alone or in a tile (blocks past its context add exact zeros), so decode and prefill, alone or
 // batched, chunked any way, agree bit for bit: the batch invariance the vector kernel gives, kept.
+// An FP8 e4m3 cache (--kv-cache-dtype fp8) runs the same tiles: each block's K and V rows are widened to bfloat16
+// first (exactly), so it computes what a bfloat16 cache holding the same values would.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -25,6 +27,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -84,9 +87,25 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-inline void prefetch_block(const uint16_t* rows, int64_t stride, int64_t D) {
+// A block's 16 rows of `row_bytes`, `stride_bytes` apart.
+inline void prefetch_block(const void* rows, int64_t stride_bytes, int64_t row_bytes) {
+  const char* p = static_cast<const char*>(rows);
   for (int64_t j = 0; j < kKeys; ++j)
-    for (int64_t off = 0; off < D; off += 32) _mm_prefetch(reinterpret_cast<const char*>(rows + j * stride + off), _MM_HINT_T0);
+    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(p + j * stride_bytes + off, _MM_HINT_T0);
+}
+
+// 32 FP8 e4m3 codes -> their 32 bfloat16 values, exactly: the code's 7 magnitude bits shifted into a float16's
+// exponent and mantissa give the value / 2^8 (e4m3's bias is 7, float16's 15; its subnormals land on float16
+// subnormals), so widening to float32 and scaling by 256 is exact, and so is the bfloat16 of it (4 significant
+// bits). The NaN codes are never written (the cache writes saturate at +-448).
+inline __m512i e4m3_to_bf16(const uint8_t* src) {
+  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  const __m512i h = _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x7F)), 7),
+                                    _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8));
+  const __m512 k256 = _mm512_set1_ps(256.f);
+  const __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), k256);
+  const __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), k256);
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
 struct Scratch {
@@ -97,6 +116,8 @@ struct Scratch {
   alignas(64) uint16_t v[kMaxDim / 16][8][32];      // B per 16 dims: [key pair][dim][2]
   alignas(64) float pv[16][16];                     // P.V for 16 dims: [row][dim]
   alignas(64) float acc[16][kMaxDim];               // the output rows, unnormalised
+  alignas(64) uint16_t kb[16][kMaxDim];             // an FP8 block's K rows widened to bfloat16
+  alignas(64) uint16_t vb[16][kMaxDim];             // ... and its V rows
   float m[16], l[16], corr[16];
 };
 
@@ -150,14 +171,16 @@ bool amx_attention_applies(int64_t block_size, int64_t head_dim, int64_t num_hea
 #endif
 }
 
-// attend() (cpu_kernels.cpp) on AMX tiles for a bfloat16 cache; returns false (and computes nothing) where this
-// kernel does not apply: no AMX here, a block size other than 16, head_dim not a multiple of 32 up to 256, or
-// more than 16 query heads per KV head. Arguments as paged_attention's, as raw bf16 bits.
-bool amx_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* block_tables,
-                   const int64_t* q_rows, const int64_t* kv_lens, uint16_t* out, int64_t num_tokens, int64_t num_heads,
-                   int64_t num_kv_heads, int64_t D, int64_t block_size, int64_t max_blocks, float scale) {
+namespace {
 #ifdef TOKENMILL_AMX_ATTENTION
-  if (!amx_attention_applies(block_size, D, num_heads, num_kv_heads)) return false;
+// attend() (cpu_kernels.cpp) on AMX tiles for a bfloat16 cache (C = uint16_t, bf16 bits) or an FP8 e4m3 one
+// (C = uint8_t codes: each block's rows are widened to bfloat16 first, exactly, so the products are the very
+// ones of a bfloat16 cache holding the same values).
+template <typename C>
+void attend_tiles(const uint16_t* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
+                  const int64_t* q_rows, const int64_t* kv_lens, uint16_t* out, int64_t num_tokens, int64_t num_heads,
+                  int64_t num_kv_heads, int64_t D, int64_t max_blocks, float scale) {
+  constexpr bool fp8 = std::is_same_v<C, uint8_t>;
   const int64_t G = num_heads / num_kv_heads;
   const int64_t max_tokens = 16 / G, stride = num_kv_heads * D;
   std::vector<int64_t> tiles;  // first token of each tile: consecutive tokens of one request, up to max_tokens
@@ -195,17 +218,30 @@ bool amx_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
         const int64_t base = (table[start / kKeys] * kKeys * num_kv_heads + h) * D;
         if (start + kKeys < len) {
           const int64_t next = (table[start / kKeys + 1] * kKeys * num_kv_heads + h) * D;
-          prefetch_block(k_cache + next, stride, D);
-          prefetch_block(v_cache + next, stride, D);
+          prefetch_block(k_cache + next, stride * sizeof(C), D * sizeof(C));
+          prefetch_block(v_cache + next, stride * sizeof(C), D * sizeof(C));
+        }
+        const uint16_t* k_rows;  // the block's K and V rows as bfloat16, rows_stride elements apart
+        const uint16_t* v_rows;
+        int64_t rows_stride;
+        if constexpr (fp8) {
+          for (int64_t j = 0; j < kKeys; ++j)
+            for (int64_t c = 0; c < D / 32; ++c) {
+              _mm512_store_si512(w->kb[j] + 32 * c, e4m3_to_bf16(k_cache + base + j * stride + 32 * c));
+              _mm512_store_si512(w->vb[j] + 32 * c, e4m3_to_bf16(v_cache + base + j * stride + 32 * c));
+            }
+          k_rows = &w->kb[0][0], v_rows = &w->vb[0][0], rows_stride = kMaxDim;
+        } else {
+          k_rows = k_cache + base, v_rows = v_cache + base, rows_stride = stride;
         }
         _tile_zero(2);
         for (int64_t c = 0; c < D / 32; ++c) {  // rows past n are stale cache slots: their scores are masked
-          _tile_loadd(0, k_cache + base + 32 * c, stride * sizeof(uint16_t));
+          _tile_loadd(0, k_rows + 32 * c, rows_stride * sizeof(uint16_t));
           _tile_loadd(1, w->qt[c], 64);
           _tile_dpbf16ps(2, 0, 1);
         }
         _tile_stored(2, w->st, 64);
-        load_values(*w, v_cache + base, stride, n, D);
+        load_values(*w, v_rows, rows_stride, n, D);
         rows_of(*w, M);
         for (int64_t r = 0; r < M; ++r) {  // online softmax, one row (query head) at a time
           const int64_t seen = kv_lens[t0 + r / G] - start;  // keys of this block the row sees
@@ -249,9 +285,38 @@ bool amx_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
     }
     _tile_release();
   });
+}
+#endif
+
+}  // namespace
+
+// attend_tiles for a bfloat16 cache; returns false (and computes nothing) where this kernel does not apply: no
+// AMX here, a block size other than 16, head_dim not a multiple of 32 up to 256, or more than 16 query heads per
+// KV head. Arguments as paged_attention's, as raw bf16 bits.
+bool amx_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* block_tables,
+                   const int64_t* q_rows, const int64_t* kv_lens, uint16_t* out, int64_t num_tokens, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t D, int64_t block_size, int64_t max_blocks, float scale) {
+#ifdef TOKENMILL_AMX_ATTENTION
+  if (!amx_attention_applies(block_size, D, num_heads, num_kv_heads)) return false;
+  attend_tiles(q, k_cache, v_cache, block_tables, q_rows, kv_lens, out, num_tokens, num_heads, num_kv_heads, D,
+               max_blocks, scale);
   return true;
 #else
   return false;
 #endif
 }
 
+// The same for an FP8 e4m3 cache (codes as bytes); q and out stay bfloat16.
+bool amx_attention_fp8(const uint16_t* q, const uint8_t* k_cache, const uint8_t* v_cache, const int64_t* block_tables,
+                       const int64_t* q_rows, const int64_t* kv_lens, uint16_t* out, int64_t num_tokens,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t D, int64_t block_size, int64_t max_blocks,
+                       float scale) {
+#ifdef TOKENMILL_AMX_ATTENTION
+  if (!amx_attention_applies(block_size, D, num_heads, num_kv_heads)) return false;
+  attend_tiles(q, k_cache, v_cache, block_tables, q_rows, kv_lens, out, num_tokens, num_heads, num_kv_heads, D,
+               max_blocks, scale);
+  return true;
+#else
+  return false;
+#endif
+}

@@ -470,6 +470,11 @@ bool amx_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
                    const int64_t* q_rows, const int64_t* kv_lens, uint16_t* out, int64_t num_tokens, int64_t num_heads,
                    int64_t num_kv_heads, int64_t D, int64_t block_size, int64_t max_blocks, float scale);
 
+bool amx_attention_fp8(const uint16_t* q, const uint8_t* k_cache, const uint8_t* v_cache, const int64_t* block_tables,
+                       const int64_t* q_rows, const int64_t* kv_lens, uint16_t* out, int64_t num_tokens,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t D, int64_t block_size, int64_t max_blocks,
+                       float scale);
+
 bool amx_attention_applies(int64_t block_size, int64_t head_dim, int64_t num_heads, int64_t num_kv_heads);
 
 // q [T, H, D]; k_cache, v_cache [blocks, block_size, KVH, D]; block_tables [R, max_blocks] int64;
@@ -488,9 +493,15 @@ torch::Tensor attention_on(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = k_cache.size(2), BS = k_cache.size(1), MB = block_tables.size(1);
   TORCH_CHECK(H % KVH == 0, "heads must be a multiple of KV heads");
-  if (fp8) {  // the vector kernel, decoding each row through a table (the AMX kernel reads bfloat16 rows only)
+  if (fp8) {  // AMX tiles over rows widened to bfloat16 where they apply, else the vector kernel (a table decode)
     const uint8_t* kc = reinterpret_cast<const uint8_t*>(k_cache.data_ptr());
     const uint8_t* vc = reinterpret_cast<const uint8_t*>(v_cache.data_ptr());
+    if (tiles && q.scalar_type() == at::kBFloat16 &&
+        amx_attention_fp8(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), kc, vc,
+                          block_tables.data_ptr<int64_t>(), q_rows.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(),
+                          reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), T, H, KVH, D, BS, MB,
+                          static_cast<float>(scale)))
+      return out;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_fp8", [&] {
       attend<scalar_t, uint8_t>(q.data_ptr<scalar_t>(), kc, vc, block_tables.data_ptr<int64_t>(),
                                 q_rows.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
