@@ -48,11 +48,11 @@ def choose_group_size(cfg: Any, requested: int | None) -> int:
     """The group size to quantize with: `requested` if it fits every matmul, else the default; a ConfigError that
     names the sizes that fit when it does not."""
     widths = in_features(cfg)
-    fits = [g for g in (*GROUP_SIZES, *range(GROUP_SIZES[0] * 2, 1025, 32)) if all(k % g == 0 for k in widths.values())]
+    fits = [g for g in range(32, 1025, 32) if all(k % g == 0 for k in widths.values())]
     if requested is None:
-        if not fits:
+        if not fits:  # 32 does not divide them all, so no multiple of it does
             raise ConfigError(f"no group size of 32 or more divides this model's input features {widths}")
-        return max(g for g in fits if g in GROUP_SIZES) if any(g in GROUP_SIZES for g in fits) else fits[0]
+        return max(g for g in fits if g in GROUP_SIZES)
     if requested <= 0 or requested % 32 or any(k % requested for k in widths.values()):
         raise ConfigError(f"--group-size {requested} must be a multiple of 32 that divides every matmul's input "
                           f"features {widths}; sizes that fit: {', '.join(map(str, sorted(fits)[:6])) or 'none'}")

@@ -1,8 +1,9 @@
 """Find a model, read its shape (ModelConfig) and its weights under Hugging Face parameter names.
 
 Two on-disk forms are supported: a Hugging Face directory (config.json + *.safetensors; an AWQ checkpoint is one
-too, its matmul weights stored in AutoAWQ's layout) and a llama.cpp GGUF file. Everything downstream sees one state-dict layout, whichever form the model came in, as a Checkpoint:
-checked when opened, read one tensor at a time as the model loads it.
+too, its matmul weights stored in AutoAWQ's layout) and a llama.cpp GGUF file. Everything downstream sees one
+state-dict layout, whichever form the model came in, as a Checkpoint: checked when opened, read one tensor at a
+time as the model loads it.
 """
 
 from __future__ import annotations
@@ -311,7 +312,10 @@ class AWQCheckpoint(Checkpoint):
             if missing:
                 raise ModelLoadError(f"{path} is an AWQ checkpoint, but {base} lacks {', '.join(missing)} "
                                      f"(it has {', '.join(sorted(found))}); quantize the model again")
-            (k, n8), name = found["qweight"][1], f"{base}.weight"
+            name = f"{base}.weight"
+            if len(found["qweight"][1]) != 2:
+                raise ModelLoadError(f"{path}: {base}.qweight has shape {found['qweight'][1]}, not [in, out / 8]")
+            k, n8 = found["qweight"][1]
             if name in shapes:
                 raise ModelLoadError(f"{path} holds {name} both dense and quantized")
             shapes[name] = (n8 * 8, k)
@@ -342,10 +346,6 @@ class AWQCheckpoint(Checkpoint):
                         self.group_size, BLOCK, name)
             return self[name]
         return self.groups(name).to_blocks()
-
-    @property
-    def quantized_names(self) -> list[str]:
-        return list(self._quantized)
 
 
 # GGUF leaf name -> HF leaf name, within `blk.N.` / `model.layers.N.`

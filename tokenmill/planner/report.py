@@ -95,7 +95,7 @@ def render_measurement(console: Console, m: Measurement) -> None:
     t.add_row("measured / roofline", f"{m.ratio:.2f}x")
     t.add_row("weights, in the engine", f"{fmt_bytes(m.engine_weight_bytes)} (its start-up log and /metrics)")
     t.add_row("weights, planned", f"{fmt_bytes(m.predicted_weight_bytes)} (params x bytes per parameter; the "
-                                  "engine also holds norms, scales, and for some formats a tied table twice)")
+                                  "engine also holds norms, scales, and for int8 and fp8 a tied table twice)")
     if m.engine_kv_bytes_per_token:
         t.add_row("KV cache per token, engine / planned",
                   f"{m.engine_kv_bytes_per_token:,} B / {m.predicted_kv_bytes_per_token:,} B")
