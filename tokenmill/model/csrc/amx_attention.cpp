@@ -290,10 +290,12 @@ void attend_tiles(const uint16_t* q, const C* k_cache, const C* v_cache, const i
 
 }  // namespace
 
-// attend_tiles for a bfloat16 cache; returns false (and computes nothing) where this kernel does not apply: no
-// AMX here, a block size other than 16, head_dim not a multiple of 32 up to 256, or more than 16 query heads per
-// KV head. Arguments as paged_attention's, as raw bf16 bits.
-bool amx_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* block_tables,
+// attend_tiles for a bfloat16 cache (C = uint16_t, raw bf16 bits) or an FP8 e4m3 one (C = uint8_t codes); q and
+// out are bfloat16 bits. Returns false (and computes nothing) where this kernel does not apply: no AMX here, a
+// block size other than 16, head_dim not a multiple of 32 up to 256, or more than 16 query heads per KV head.
+// Arguments as paged_attention's.
+template <typename C>
+bool amx_attention(const uint16_t* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                    const int64_t* q_rows, const int64_t* kv_lens, uint16_t* out, int64_t num_tokens, int64_t num_heads,
                    int64_t num_kv_heads, int64_t D, int64_t block_size, int64_t max_blocks, float scale) {
 #ifdef TOKENMILL_AMX_ATTENTION
@@ -306,17 +308,10 @@ bool amx_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
 #endif
 }
 
-// The same for an FP8 e4m3 cache (codes as bytes); q and out stay bfloat16.
-bool amx_attention_fp8(const uint16_t* q, const uint8_t* k_cache, const uint8_t* v_cache, const int64_t* block_tables,
-                       const int64_t* q_rows, const int64_t* kv_lens, uint16_t* out, int64_t num_tokens,
-                       int64_t num_heads, int64_t num_kv_heads, int64_t D, int64_t block_size, int64_t max_blocks,
-                       float scale) {
-#ifdef TOKENMILL_AMX_ATTENTION
-  if (!amx_attention_applies(block_size, D, num_heads, num_kv_heads)) return false;
-  attend_tiles(q, k_cache, v_cache, block_tables, q_rows, kv_lens, out, num_tokens, num_heads, num_kv_heads, D,
-               max_blocks, scale);
-  return true;
-#else
-  return false;
-#endif
-}
+#define TOKENMILL_AMX_ATTENTION_FOR(C)                                                                          \
+  template bool amx_attention<C>(const uint16_t*, const C*, const C*, const int64_t*, const int64_t*,          \
+                                 const int64_t*, uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, \
+                                 float);
+TOKENMILL_AMX_ATTENTION_FOR(uint16_t)
+TOKENMILL_AMX_ATTENTION_FOR(uint8_t)
+#undef TOKENMILL_AMX_ATTENTION_FOR

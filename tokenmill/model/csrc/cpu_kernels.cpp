@@ -466,14 +466,11 @@ void attend(const T* q, const C* k_cache, const C* v_cache, const int64_t* block
 
 }  // namespace
 
-bool amx_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* block_tables,
+// csrc/amx_attention.cpp, for C = uint16_t (a bfloat16 cache) and uint8_t (FP8 e4m3 codes)
+template <typename C>
+bool amx_attention(const uint16_t* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                    const int64_t* q_rows, const int64_t* kv_lens, uint16_t* out, int64_t num_tokens, int64_t num_heads,
                    int64_t num_kv_heads, int64_t D, int64_t block_size, int64_t max_blocks, float scale);
-
-bool amx_attention_fp8(const uint16_t* q, const uint8_t* k_cache, const uint8_t* v_cache, const int64_t* block_tables,
-                       const int64_t* q_rows, const int64_t* kv_lens, uint16_t* out, int64_t num_tokens,
-                       int64_t num_heads, int64_t num_kv_heads, int64_t D, int64_t block_size, int64_t max_blocks,
-                       float scale);
 
 bool amx_attention_applies(int64_t block_size, int64_t head_dim, int64_t num_heads, int64_t num_kv_heads);
 
@@ -497,10 +494,10 @@ torch::Tensor attention_on(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     const uint8_t* kc = reinterpret_cast<const uint8_t*>(k_cache.data_ptr());
     const uint8_t* vc = reinterpret_cast<const uint8_t*>(v_cache.data_ptr());
     if (tiles && q.scalar_type() == at::kBFloat16 &&
-        amx_attention_fp8(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), kc, vc,
-                          block_tables.data_ptr<int64_t>(), q_rows.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(),
-                          reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), T, H, KVH, D, BS, MB,
-                          static_cast<float>(scale)))
+        amx_attention(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), kc, vc,
+                      block_tables.data_ptr<int64_t>(), q_rows.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(),
+                      reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), T, H, KVH, D, BS, MB,
+                      static_cast<float>(scale)))
       return out;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_fp8", [&] {
       attend<scalar_t, uint8_t>(q.data_ptr<scalar_t>(), kc, vc, block_tables.data_ptr<int64_t>(),
