@@ -139,6 +139,9 @@ def test_bad_inputs_name_the_fix(tmp_path, capsys):
     with pytest.raises(ConfigError, match="tokenmill quantize --method awq"):
         LLM(str(src), quantization="awq", kv_cache_memory=KV)
     tensors = load_file(out / "model.safetensors")
+    save_file({**tensors, "model.layers.0.mlp.down_proj.weight": torch.zeros(64, 128)}, out / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="down_proj.weight both as it is and in another form"):
+        LLM(str(out), kv_cache_memory=KV)
     del tensors["model.layers.1.mlp.down_proj.qzeros"]
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="model.layers.1.mlp.down_proj lacks qzeros"):

@@ -240,13 +240,28 @@ class SafetensorsCheckpoint(Checkpoint):
         for file in _safetensors_files(path):
             with _reading(file) as f:
                 for name in f.keys():  # noqa: SIM118 - a safe_open handle is not iterable
+                    shape = tuple(f.get_slice(name).get_shape())
+                    if self._claim(name, file, shape, expected):
+                        continue
                     if name in expected:
                         self._files[name] = file
-                        shapes[name] = tuple(f.get_slice(name).get_shape())
+                        shapes[name] = shape
                     elif not _ignorable_hf_name(name, config):
                         raise ModelLoadError(f"{file} holds tensor {name!r}, which a {config.architecture} "
                                              "model does not have")
-        super().__init__(path, config, dtype, shapes)
+        claimed = self._claimed_shapes(path)
+        both = sorted(set(claimed) & set(shapes))
+        if both:
+            raise ModelLoadError(f"{path} holds {both[0]} both as it is and in another form")
+        super().__init__(path, config, dtype, {**shapes, **claimed})
+
+    def _claim(self, name: str, file: Path, shape: tuple[int, ...], expected: dict[str, tuple[int, ...]]) -> bool:
+        """Whether a subclass takes tensor `name` as part of its own form (e.g. AWQ's qweight); by default none."""
+        return False
+
+    def _claimed_shapes(self, path: Path) -> dict[str, tuple[int, ...]]:
+        """The model weights the claimed tensors make, by HF name and shape."""
+        return {}
 
     def _read(self, name: str) -> torch.Tensor:
         with _reading(self._files[name]) as f:
@@ -284,43 +299,36 @@ def _safetensors_files(path: Path) -> list[Path]:
 AWQ_PARTS = ("qweight", "qzeros", "scales")
 
 
-class AWQCheckpoint(Checkpoint):
+class AWQCheckpoint(SafetensorsCheckpoint):
     """The checkpoint's tensors by HF name; a quantized weight reads as its dequantized values (`self[name]`) or
     as Q4_Z blocks (`blocks(name)`, what the awq method keeps)."""
 
     def __init__(self, path: Path, config: ModelConfig, dtype: torch.dtype, group_size: int):
         self.group_size = group_size
-        expected = expected_shapes(config)
-        self._files: dict[str, Path] = {}
-        parts: dict[str, dict[str, tuple[Path, tuple[int, ...]]]] = {}
-        shapes: dict[str, tuple[int, ...]] = {}
-        for file in _safetensors_files(path):
-            with _reading(file) as f:
-                for name in f.keys():  # noqa: SIM118 - a safe_open handle is not iterable
-                    base, _, suffix = name.rpartition(".")
-                    if suffix in AWQ_PARTS and f"{base}.weight" in expected:
-                        parts.setdefault(base, {})[suffix] = (file, tuple(f.get_slice(name).get_shape()))
-                    elif name in expected:
-                        self._files[name] = file
-                        shapes[name] = tuple(f.get_slice(name).get_shape())
-                    elif not _ignorable_hf_name(name, config):
-                        raise ModelLoadError(f"{file} holds tensor {name!r}, which a {config.architecture} "
-                                             "model does not have")
+        self._parts: dict[str, dict[str, tuple[Path, tuple[int, ...]]]] = {}
         self._quantized: dict[str, dict[str, Path]] = {}
-        for base, found in parts.items():
+        super().__init__(path, config, dtype)
+
+    def _claim(self, name: str, file: Path, shape: tuple[int, ...], expected: dict[str, tuple[int, ...]]) -> bool:
+        base, _, suffix = name.rpartition(".")
+        if suffix not in AWQ_PARTS or f"{base}.weight" not in expected:
+            return False
+        self._parts.setdefault(base, {})[suffix] = (file, shape)
+        return True
+
+    def _claimed_shapes(self, path: Path) -> dict[str, tuple[int, ...]]:
+        shapes = {}
+        for base, found in self._parts.items():
             missing = [p for p in AWQ_PARTS if p not in found]
             if missing:
                 raise ModelLoadError(f"{path} is an AWQ checkpoint, but {base} lacks {', '.join(missing)} "
                                      f"(it has {', '.join(sorted(found))}); quantize the model again")
-            name = f"{base}.weight"
             if len(found["qweight"][1]) != 2:
                 raise ModelLoadError(f"{path}: {base}.qweight has shape {found['qweight'][1]}, not [in, out / 8]")
             k, n8 = found["qweight"][1]
-            if name in shapes:
-                raise ModelLoadError(f"{path} holds {name} both dense and quantized")
-            shapes[name] = (n8 * 8, k)
-            self._quantized[name] = {p: found[p][0] for p in AWQ_PARTS}
-        super().__init__(path, config, dtype, shapes)
+            shapes[f"{base}.weight"] = (n8 * 8, k)
+            self._quantized[f"{base}.weight"] = {p: found[p][0] for p in AWQ_PARTS}
+        return shapes
 
     def groups(self, name: str) -> Int4Groups:
         base = name.removesuffix(".weight")
@@ -331,10 +339,7 @@ class AWQCheckpoint(Checkpoint):
         return Int4Groups.from_awq(tensors["qweight"], tensors["qzeros"], tensors["scales"], self.group_size, base)
 
     def _read(self, name: str) -> torch.Tensor:
-        if name in self._quantized:
-            return self.groups(name).dequantize(self.dtype)
-        with _reading(self._files[name]) as f:
-            return f.get_tensor(name).to(self.dtype)
+        return self.groups(name).dequantize(self.dtype) if name in self._quantized else super()._read(name)
 
     def blocks(self, name: str) -> torch.Tensor | GGMLBlocks:
         """A quantized weight as Q4_Z blocks (quant/gguf_linear.py keeps them); any other tensor, and groups the
