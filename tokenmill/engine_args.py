@@ -55,7 +55,8 @@ class EngineArgs:
                                           "4-bit groups (`tokenmill quantize`); gguf: keep a GGUF file's "
                                           "Q4_0/Q4_1/Q8_0 blocks at run time (outputs bit for bit the dequantized "
                                           "model's); none: dequantize. Default: awq for an AWQ checkpoint, gguf for "
-                                          "a GGUF file where its kernel runs (AMX, bfloat16), else none", choices=list(QUANTIZATION_CHOICES))
+                                          "a GGUF file where its kernel runs (AMX, bfloat16), else none",
+                                    choices=list(QUANTIZATION_CHOICES))
     batch_invariant: bool = _opt(True, "bit-for-bit the same output for a request whatever else is batched and "
                                        "however its prompt is chunked: matmul kernels whose rows do not depend on "
                                        "the batch (bfloat16 with AMX or AVX512-BF16, float32 with AVX2), and prompt "

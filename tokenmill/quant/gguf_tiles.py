@@ -18,8 +18,8 @@ assert set(BLOCK_LAYOUT) == set(KEPT_TYPES)
 def gguf_pack(data: torch.Tensor, ggml_type: int, pairs: bool = False) -> torch.Tensor:
     """Raw blocks [N, K/32 * block bytes] -> tiles [N/16, K/32, tile bytes] for csrc/gguf_linear.cpp: per
     16 features x 32 K, the quants in the VNNI order of an AMX B tile (row r: each feature's K 2r and 2r + 1),
-    then the 16 blocks' fields (float16 scales, and mins or zero points). `pairs`: a fused gate/up weight [2I, K] as gate, up block
-    pairs [I/16, 2, K/32, tile bytes], whose matmul applies SiLU-and-multiply."""
+    then the 16 blocks' fields (float16 scales, and mins or zero points). `pairs`: a fused gate/up weight
+    [2I, K] as gate, up block pairs [I/16, 2, K/32, tile bytes], whose matmul applies SiLU-and-multiply."""
     size, quants_at, widths = BLOCK_LAYOUT[int(ggml_type)]
     n = data.shape[0]
     kb = data.shape[1] // size

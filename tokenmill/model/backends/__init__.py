@@ -49,7 +49,7 @@ def auto_dtype(device: str | torch.device, quantization: str | None = None) -> s
     ops = cpu_kernels._extension()
     if ops is None or not ops.bf16_kernel():
         return "float32"
-    if quantization in ("int8", "fp8", "int4", "awq", "gguf") and ops.bf16_kernel() == "amx":
+    if quantization not in (None, "none") and ops.bf16_kernel() == "amx":
         return "bfloat16"
     if not ops.f32_panels_available():
         return "bfloat16"

@@ -76,15 +76,21 @@ inline void store_row(uint16_t* dst, __m512 lo, __m512 hi) {
   _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }
 
+// (q - z) * s for 4-bit tiles whose zero points (per feature pair lanes zlo, zhi) are Q4_0's constant 8 or Q4_Z's
+// own: q - z is a small integer and s a float16, so the float32 product is exact and only the bfloat16 store rounds.
+inline void widen_q4_offset(const uint8_t* t, __m512 slo, __m512 shi, __m512 zlo, __m512 zhi, uint16_t* dst) {
+  for (int r = 0; r < 16; ++r) {
+    const uint8_t* row = t + r * 16;
+    store_row(dst + r * 32, _mm512_mul_round_ps(_mm512_sub_round_ps(nibble_pairs(row), zlo, kRound), slo, kRound),
+              _mm512_mul_round_ps(_mm512_sub_round_ps(nibble_pairs(row + 8), zhi, kRound), shi, kRound));
+  }
+}
+
 void widen_q4_0(const uint8_t* t, uint16_t* dst) {
   __m512 dlo, dhi;
   feature_pairs(t + 256, dlo, dhi);
   const __m512 eight = _mm512_set1_ps(8.f);
-  for (int r = 0; r < 16; ++r) {
-    const uint8_t* row = t + r * 16;
-    store_row(dst + r * 32, _mm512_mul_round_ps(_mm512_sub_round_ps(nibble_pairs(row), eight, kRound), dlo, kRound),
-              _mm512_mul_round_ps(_mm512_sub_round_ps(nibble_pairs(row + 8), eight, kRound), dhi, kRound));
-  }
+  widen_q4_offset(t, dlo, dhi, eight, eight, dst);
 }
 
 void widen_q4_1(const uint8_t* t, uint16_t* dst) {
@@ -98,17 +104,11 @@ void widen_q4_1(const uint8_t* t, uint16_t* dst) {
   }
 }
 
-// (q - z) * s: q - z is a small integer and s a float16, so the float32 product is exact and only the bfloat16
-// store rounds.
 void widen_q4_z(const uint8_t* t, uint16_t* dst) {
   __m512 slo, shi, zlo, zhi;
   feature_pairs(t + 256, slo, shi);
   feature_byte_pairs(t + 288, zlo, zhi);
-  for (int r = 0; r < 16; ++r) {
-    const uint8_t* row = t + r * 16;
-    store_row(dst + r * 32, _mm512_mul_round_ps(_mm512_sub_round_ps(nibble_pairs(row), zlo, kRound), slo, kRound),
-              _mm512_mul_round_ps(_mm512_sub_round_ps(nibble_pairs(row + 8), zhi, kRound), shi, kRound));
-  }
+  widen_q4_offset(t, slo, shi, zlo, zhi, dst);
 }
 
 void widen_q8_0(const uint8_t* t, uint16_t* dst) {
