@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 from tokenmill.cli import build_parser
+from tokenmill.config import SpeculativeConfig
 from tokenmill.engine_args import EngineArgs
 from tokenmill.errors import ConfigError
 
@@ -16,7 +17,10 @@ CHANGED = {"model": ("m.gguf", "m.gguf"), "tokenizer": ("tok", "tok"), "dtype": 
            "max_num_seqs": ("9", 9), "max_num_batched_tokens": ("1024", 1024),
            "long_prefill_token_threshold": ("100", 100), "max_model_len": ("4096", 4096),
            "scheduling_policy": ("static", "static"), "batch_invariant": (None, False),
-           "quantization": ("int8", "int8"), "max_prefill_tokens_while_decoding": ("64", 64)}
+           "quantization": ("int8", "int8"), "max_prefill_tokens_while_decoding": ("64", 64),
+           "speculative_config": ('{"num_speculative_tokens": 3}', '{"num_speculative_tokens": 3}')}
+# where the config holds the field parsed: what it should hold
+PARSED = {"speculative_config": SpeculativeConfig(method="ngram", num_speculative_tokens=3)}
 
 
 def config_value(config, field: dataclasses.Field):
@@ -44,8 +48,9 @@ def test_each_flag_reaches_its_config_entry(name):
     args = EngineArgs.from_cli_args(build_parser().parse_args(argv))
     assert getattr(args, name) == expected
     field = next(f for f in dataclasses.fields(EngineArgs) if f.name == name)
-    assert config_value(args.create_engine_config(), field) == expected
-    assert config_value(EngineArgs(**{name: expected}).create_engine_config(), field) == expected  # the LLM path
+    parsed = PARSED.get(name, expected)
+    assert config_value(args.create_engine_config(), field) == parsed
+    assert config_value(EngineArgs(**{name: expected}).create_engine_config(), field) == parsed  # the LLM path
 
 
 @pytest.mark.parametrize("kw,flag", [({"max_num_seqs": 0}, "--max-num-seqs"), ({"block_size": 0}, "--block-size"),

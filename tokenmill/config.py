@@ -166,6 +166,74 @@ class SchedulerConfig:
             raise ConfigError(f"--scheduling-policy must be 'continuous' or 'static', got {self.policy!r}")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass
+class SpeculativeConfig:
+    """--speculative-config, the JSON of vLLM's flag: `{"method": "ngram", "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4, "prompt_lookup_min": 2}` (prompt lookup) or `{"model": PATH, "num_speculative_tokens": 4}`
+    (a draft model sharing the target's vocabulary). Speculation pauses while more than `disable_by_batch_size`
+    requests run (verifying k drafts costs k more tokens of compute, which a full batch no longer has to spare)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    model: str | None = None  # the draft model (method draft_model): an HF directory or a .gguf file
+    quantization: str | None = None  # the draft's weights, as --quantization (e.g. awq for an INT4 self-draft)
+    disable_by_batch_size: int | None = None  # None: see tokenmill/spec/speculator.py DEFAULT_MAX_BATCH
+
+    KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "quantization",
+            "disable_by_batch_size")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """From the flag's JSON text, a dict (LLM(speculative_config=...)) or None; one clear ConfigError."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--speculative-config is not valid JSON ({e.msg} at {e.pos}); e.g. "
+                                  '\'{"method": "ngram", "num_speculative_tokens": 4}\'') from None
+        if not isinstance(value, dict):
+            raise ConfigError("--speculative-config must be a JSON object, e.g. "
+                              '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
+        unknown = sorted(set(value) - set(cls.KEYS))
+        if unknown:
+            raise ConfigError(f"--speculative-config: unknown key(s) {', '.join(unknown)}; known: {', '.join(cls.KEYS)}")
+        kw = dict(value)
+        if "method" not in kw:
+            kw["method"] = "draft_model" if kw.get("model") else "ngram"
+        return cls(**kw)
+
+    def __post_init__(self) -> None:
+        if self.method in ("draft", "draft_model") or (self.method not in SPECULATIVE_METHODS and self.model):
+            self.method = "draft_model"
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"--speculative-config: unknown method {self.method!r}; known: ngram, draft_model "
+                              "(give \"model\": PATH for a draft model)")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ConfigError(f"--speculative-config: num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        if self.method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+                raise ConfigError("--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                                  f"{lo!r} and {hi!r}")
+        elif not self.model:
+            raise ConfigError('--speculative-config: method draft_model needs "model": a path to the draft')
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            raise ConfigError(f"--speculative-config: quantization must be one of {', '.join(QUANTIZATION_CHOICES)}")
+        if self.disable_by_batch_size is not None and (not isinstance(self.disable_by_batch_size, int)
+                                                       or self.disable_by_batch_size < 1):
+            raise ConfigError("--speculative-config: disable_by_batch_size must be an integer >= 1")
+
+
 # tokenmill/quant/methods.py builds each (listed here: the config imports no model stack)
 # the KV cache's element type: the model's (auto), or FP8 e4m3 (fp8 and fp8_e4m3, vLLM's names), values as they are
 # (scale 1, as vLLM without calibrated scales), clamped to +-448
@@ -185,8 +253,11 @@ class EngineConfig:
     num_threads: int | None = None  # compute threads (torch intra-op); None = torch's default (the cores)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # --speculative-config (JSON text, a dict or a SpeculativeConfig; None: no speculation)
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        self.speculative = SpeculativeConfig.parse(self.speculative)
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.num_threads}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

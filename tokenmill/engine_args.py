@@ -91,6 +91,13 @@ class EngineArgs:
     scheduling_policy: str = _opt("continuous", "continuous batching, or static (fixed batches, for measurement)",
                                   choices=["continuous", "static"], config="scheduler", key="policy")
 
+    speculative_config: str | dict | None = _opt(
+        None, "speculative decoding, as vLLM's flag: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+              "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (prompt lookup) or '{\"model\": PATH, "
+              "\"num_speculative_tokens\": 4}' (a draft model with the target's vocabulary; \"quantization\": "
+              "\"int4\" makes the target itself an INT4 self-draft). Output is the target's, exactly (lossless)",
+        key="speculative")
+
     # ---- the command line ----------------------------------------------------------------------------------
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

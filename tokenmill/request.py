@@ -54,10 +54,17 @@ class Request:
     # prompt positions whose next-token logprob was already reported (params.prompt_logprobs): a recompute after
     # preemption runs them again but must not report them twice
     num_prompt_logprobs: int = 0
+    # speculative decoding: tokens a proposer guessed to follow the output, verified by the next step (tokens to
+    # compute = tokens known, drafts included); never part of `num_tokens`, which counts committed tokens only
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -84,6 +91,13 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n:end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+    def tokens_with_spec(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of the committed tokens followed by the drafts (start <= num_tokens)."""
+        n = self.num_tokens
+        if end <= n:
+            return self.tokens_slice(start, end)
+        return self.tokens_slice(start, n) + self.spec_token_ids[:end - n]
 
     @property
     def finish_reason(self) -> str | None:

@@ -33,6 +33,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (0 = just the sampled one)
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token after the first (0 = just that token)
     skip_special_tokens: bool = True
+    speculate: bool = True  # with --speculative-config: False opts this request out of speculation
     stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:

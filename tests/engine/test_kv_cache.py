@@ -8,7 +8,7 @@ import pytest
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache import KVCacheManager
-from tokenmill.engine.scheduler import LPM_MAX_SKIPS, Scheduler
+from tokenmill.engine.scheduler import LPM_MAX_SKIPS, SampledTokens, Scheduler
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 
@@ -25,7 +25,7 @@ def scheduler(num_blocks=64, block_size=4, **cfg) -> Scheduler:
 
 def step(sched: Scheduler, token: int = 7):
     out = sched.schedule()
-    sampled = {s.request.request_id: (token, None) for s in out.scheduled if s.samples}
+    sampled = {s.request.request_id: SampledTokens([token]) for s in out.scheduled if s.samples}
     sched.update(out, sampled)
     check_accounting(sched)
     return out

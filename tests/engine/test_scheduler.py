@@ -6,7 +6,7 @@ import pytest
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache import BlockPool, KVCacheManager
-from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.scheduler import SampledTokens, Scheduler
 from tokenmill.errors import ConfigError
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
@@ -21,7 +21,7 @@ def make_request(rid: str, prompt_len: int, max_tokens: int, eos: int | None = N
 def run_step(sched: Scheduler, token=7):
     out = sched.schedule()
     assert all(s.num_new_tokens > 0 for s in out.scheduled)
-    sampled = {s.request.request_id: (token, None) for s in out.scheduled if s.samples}
+    sampled = {s.request.request_id: SampledTokens([token]) for s in out.scheduled if s.samples}
     finished = sched.update(out, sampled)
     return out, finished
 

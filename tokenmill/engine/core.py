@@ -21,6 +21,8 @@ from tokenmill.model.backends import auto_dtype
 from tokenmill.model.loader import load_model_config, load_weights, resolve_model_path
 from tokenmill.quant.methods import checkpoint_quantization, resolve_quantization
 from tokenmill.request import Request, RequestStatus
+from tokenmill.spec.speculator import Speculator, build_speculator
+from tokenmill.spec.stats import SpecDecodeStats
 
 log = logging.getLogger("tokenmill")
 
@@ -78,6 +80,11 @@ class EngineCore:
                                   batch_invariant=config.batch_invariant, quantization=self.quantization,
                                   kv_dtype=self.kv_dtype)
         del weights
+        self.speculator: Speculator | None = None
+        if config.speculative is not None:
+            self.speculator = build_speculator(config.speculative, self)
+            self.scheduler.spec_stats = SpecDecodeStats()
+            self.scheduler.lookahead = self.speculator.lookahead
         self._unstarted: set[str] = set()  # added, never scheduled yet: reported in `started` when first scheduled
 
     # ---- requests ----------------------------------------------------------------------------------------
@@ -92,12 +99,12 @@ class EngineCore:
         for rid in request_ids:
             self._unstarted.discard(rid)
             if self.scheduler.abort(rid) is not None:
-                self.runner.release(rid)
+                self._release(rid)
 
     def finish(self, request_id: str, stop_reason: str) -> None:
         """A stop string matched in the detokenizer: end the request now and free its blocks."""
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, stop_reason)
-        self.runner.release(request_id)
+        self._release(request_id)
 
     def startup_summary(self) -> str:
         """What a user should see at start-up: the compute path (backend, instruction sets, matmul kernels, batch
@@ -127,8 +134,10 @@ class EngineCore:
         for rid, why in result.failed.items():
             log.error("request %s failed: %s", rid, why)
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
-            self.runner.release(rid)
+            self._release(rid)
             outputs.append(EngineCoreOutput(rid, [], None, "error", None, why))
+        verified = [(s.request.request_id, s.num_spec_tokens, len(result.sampled[s.request.request_id].token_ids) - 1)
+                    for s in sched.scheduled if s.num_spec_tokens and s.request.request_id in result.sampled]
         finished = self.scheduler.update(sched, result.sampled)
         for s in sched.scheduled:
             req = s.request
@@ -136,16 +145,28 @@ class EngineCore:
             if prompt_lps is not None:
                 req.num_prompt_logprobs += len(prompt_lps)
             if req.request_id in result.sampled:
-                token, lp = result.sampled[req.request_id]
-                outputs.append(EngineCoreOutput(req.request_id, [token], [lp] if lp is not None else None,
+                got = result.sampled[req.request_id]
+                outputs.append(EngineCoreOutput(req.request_id, got.token_ids, got.logprobs,
                                                 req.finish_reason, req.stop_reason,
                                                 num_preemptions=req.num_preemptions, new_prompt_logprobs=prompt_lps))
             elif prompt_lps is not None and req.request_id not in result.failed:
                 outputs.append(EngineCoreOutput(req.request_id, [], num_preemptions=req.num_preemptions,
                                                 new_prompt_logprobs=prompt_lps))
         for req in finished:
-            self.runner.release(req.request_id)
+            self._release(req.request_id)
+        if self.speculator is not None:
+            for req in sched.preempted:
+                self.speculator.forget(req.request_id)  # its KV is gone: a draft model starts it over
+            for rid, drafts, accepted in verified:
+                self.speculator.observe(rid, drafts, accepted)
+            self.speculator.propose(self.scheduler.running)
         return EngineOutputs(outputs, started)
+
+    def _release(self, request_id: str) -> None:
+        """A request ended (any way): drop its per-request state outside the scheduler."""
+        self.runner.release(request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
 
     def _execute(self, sched: SchedulerOutput) -> StepResult:
         """Run the step; if it raises, run each request alone so only the one(s) at fault fail. Rerunning is

@@ -32,12 +32,16 @@ class IncrementalDetokenizer:
         self.emitted = 0  # length of visible text handed out so far
         self.stopped_by: str | None = None
         self._hold = max((len(s) for s in stop), default=1) - 1
+        self.num_used = 0  # see append
 
     def append(self, token_ids: list[int]) -> str | None:
-        """Add tokens; returns the stop string when one now ends the output."""
+        """Add tokens; returns the stop string when one now ends the output. Then `num_used` says how many of
+        `token_ids` it took to complete it (the rest come after the end: several arrive at once with speculation)."""
+        self.num_used = 0
         if self.stopped_by is not None:
             return self.stopped_by
         for t in token_ids:
+            self.num_used += 1
             self.ids.append(t)
             prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip)
             full = self.tokenizer.decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip)

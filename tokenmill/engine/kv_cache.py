@@ -144,10 +144,11 @@ class KVCacheManager:
             return None
         return self.tree.match(self._matchable(request), request.cache_namespace)
 
-    def admit(self, request: Request, match: PrefixMatch | None, num_new_tokens: int) -> bool:
-        """Give a waiting request its cached prefix and room for `num_new_tokens` more; False (nothing changed)
-        if the pool cannot hold them."""
+    def admit(self, request: Request, match: PrefixMatch | None, num_new_tokens: int, lookahead: int = 0) -> bool:
+        """Give a waiting request its cached prefix and room for `num_new_tokens` (+ `lookahead` slots a draft
+        model writes ahead); False (nothing changed) if the pool cannot hold them."""
         hit = match.blocks if match else []
+        num_new_tokens += lookahead
         need = self.blocks_needed(len(hit) * self.block_size + num_new_tokens) - len(hit)
         if need > self.num_free_blocks - (match.num_evictable if match else 0):
             return False

@@ -257,16 +257,19 @@ class OutputProcessor:
         goes to `stops`, for the core to finish it."""
         if out.new_prompt_logprobs and state.prompt_logprobs is not None and sample.index == 0:
             state.prompt_logprobs.extend(out.new_prompt_logprobs)
-        sample.token_ids.extend(out.new_token_ids)
-        sample.num_preemptions = out.num_preemptions
-        if sample.logprobs is not None and out.new_logprobs:
-            for tok, lp in zip(out.new_token_ids, out.new_logprobs):
-                sample.logprobs.append(lp)
-                sample.cumulative_logprob += lp[tok]
-        text_ids = out.new_token_ids
+        new_ids = out.new_token_ids
+        text_ids = new_ids
         if out.finish_reason == "stop" and not state.params.include_stop_str_in_output:
             text_ids = text_ids[:-1]  # the EOS / stop token ended it: its id is output, its text is not
         stop = sample.detok.append(text_ids)
+        if stop is not None:  # tokens after the one completing a stop string (a verify pass brings several) go
+            new_ids = new_ids[:sample.detok.num_used]
+        sample.token_ids.extend(new_ids)
+        sample.num_preemptions = out.num_preemptions
+        if sample.logprobs is not None and out.new_logprobs:
+            for tok, lp in zip(new_ids, out.new_logprobs):
+                sample.logprobs.append(lp)
+                sample.cumulative_logprob += lp[tok]
         if stop is not None:  # a stop string wins, even over a length limit reached by the same token
             sample.finish_reason, sample.stop_reason = "stop", stop
             if out.finish_reason is None:

@@ -14,7 +14,7 @@ import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.engine.sampler import Sampler, SamplingRow
-from tokenmill.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tokenmill.engine.scheduler import SampledTokens, ScheduledRequest, SchedulerOutput
 from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.backends import select_backend
 from tokenmill.model.loader import allocate_parameters
@@ -27,9 +27,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 PROMPT_LOGPROB_ROWS = 256
 
 
+def position_seed(base: int, position: int) -> int:
+    """The seed of one output position's draw (splitmix64 of the request's base seed and the position): a token's
+    randomness depends on where it is, not on how many draws came before, so a seeded request samples the same
+    tokens with or without speculation (a verify pass draws for positions it may not keep)."""
+    z = (base + (position + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
 @dataclass
 class StepResult:
-    sampled: dict[str, tuple[int, dict[int, float] | None]] = field(default_factory=dict)
+    sampled: dict[str, SampledTokens] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why it could not be run or sampled
     # request id -> the next prompt tokens' logprobs this step computed, in prompt order, each {token: logprob}
     # with that prompt token first; they continue from the request's `num_prompt_logprobs`
@@ -91,7 +101,7 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=self.device),
                            torch.zeros(shape, dtype=kv_dtype, device=self.device)) for _ in range(cfg.num_layers)]
         self.sampler = Sampler()
-        self.generators: dict[str, torch.Generator] = {}
+        self.base_seeds: dict[str, int] = {}  # unseeded requests: a base seed drawn from the engine's seed
         self._seed_rng = random.Random(seed)
 
     def weight_format(self) -> str:
@@ -104,16 +114,17 @@ class ModelRunner:
         return f"weights: {self.weight_format()}, {weight_bytes(self.model) / 2**20:.0f} MiB"
 
     # ---- per-request state -----------------------------------------------------------------------------
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
-        gen = self.generators.get(request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device)  # sampling runs where the logits are
-            gen.manual_seed(seed if seed is not None else self._seed_rng.getrandbits(63))
-            self.generators[request_id] = gen
-        return gen
+    def _generator(self, request_id: str, seed: int | None, position: int) -> torch.Generator:
+        """A generator for output position `position` of a request (see position_seed)."""
+        if seed is None:
+            seed = self.base_seeds.get(request_id)
+            if seed is None:
+                seed = self.base_seeds[request_id] = self._seed_rng.getrandbits(63)
+        gen = torch.Generator(device=self.device)  # sampling runs where the logits are
+        return gen.manual_seed(position_seed(seed, position))
 
     def release(self, request_id: str) -> None:
-        self.generators.pop(request_id, None)
+        self.base_seeds.pop(request_id, None)
 
     # ---- one step ----------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -129,7 +140,7 @@ class ModelRunner:
         bs = self.block_size
         for s in ordered:
             req, start = s.request, s.request.num_computed_tokens
-            input_ids.extend(req.tokens_slice(start, start + s.num_new_tokens))
+            input_ids.extend(req.tokens_with_spec(start, start + s.num_new_tokens))
             for p in range(start, start + s.num_new_tokens):
                 positions.append(p)
                 slots.append(req.block_ids[p // bs] * bs + p % bs)
@@ -147,20 +158,22 @@ class ModelRunner:
         for s in ordered:
             row += s.num_new_tokens
             scoring = scoring or s.request.params.prompt_logprobs is not None
-            if s.samples:
-                last_rows.append(row - 1)
+            if s.samples:  # the last committed token's row, and one per draft token it verifies
+                last_rows.extend(range(row - 1 - s.num_spec_tokens, row))
                 sampling.append(s)
         prompt_logprobs = self._prompt_logprobs(hidden, ordered) if scoring else {}
         if not sampling:
             return StepResult(prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[self._long(last_rows)])
-        rows = [self._sampling_row(s) for s in sampling]
+        rows = [r for s in sampling for r in self._sampling_rows(s)]
         try:
             results = self.sampler(logits, rows)
-        except Exception:  # noqa: BLE001 - find the row(s) at fault: each alone; the others still get a token
+        except Exception:  # noqa: BLE001 - find the request(s) at fault: each alone; the others still get tokens
             result = self._sample_one_by_one(logits, rows, sampling)
         else:
-            result = StepResult({s.request.request_id: r for s, r in zip(sampling, results)})
+            result = StepResult()
+            for s, mine in zip(sampling, _per_request(results, sampling)):
+                result.sampled[s.request.request_id] = verify(s, mine)
         result.prompt_logprobs = prompt_logprobs
         return result
 
@@ -198,13 +211,14 @@ class ModelRunner:
 
     def _sample_one_by_one(self, logits: torch.Tensor, rows: list[SamplingRow],
                            sampling: list[ScheduledRequest]) -> StepResult:
-        result = StepResult()
-        for i, (row, s) in enumerate(zip(rows, sampling)):
-            rid = s.request.request_id
+        result, i = StepResult(), 0
+        for s in sampling:
+            rid, n = s.request.request_id, 1 + s.num_spec_tokens
             try:
-                result.sampled[rid] = self.sampler(logits[i:i + 1], [row])[0]
+                result.sampled[rid] = verify(s, self.sampler(logits[i:i + n], rows[i:i + n]))
             except Exception as e:  # noqa: BLE001 - this request fails, the engine goes on
                 result.failed[rid] = f"sampling failed: {e}"
+            i += n
         return result
 
     def _long(self, values: list[int]) -> torch.Tensor:
@@ -227,10 +241,41 @@ class ModelRunner:
         meta.q_rows = self._long(q_rows)
         meta.kv_lens = self._long(kv_lens)
 
-    def _sampling_row(self, s: ScheduledRequest) -> SamplingRow:
+    def _sampling_rows(self, s: ScheduledRequest) -> list[SamplingRow]:
+        """One row per output position this step samples: the next token, then one after each draft token (its
+        output so far includes the drafts before it, for penalties and min_tokens)."""
         req, p = s.request, s.request.params
-        blocked = None
-        if req.num_output_tokens < p.min_tokens:
-            blocked = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids)))
-        gen = None if p.greedy else self._generator(req.request_id, p.seed)
-        return SamplingRow(p, req.prompt_token_ids, req.output_token_ids, gen, blocked)
+        rows = []
+        for j in range(1 + s.num_spec_tokens):
+            output = req.output_token_ids + req.spec_token_ids[:j] if j else req.output_token_ids
+            blocked = None
+            if len(output) < p.min_tokens:
+                blocked = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids)))
+            gen = None if p.greedy else self._generator(req.request_id, p.seed, len(output))
+            rows.append(SamplingRow(p, req.prompt_token_ids, output, gen, blocked))
+        return rows
+
+
+def _per_request(results: list, sampling: list[ScheduledRequest]) -> list[list]:
+    """Split the sampler's flat results into each request's 1 + drafts rows."""
+    out, i = [], 0
+    for s in sampling:
+        n = 1 + s.num_spec_tokens
+        out.append(results[i:i + n])
+        i += n
+    return out
+
+
+def verify(s: ScheduledRequest, sampled: list[tuple[int, dict[int, float] | None]]) -> SampledTokens:
+    """Keep the drafts the target agrees with, then the target's own token. Each row was sampled as if there were
+    no drafts (its own generator per position), so a draft is accepted exactly when it is the token the target
+    draws there: for a proposer that offers one token (q a point mass) this is rejection sampling, accepting with
+    probability p(draft) and otherwise drawing from p without the draft, i.e. max(0, p - q) renormalised; and
+    the output is token for token what decoding without speculation gives."""
+    drafts = s.request.spec_token_ids[:s.num_spec_tokens]
+    accepted = 0
+    while accepted < len(drafts) and sampled[accepted][0] == drafts[accepted]:
+        accepted += 1
+    kept = sampled[:accepted + 1]
+    logprobs = [lp for _, lp in kept] if kept[0][1] is not None else None
+    return SampledTokens([t for t, _ in kept], logprobs)

@@ -19,6 +19,10 @@ one and grows no chunk. With T >= max_num_batched_tokens the first long prefill 
 sharing existed. The `static` policy admits a fixed batch only when the previous one has fully finished, and its
 chunks are not shared (T = the budget). With prefix caching a request's computed tokens start at its cached
 prefix, and the waiting queue is ranked by cached prefix length (bounded so no one starves).
+Speculative decoding rides on the same rule: a decoding request's known tokens include its draft tokens, so it is
+scheduled 1 + k tokens (the budget may cut drafts off); `update` keeps the accepted ones and rolls computed tokens
+back over the rejected ones, whose KV slots the next step overwrites. A draft model writes its own KV a few
+positions ahead of the target (`lookahead`), so each allocation makes room for that many more.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache import KVCacheManager, PrefixCacheStats
 from tokenmill.request import Request, RequestStatus
+from tokenmill.spec.stats import SpecDecodeStats
 
 LPM_MAX_QUEUE = 128  # longest waiting queue ranked by cached prefix; longer ones are served first come first
 LPM_MAX_SKIPS = 16  # a waiting request overtaken this many times is tried first
@@ -42,13 +47,33 @@ class ScheduledRequest:
 
     @property
     def num_left(self) -> int:
-        """Tokens of the request still to compute after this chunk."""
-        return self.request.num_tokens - self.request.num_computed_tokens - self.num_new_tokens
+        """Committed tokens of the request still to compute after this chunk."""
+        return max(0, self.request.num_tokens - self.request.num_computed_tokens - self.num_new_tokens)
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """Draft tokens this chunk verifies: what it computes past the committed tokens."""
+        return max(0, self.request.num_computed_tokens + self.num_new_tokens - self.request.num_tokens)
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the request's known tokens, so its last logits are used."""
         return self.num_left == 0
+
+
+@dataclass
+class SampledTokens:
+    """What a step sampled for one request: one token, or with speculation the accepted drafts and one more, with
+    their logprobs ({token: logprob}, that token first) when asked for."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None = None
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n (the request ended at the n-th)."""
+        del self.token_ids[n:]
+        if self.logprobs is not None:
+            del self.logprobs[n:]
 
 
 @dataclass
@@ -74,6 +99,7 @@ class SchedulerStats:
     num_preemptions_total: int
     num_prefill_tokens_computed_total: int = 0
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    spec_decode: SpecDecodeStats | None = None  # with speculative decoding on
 
 
 class Scheduler:
@@ -85,6 +111,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_prefill_tokens_computed = 0  # prompt (and recomputed) tokens run through the model: not cache hits
+        self.lookahead = 0  # KV slots past the scheduled tokens a draft model writes (engine/core.py sets it)
+        self.spec_stats: SpecDecodeStats | None = None  # counted in `update` when speculation is on
         # None: a quarter of the budget (three quarters stay for newcomers; a long prefill keeps at least a quarter
         # while others compete, all of it otherwise), and at least one KV block
         self.long_prefill_threshold = (config.long_prefill_token_threshold
@@ -129,9 +157,9 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:  # phase A
             req = running[i]
-            todo = req.num_tokens - req.num_computed_tokens
+            todo = req.num_tokens_with_spec - req.num_computed_tokens
             n = min(todo, budget, share) if todo > threshold else min(todo, budget)
-            while not self.kv.allocate_slots(req, n):
+            while not self.kv.allocate_slots(req, n + self.lookahead):
                 victim = running.pop()  # the latest arrival among those not yet served this step
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -182,7 +210,7 @@ class Scheduler:
                     passed_over = True
                     continue
                 n = min(n, threshold)
-            if not self.kv.admit(req, match, n):
+            if not self.kv.admit(req, match, n, self.lookahead):
                 break
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
@@ -203,7 +231,7 @@ class Scheduler:
             if budget <= 0:
                 break
             extra = min(s.num_left, budget)
-            if self.kv.allocate_slots(s.request, s.num_new_tokens + extra):
+            if self.kv.allocate_slots(s.request, s.num_new_tokens + extra + self.lookahead):
                 s.num_new_tokens += extra
                 budget -= extra
         return budget
@@ -245,7 +273,7 @@ class Scheduler:
         """Static batching: a fixed batch joins together and no one else joins until all of it has ended."""
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.popleft()
-            self.kv.admit(req, self.kv.match(req), 0)  # takes only its cached prefix: always fits
+            self.kv.admit(req, self.kv.match(req), 0, 0)  # takes only its cached prefix: always fits
             req.status = RequestStatus.RUNNING
             req.first_scheduled_time = req.first_scheduled_time or now
             self.running.append(req)
@@ -254,30 +282,43 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     # ---- after the forward pass ------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, tuple[int, dict[int, float] | None]]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens; return the requests that finished this step."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, SampledTokens]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens; return the requests that finished this step.
+        A verify pass (drafts scheduled) brings the accepted drafts and one more token: computed tokens go back
+        over the rejected drafts. Tokens past the one that ends a request (EOS, stop id, length) are dropped from
+        `sampled` too, so the caller reports only what was appended."""
         finished = []
         for s in out.scheduled:
             req = s.request
             if req.status.finished:  # aborted while its step ran
                 continue
-            if s.num_new_tokens > 1 or not req.output_token_ids:
+            drafts = s.num_spec_tokens
+            if not drafts and (s.num_new_tokens > 1 or not req.output_token_ids):
                 self.num_prefill_tokens_computed += s.num_new_tokens
             req.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_blocks(req)
-            if req.request_id not in sampled:
-                continue
-            token, _ = sampled[req.request_id]
-            req.output_token_ids.append(token)
-            if req.check_stop():
-                self._finish(req)
-                finished.append(req)
+            req.spec_token_ids = []
+            got = sampled.get(req.request_id)
+            if drafts:
+                accepted = len(got.token_ids) - 1 if got is not None else 0
+                req.num_computed_tokens -= drafts - accepted
+                if self.spec_stats is not None:
+                    self.spec_stats.observe(drafts, accepted)
+            for i, token in enumerate(got.token_ids if got is not None else ()):
+                req.output_token_ids.append(token)
+                if req.check_stop():
+                    got.truncate(i + 1)
+                    self._finish(req)  # caches its full blocks
+                    finished.append(req)
+                    break
+            else:  # accepted drafts are computed but only committed now: cache after appending
+                self.kv.cache_blocks(req)
         return finished
 
     def finish_request(self, request_id: str, status: RequestStatus, stop_reason: str | None = None) -> None:
@@ -305,4 +346,5 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions,
             num_prefill_tokens_computed_total=self.num_prefill_tokens_computed,
             prefix_cache=self.kv.prefix_cache_stats(),
+            spec_decode=self.spec_stats.copy() if self.spec_stats is not None else None,
         )

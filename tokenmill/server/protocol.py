@@ -60,6 +60,7 @@ class _Sampling(_Body):
     best_of: int | None = None
     cache_salt: str | None = None  # tenants with different salts never share cached KV blocks
     prompt_logprobs: int | None = None  # vLLM's extra: a `prompt_logprobs` list in each choice
+    speculate: bool = True  # tokenmill's extra: false opts the request out of speculative decoding
 
     def check_prompt_logprobs(self) -> None:
         """Checked here, not only in SamplingParams: completions may compute more for echo, hiding a bad value."""
@@ -107,7 +108,8 @@ class _Sampling(_Body):
             frequency_penalty=self.frequency_penalty or 0.0, seed=self.seed, max_tokens=max_tokens,
             min_tokens=self.min_tokens, stop=stops or None, stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            speculate=self.speculate)
 
     @property
     def include_usage(self) -> bool:
