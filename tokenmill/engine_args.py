@@ -91,7 +91,7 @@ class EngineArgs:
     scheduling_policy: str = _opt("continuous", "continuous batching, or static (fixed batches, for measurement)",
                                   choices=["continuous", "static"], config="scheduler", key="policy")
 
-    speculative_config: str | dict | None = _opt(
+    speculative_config: str | None = _opt(
         None, "speculative decoding, as vLLM's flag: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
               "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (prompt lookup) or '{\"model\": PATH, "
               "\"num_speculative_tokens\": 4}' (a draft model with the target's vocabulary; \"quantization\": "

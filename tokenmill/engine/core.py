@@ -63,8 +63,12 @@ class EngineCore:
         mc, cc = self.model_config, config.cache
         self.kv_dtype = cc.cache_dtype(self.dtype)
         per_token = kv_bytes_per_token(mc, self.kv_dtype)
+        spec = config.speculative
+        draft_per_token = 0  # a draft model's KV, at the same block ids (spec/draft_model.py), shares the budget
+        if spec is not None and spec.method == "draft_model":
+            draft_per_token = kv_bytes_per_token(load_model_config(resolve_model_path(spec.model)), self.kv_dtype)
         budget = cc.kv_cache_memory or default_kv_cache_memory()
-        num_blocks = cc.num_blocks or budget // (per_token * cc.block_size)
+        num_blocks = cc.num_blocks or budget // ((per_token + draft_per_token) * cc.block_size)
         if num_blocks < 1:
             raise ConfigError(f"--kv-cache-memory {budget} bytes holds no block of {cc.block_size} tokens "
                               f"({per_token * cc.block_size} bytes); raise it")

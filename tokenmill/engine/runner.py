@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.config import ModelConfig
-from tokenmill.engine.sampler import Sampler, SamplingRow
+from tokenmill.engine.sampler import Sampler, SamplingRow, top_logprobs
 from tokenmill.engine.scheduler import SampledTokens, ScheduledRequest, SchedulerOutput
 from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.backends import select_backend
 from tokenmill.model.loader import allocate_parameters
 from tokenmill.model.registry import model_class
 from tokenmill.quant.methods import linear_method
+from tokenmill.spec.rejection import rejection_sample
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Prompt logprobs are computed this many rows at a time: the logits of a 2k-token prompt over a 49k vocabulary
@@ -102,6 +103,8 @@ class ModelRunner:
                            torch.zeros(shape, dtype=kv_dtype, device=self.device)) for _ in range(cfg.num_layers)]
         self.sampler = Sampler()
         self.base_seeds: dict[str, int] = {}  # unseeded requests: a base seed drawn from the engine's seed
+        # a draft model's distributions q [drafts, V] for the drafts it drew (spec/draft_model.py), by request
+        self.draft_probs: dict[str, torch.Tensor] = {}
         self._seed_rng = random.Random(seed)
 
     def weight_format(self) -> str:
@@ -114,17 +117,19 @@ class ModelRunner:
         return f"weights: {self.weight_format()}, {weight_bytes(self.model) / 2**20:.0f} MiB"
 
     # ---- per-request state -----------------------------------------------------------------------------
-    def _generator(self, request_id: str, seed: int | None, position: int) -> torch.Generator:
-        """A generator for output position `position` of a request (see position_seed)."""
+    def position_generator(self, request_id: str, seed: int | None, position: int, salt: int = 0) -> torch.Generator:
+        """A generator for output position `position` of a request (see position_seed); `salt` gives another
+        stream (a draft model's draws)."""
         if seed is None:
             seed = self.base_seeds.get(request_id)
             if seed is None:
                 seed = self.base_seeds[request_id] = self._seed_rng.getrandbits(63)
         gen = torch.Generator(device=self.device)  # sampling runs where the logits are
-        return gen.manual_seed(position_seed(seed, position))
+        return gen.manual_seed(position_seed(seed ^ salt, position))
 
     def release(self, request_id: str) -> None:
         self.base_seeds.pop(request_id, None)
+        self.draft_probs.pop(request_id, None)
 
     # ---- one step ----------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -146,7 +151,8 @@ class ModelRunner:
                 slots.append(req.block_ids[p // bs] * bs + p % bs)
         meta = AttentionMetadata(slot_mapping=self._long(slots))
         if paged:
-            self._paged_metadata(meta, paged)
+            self._paged_metadata(meta, [(s.request.block_ids, s.request.num_computed_tokens, s.num_new_tokens)
+                                        for s in paged])
         row = meta.num_paged_tokens
         for s in fresh:
             meta.fresh_spans.append((row, row + s.num_new_tokens))
@@ -171,9 +177,15 @@ class ModelRunner:
         except Exception:  # noqa: BLE001 - find the request(s) at fault: each alone; the others still get tokens
             result = self._sample_one_by_one(logits, rows, sampling)
         else:
-            result = StepResult()
+            result, i = StepResult(), 0
             for s, mine in zip(sampling, _per_request(results, sampling)):
-                result.sampled[s.request.request_id] = verify(s, mine)
+                rid, n = s.request.request_id, 1 + s.num_spec_tokens
+                q = self.draft_probs.pop(rid, None)
+                if q is not None and n > 1 and not s.request.params.greedy:
+                    result.sampled[rid] = self._rejection_sample(s, q, logits[i:i + n], rows[i:i + n])
+                else:
+                    result.sampled[rid] = verify(s, mine)
+                i += n
         result.prompt_logprobs = prompt_logprobs
         return result
 
@@ -209,6 +221,19 @@ class ModelRunner:
             out += rows
         return out
 
+    def _rejection_sample(self, s: ScheduledRequest, q: torch.Tensor, logits: torch.Tensor,
+                          rows: list[SamplingRow]) -> SampledTokens:
+        """Drafts drawn from a draft model's q: spec/rejection.py, with fresh generators for the same positions."""
+        d, req = s.num_spec_tokens, s.request
+        p = self.sampler.probabilities(logits, rows)
+        gens = [self.position_generator(req.request_id, req.params.seed, len(r.output_token_ids)) for r in rows]
+        tokens = rejection_sample(p, q[:d], req.spec_token_ids[:d], gens)
+        logprobs = None
+        if req.params.logprobs is not None:
+            raw = logits[:len(tokens)].float().log_softmax(dim=1)
+            logprobs = [top_logprobs(raw[j], t, req.params.logprobs) for j, t in enumerate(tokens)]
+        return SampledTokens(tokens, logprobs)
+
     def _sample_one_by_one(self, logits: torch.Tensor, rows: list[SamplingRow],
                            sampling: list[ScheduledRequest]) -> StepResult:
         result, i = StepResult(), 0
@@ -224,22 +249,38 @@ class ModelRunner:
     def _long(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def _paged_metadata(self, meta: AttentionMetadata, paged: list[ScheduledRequest]) -> None:
-        """Block tables (one row per request, padded with block 0, never read past kv_len) and, per token,
-        its row and how many keys it sees."""
-        ends = [s.request.num_computed_tokens + s.num_new_tokens for s in paged]
-        max_blocks = -(-max(ends) // self.block_size)
+    def _paged_metadata(self, meta: AttentionMetadata, spans: list[tuple[list[int], int, int]]) -> None:
+        """Block tables (one row per span, padded with block 0, never read past kv_len) and, per token, its row
+        and how many keys it sees. A span: a request's block ids, its first new position, how many new tokens."""
+        max_blocks = -(-max(start + n for _, start, n in spans) // self.block_size)
         tables, q_rows, kv_lens = [], [], []
-        for i, (s, end) in enumerate(zip(paged, ends)):
-            blocks = s.request.block_ids[:max_blocks]
+        for i, (block_ids, start, n) in enumerate(spans):
+            blocks = block_ids[:max_blocks]
             tables.extend(blocks + [0] * (max_blocks - len(blocks)))
-            first = s.request.num_computed_tokens + 1
-            q_rows.extend([i] * s.num_new_tokens)
-            kv_lens.extend(range(first, end + 1))
+            q_rows.extend([i] * n)
+            kv_lens.extend(range(start + 1, start + n + 1))
         meta.num_paged_tokens = len(q_rows)
-        meta.block_tables = self._long(tables).view(len(paged), max_blocks)
+        meta.block_tables = self._long(tables).view(len(spans), max_blocks)
         meta.q_rows = self._long(q_rows)
         meta.kv_lens = self._long(kv_lens)
+
+    @torch.inference_mode()
+    def forward_last(self, spans: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
+        """Logits of each span's last token; a span is (block ids, first position, its tokens), each reading
+        its context through the block tables and writing its K/V there. For a draft model, which runs spans of
+        its own beside the scheduler's steps (spec/draft_model.py)."""
+        bs = self.block_size
+        input_ids, positions, slots, last_rows = [], [], [], []
+        for block_ids, start, tokens in spans:
+            input_ids.extend(tokens)
+            for p in range(start, start + len(tokens)):
+                positions.append(p)
+                slots.append(block_ids[p // bs] * bs + p % bs)
+            last_rows.append(len(input_ids) - 1)
+        meta = AttentionMetadata(slot_mapping=self._long(slots))
+        self._paged_metadata(meta, [(b, start, len(t)) for b, start, t in spans])
+        hidden = self.model(self._long(input_ids), self._long(positions), meta, self.kv_caches)
+        return self.model.compute_logits(hidden[self._long(last_rows)])
 
     def _sampling_rows(self, s: ScheduledRequest) -> list[SamplingRow]:
         """One row per output position this step samples: the next token, then one after each draft token (its
@@ -251,7 +292,7 @@ class ModelRunner:
             blocked = None
             if len(output) < p.min_tokens:
                 blocked = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids)))
-            gen = None if p.greedy else self._generator(req.request_id, p.seed, len(output))
+            gen = None if p.greedy else self.position_generator(req.request_id, p.seed, len(output))
             rows.append(SamplingRow(p, req.prompt_token_ids, output, gen, blocked))
         return rows
 

@@ -168,18 +168,58 @@ def mask_blocked(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
                 logits[i, ids] = saved
 
 
+def _adjusted(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """float32 logits after penalties and min_tokens masking (a copy only where a row changes)."""
+    logits = logits.float()
+    if any(r.params.has_penalties or r.blocked_token_ids for r in rows):
+        logits = logits.clone()
+        if any(r.params.has_penalties for r in rows):
+            apply_penalties(logits, rows)
+            # a tiny repetition penalty can push logits past float32's range: keep them finite
+            logits = logits.nan_to_num(nan=float("nan"), posinf=torch.finfo(torch.float32).max)
+        mask_blocked(logits, rows)
+    return logits
+
+
+def _random_weights(sub: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Unnormalised probabilities of rows that sample: max-shifted, divided by temperature, filtered (top-k,
+    top-p, min-p), exponentiated."""
+    dev = sub.device
+    top = sub.max(dim=1, keepdim=True).values  # NaN anywhere in a row makes its max NaN
+    if not bool(torch.isfinite(top).all()):
+        raise SamplingError("the model produced non-finite logits")
+    sub = torch.sub(sub, top).div_(torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1))
+    if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+        sub = filter_logits(
+            sub,
+            torch.tensor([p.top_k for p in params], device=dev),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
+            torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev),
+        )
+    return weights_of(sub)
+
+
 class Sampler:
+    def probabilities(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """[R, V] float32: the distribution each row samples from, after every adjustment (greedy rows: one-hot
+        on the argmax), so that two models' rows processed the same way can be compared (spec/rejection.py)."""
+        logits = _adjusted(logits, rows)
+        probs = torch.zeros_like(logits)
+        greedy_rows = [i for i, r in enumerate(rows) if r.params.greedy]
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if greedy_rows:
+            idx = torch.tensor(greedy_rows, device=logits.device)
+            probs[idx, first_argmax(logits[idx])] = 1.0
+        if random_rows:
+            w = _random_weights(logits[random_rows], [rows[i].params for i in random_rows])
+            probs[random_rows] = w / w.sum(dim=1, keepdim=True)
+        return probs
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[tuple[int, dict[int, float] | None]]:
         logits = logits.float()
         want_logprobs = [r.params.logprobs is not None for r in rows]
         raw_logprobs = logits.log_softmax(dim=1) if any(want_logprobs) else None
-        if any(r.params.has_penalties or r.blocked_token_ids for r in rows):
-            logits = logits.clone()
-            if any(r.params.has_penalties for r in rows):
-                apply_penalties(logits, rows)
-                # a tiny repetition penalty can push logits past float32's range: keep them finite
-                logits = logits.nan_to_num(nan=float("nan"), posinf=torch.finfo(torch.float32).max)
-            mask_blocked(logits, rows)
+        logits = _adjusted(logits, rows)
 
         dev = logits.device
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -191,19 +231,8 @@ class Sampler:
             if greedy_rows:
                 tokens[greedy_rows] = first_argmax(logits[greedy_rows])
             sub = logits if len(random_rows) == len(rows) else logits[random_rows]
-            top = sub.max(dim=1, keepdim=True).values  # NaN anywhere in a row makes its max NaN
-            if not bool(torch.isfinite(top).all()):
-                raise SamplingError("the model produced non-finite logits")
-            params = [rows[i].params for i in random_rows]
-            sub = torch.sub(sub, top).div_(torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1))
-            if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
-                sub = filter_logits(
-                    sub,
-                    torch.tensor([p.top_k for p in params], device=dev),
-                    torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
-                    torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev),
-                )
-            tokens[random_rows] = draw(weights_of(sub), [rows[i].generator for i in random_rows])
+            weights = _random_weights(sub, [rows[i].params for i in random_rows])
+            tokens[random_rows] = draw(weights, [rows[i].generator for i in random_rows])
 
         token_list = tokens.tolist()
         results = []
