@@ -235,6 +235,7 @@ def _serve(args: argparse.Namespace) -> int:
     from tokenmill.bench.loadgen import LoadConfig, ServerUnreachable, first_model, run_load, send_request
     from tokenmill.bench.metrics import calculate_metrics
     from tokenmill.bench.report import format_serve, save_result, serve_result
+    from tokenmill.bench.spec_metrics import delta, format_spec, scrape
 
     extra_body = _check_serve_flags(args)
     opts = dataset_options(args)
@@ -262,7 +263,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     print(f"benchmark: {base_url} model {model}, {args.endpoint} endpoint, rate {args.request_rate:g} req/s, "
           f"burstiness {args.burstiness:g}, max concurrency {args.max_concurrency}", file=sys.stderr)
+    spec_before = scrape(base_url, args.api_key)
     results, duration = asyncio.run(test_then_run())
+    spec = delta(spec_before, scrape(base_url, args.api_key))
     metrics, output_lens = calculate_metrics(
         results, duration, lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
         args.slo_ttft_ms, args.slo_tpot_ms)
@@ -274,6 +277,9 @@ def _serve(args: argparse.Namespace) -> int:
               "ignore_eos": cfg.ignore_eos, "extra_body": extra_body}
     result = serve_result(config, metrics, results, output_lens, [r.output_len for r in requests])
     print(format_serve(result))
+    if spec is not None:
+        result["spec_decode"] = spec
+        print(format_spec(spec))
     if args.save_result:
         print(f"result: {save_result(result, args.save_result)}", file=sys.stderr)
     return 0
@@ -282,6 +288,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _offline(args: argparse.Namespace) -> int:
     from tokenmill.bench.offline import run_offline
     from tokenmill.bench.report import format_offline, save_result
+    from tokenmill.bench.spec_metrics import format_spec, from_stats
     from tokenmill.engine_args import EngineArgs
     from tokenmill.llm import LLM
 
@@ -297,6 +304,10 @@ def _offline(args: argparse.Namespace) -> int:
               "request_rate": "inf",
               "engine": {k: v for k, v in dataclasses.asdict(engine_args).items() if k != "model"}, **numbers}
     print(format_offline(result))
+    spec = from_stats(llm.engine.core.scheduler.spec_stats)
+    if spec is not None:
+        result["spec_decode"] = spec
+        print(format_spec(spec))
     if args.save_result:
         print(f"result: {save_result(result, args.save_result)}", file=sys.stderr)
     return 0

@@ -34,10 +34,12 @@ class CacheInfo:
     kv_bytes_per_token: int
     dtype: str
     prefix_caching: bool = False
+    reserved_tokens: int = 0  # slots a draft model writes past a request's tokens (spec/draft_model.py lookahead)
 
     @property
     def token_capacity(self) -> int:
-        return self.num_blocks * self.block_size
+        """Tokens one request may reach: the pool, less the slots written ahead of it."""
+        return self.num_blocks * self.block_size - self.reserved_tokens
 
     def describe(self) -> str:
         return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.token_capacity} tokens, "
@@ -88,7 +90,7 @@ class EngineCore:
         if config.speculative is not None:
             self.speculator = build_speculator(config.speculative, self)
             self.scheduler.spec_stats = SpecDecodeStats()
-            self.scheduler.lookahead = self.speculator.lookahead
+            self.scheduler.lookahead = self.cache_info.reserved_tokens = self.speculator.lookahead
         self._unstarted: set[str] = set()  # added, never scheduled yet: reported in `started` when first scheduled
 
     # ---- requests ----------------------------------------------------------------------------------------
@@ -114,8 +116,9 @@ class EngineCore:
         """What a user should see at start-up: the compute path (backend, instruction sets, matmul kernels, batch
         invariance), the weights' format and bytes, and the KV cache."""
         mode = "batch-invariant" if self.runner.batch_invariant else "not batch-invariant"
+        spec = f"\n{self.speculator.describe()}" if self.speculator is not None else ""
         return (f"backend: {self.runner.backend.describe()}; {mode}\n{self.runner.weight_summary()}\n"
-                f"{self.cache_info.describe()}")
+                f"{self.cache_info.describe()}{spec}")
 
     @property
     def has_unfinished(self) -> bool:

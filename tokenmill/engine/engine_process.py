@@ -44,7 +44,7 @@ def run_engine_core(config: EngineConfig, inputs: Any, outputs: Any) -> None:
     info = core.cache_info
     outputs.send(EngineReady(core.max_model_len, core.model_config.vocab_size, list(core.model_config.eos_token_ids),
                              info.num_blocks, info.block_size, core.startup_summary(), os.getpid(),
-                             core.runner.weight_format(), weight_bytes(core.runner.model)))
+                             core.runner.weight_format(), weight_bytes(core.runner.model), info.token_capacity))
     serve(core, inputs, outputs)
 
 

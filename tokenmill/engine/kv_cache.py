@@ -184,6 +184,15 @@ class KVCacheManager:
         request.block_ids.extend(self.pool.allocate(need))
         return True
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` tokens' (rejected draft tokens' slots): they hold no
+        computed token, so they were never cached or shared."""
+        keep = self.blocks_needed(num_tokens)
+        if len(request.block_ids) > keep:
+            extra = request.block_ids[keep:]
+            del request.block_ids[keep:]
+            self.pool.release(extra)
+
     def cache_blocks(self, request: Request) -> None:
         """Put the request's newly filled (computed) blocks in the tree. Where another request cached the same
         tokens first, switch to its block and free the duplicate."""

@@ -58,6 +58,7 @@ class EngineReady:
     pid: int
     weight_format: str = ""  # e.g. "bfloat16", "int8 (bfloat16 compute)": the matmul weights as served
     weight_bytes: int = 0  # bytes the model's weights hold (engine/runner.py weight_bytes)
+    token_capacity: int = 0  # tokens one request can hold at most (the pool, less a draft model's lookahead)
 
 
 @dataclass

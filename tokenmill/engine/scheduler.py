@@ -308,6 +308,8 @@ class Scheduler:
             if drafts:
                 accepted = len(got.token_ids) - 1 if got is not None else 0
                 req.num_computed_tokens -= drafts - accepted
+                # slots of rejected drafts go back; kept: the next token's, and those a draft model writes ahead
+                self.kv.trim(req, req.num_computed_tokens + 1 + self.lookahead)
                 if self.spec_stats is not None:
                     self.spec_stats.observe(drafts, accepted)
             for i, token in enumerate(got.token_ids if got is not None else ()):

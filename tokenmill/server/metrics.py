@@ -65,6 +65,15 @@ class ServerMetrics:
                                    registry=r)
         self.prefix_evictions = Counter("tokenmill_prefix_cache_evicted_blocks", "Cached KV blocks evicted to make "
                                         "room", labels, registry=r)
+        self.spec_drafts = Counter("tokenmill_spec_decode_num_drafts", "Speculative verify passes of one request "
+                                   "that carried draft tokens", labels, registry=r)
+        self.spec_draft_tokens = Counter("tokenmill_spec_decode_num_draft_tokens", "Draft tokens proposed and "
+                                         "verified", labels, registry=r)
+        self.spec_accepted = Counter("tokenmill_spec_decode_num_accepted_tokens", "Draft tokens accepted", labels,
+                                     registry=r)
+        self.spec_accepted_per_pos = Counter("tokenmill_spec_decode_num_accepted_tokens_per_pos", "Draft tokens "
+                                             "accepted, by their position in the draft (0 = first)",
+                                             ["model_name", "position"], registry=r)
         self.engine_alive = Gauge("tokenmill_engine_alive", "1 while the engine loop is alive", labels, registry=r)
         self.weight_bytes = Gauge("tokenmill_model_weight_bytes", "Bytes the model's weights hold in the engine, by "
                                   "weight format (as the start-up log says)", ["model_name", "format"], registry=r)
@@ -84,6 +93,7 @@ class ServerMetrics:
         self._prefill = self.prefill_computed.labels(m)
         self._from_totals = (self._preempt, self._prefill, self._pq, self._ph, self._pevict)
         self._totals_seen = (0,) * len(self._from_totals)
+        self._spec_seen: tuple[int, ...] = ()
         for outcome in ("stop", "length", "abort", "error"):
             self.requests.labels(m, outcome)
 
@@ -145,3 +155,20 @@ class ServerMetrics:
             self._totals_seen = totals
             self._prate.set(pc.hit_rate)
         self._pblocks.set(pc.cached_blocks)
+        if stats.spec_decode is not None:
+            self._on_spec(stats.spec_decode)
+
+    def _on_spec(self, sd) -> None:
+        """Speculation totals since start -> counter increases (as the scheduler totals above)."""
+        totals = (sd.num_drafts, sd.num_draft_tokens, sd.num_accepted_tokens, *sd.accepted_per_pos)
+        if totals == self._spec_seen:
+            return
+        seen = self._spec_seen + (0,) * (len(totals) - len(self._spec_seen))
+        m = self._model
+        for counter, new, old in zip((self.spec_drafts, self.spec_draft_tokens, self.spec_accepted), totals, seen):
+            if new > old:
+                counter.labels(m).inc(new - old)
+        for pos, (new, old) in enumerate(zip(totals[3:], seen[3:])):
+            if new > old:
+                self.spec_accepted_per_pos.labels(m, str(pos)).inc(new - old)
+        self._spec_seen = totals

@@ -50,6 +50,13 @@ class Speculator:
         self.max_batch = config.disable_by_batch_size or DEFAULT_MAX_BATCH
         self.k: dict[str, int] = {}  # per request: how many drafts it proposes now (adaptive)
 
+    def describe(self) -> str:
+        c = self.config
+        how = (f"n-gram prompt lookup (n {c.prompt_lookup_min}..{c.prompt_lookup_max})" if c.method == "ngram"
+               else f"draft model {c.model}" + (f" ({c.quantization})" if c.quantization else ""))
+        return (f"speculative decoding: {how}, up to {c.num_speculative_tokens} draft tokens a step; paused while "
+                f"more than {self.max_batch} requests run")
+
     @property
     def lookahead(self) -> int:
         return self.proposer.lookahead
