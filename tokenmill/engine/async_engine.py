@@ -143,7 +143,8 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         eos = frozenset(tokenizer.eos_token_ids) | frozenset(msg.eos_token_ids)
         capacity = msg.token_capacity or msg.num_blocks * msg.block_size
-        self.info = EngineInfo(msg.max_model_len, msg.vocab_size, eos, capacity, msg.startup_summary, msg.pid, msg.weight_format, msg.weight_bytes)
+        self.info = EngineInfo(msg.max_model_len, msg.vocab_size, eos, capacity, msg.startup_summary, msg.pid,
+                               msg.weight_format, msg.weight_bytes)
         self.limits = ContextLimits(msg.max_model_len, msg.vocab_size, self.info.token_capacity)
         self.processor = OutputProcessor(tokenizer, eos, self._observer)
         if self.max_waiting_tokens is None:  # as many prompt tokens may wait as the KV cache holds
