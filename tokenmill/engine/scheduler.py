@@ -144,8 +144,8 @@ class Scheduler:
         admitting = self.config.policy == "continuous"
         cap = self.config.max_prefill_tokens_while_decoding
         if cap is not None and admitting:
-            decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
-            if decoding:
+            decoding = sum(1 + len(r.spec_token_ids) for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+            if decoding:  # decode tokens (drafts included) + at most `cap` prompt tokens
                 budget = min(budget, decoding + cap)
         threshold = self.long_prefill_threshold if admitting else budget
         share = threshold  # what running prefills longer than the threshold may take in phase A
