@@ -11,6 +11,8 @@
 - batched: ShareGPT through the offline engine with 64 requests at a time (128 prompts, 128 output tokens,
   ignore_eos): output tokens/s with n-gram speculation as shipped (it pauses above its batch threshold), with
   the threshold lifted (speculating at 64), and without speculation.
+- threshold: ShareGPT at 4, 8, 16 and 32 at a time (4x as many prompts, 128 output tokens, ignore_eos), n-gram
+  never paused against none: where speculation stops paying, which sets the default pause threshold.
 Engines are built once; rounds take the configurations in turn, so a slow spell of the machine hits all of them.
 """
 
@@ -174,6 +176,25 @@ def batched(runs: int, kv: int) -> None:
             print(f"|   ({st.describe()}) | | |")
 
 
+def threshold(runs: int, kv: int, levels: list[int]) -> None:
+    always = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 1024}
+    print(f"\n## ShareGPT by concurrency, n-gram never paused vs none (median of {runs} runs; CPU {cpu_isa()})")
+    print("| at a time | prompts | none tok/s | ngram tok/s | ratio | acceptance |\n|---|---|---|---|---|---|")
+    for level in levels:
+        engines = {c: LLM(speculative_config=s, max_num_seqs=level, kv_cache_memory=kv)
+                   for c, s in {"none": None, "ngram": always}.items()}
+        requests = load_sharegpt(engines["none"].get_tokenizer(), 4 * level, seed=1, fixed_output_len=128)
+        speeds = {c: [] for c in engines}
+        for _ in range(runs):
+            for c, llm in engines.items():
+                speeds[c].append(run_offline(llm, requests, progress=False)["output_throughput"])
+        none, ngram = statistics.median(speeds["none"]), statistics.median(speeds["ngram"])
+        st = engines["ngram"].engine.core.scheduler.spec_stats
+        print(f"| {level} | {len(requests)} | {none:.1f} | {ngram:.1f} | {ngram / none:.2f}x | "
+              f"{st.acceptance_rate:.1%} |", flush=True)
+        del engines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="single,batched")
@@ -204,6 +225,8 @@ def main() -> None:
         single_stream(engines, workloads, args.runs, args.max_tokens)
         acceptance(engines, workloads, args.max_tokens)
         del engines
+    if "threshold" in parts:
+        threshold(args.runs, kv, [4, 8, 16, 32])
     if "batched" in parts:
         batched(args.runs, kv)
 
