@@ -175,3 +175,67 @@ def test_a_request_id_in_flight_cannot_be_reused():
     add(proc)
     with pytest.raises(ValueError, match="already in flight"):
         add(proc)
+
+
+# ---- several tokens in one step (speculative decoding) -----------------------------------------------------
+
+
+@pytest.mark.parametrize("include,text", [(False, "He"), (True, "Hell")])
+def test_a_stop_string_completed_by_the_second_token_of_a_step_cuts_tokens_and_text_there(include, text):
+    proc = OutputProcessor(CharDecoder(), frozenset({EOS}))
+    state, _ = add(proc, stop=["ll"], include_stop_str_in_output=include)
+    proc.process(step(out("r", "He")))
+    processed = proc.process(step(out("r", "llo w")))  # "l" completes "ll" at the step's second token
+    c = state.output().outputs[0]
+    assert (c.token_ids, c.text, c.finish_reason, c.stop_reason) == (ids("Hell"), text, "stop", "ll")
+    assert processed.stops == [FinishRequest("r", "ll")]  # the core still runs it
+    assert processed.num_generated == 5  # what the core sent, cut or not
+    assert [(d.text, d.token_ids) for d in state.deltas()] == [(text, ids("Hell"))] and state.deltas() == []
+    assert proc.requests == {}
+
+
+def test_a_stop_string_within_one_multi_token_step_from_the_start():
+    proc = OutputProcessor(CharDecoder(), frozenset({EOS}))
+    state, _ = add(proc, stop=["xy"])
+    processed = proc.process(step(out("r", "axyzw")))
+    c = state.output().outputs[0]
+    assert (c.token_ids, c.text, c.finish_reason, c.stop_reason) == (ids("axy"), "a", "stop", "xy")
+    assert processed.stops == [FinishRequest("r", "xy")]
+    [delta] = state.deltas()
+    assert (delta.text, delta.token_ids, delta.finish_reason) == ("a", ids("axy"), "stop")
+
+
+def test_the_logprobs_of_tokens_past_a_stop_string_are_cut_too():
+    proc = OutputProcessor(CharDecoder(), frozenset({EOS}))
+    state, _ = add(proc, stop=["bc"], logprobs=0)
+    a, b, c_, d = (ord(ch) for ch in "abcd")
+    proc.process(step(EngineCoreOutput("r", [a, b, c_, d], [{a: -0.5}, {b: -0.25}, {c_: -1.0}, {d: -2.0}])))
+    c = state.output().outputs[0]
+    assert (c.token_ids, c.text) == ([a, b, c_], "a")
+    assert c.logprobs == [{a: -0.5}, {b: -0.25}, {c_: -1.0}]
+    assert c.cumulative_logprob == pytest.approx(-1.75)
+
+
+def test_a_stop_string_before_the_core_s_own_end_in_the_same_step_wins():
+    """The core ended the sequence (length, or a stop token) with the step's last token, but a stop string completed
+    earlier in the step: the output ends at the stop string, and the core is not told again."""
+    proc = OutputProcessor(CharDecoder(), frozenset({EOS}))
+    state, _ = add(proc, stop=["b"], max_tokens=4)
+    processed = proc.process(step(out("r", "abcd", "length")))
+    c = state.output().outputs[0]
+    assert (c.token_ids, c.text, c.finish_reason, c.stop_reason) == (ids("ab"), "a", "stop", "b")
+    assert processed.stops == []
+
+    state, _ = add(proc, "eos", stop=["q"])
+    processed = proc.process(step(EngineCoreOutput("eos", ids("pqr") + [EOS], finish_reason="stop")))
+    c = state.output().outputs[0]
+    assert (c.token_ids, c.text, c.stop_reason) == (ids("pq"), "p", "q")
+    assert processed.stops == []
+
+
+def test_several_tokens_ending_with_a_stop_token_keep_it_in_the_ids_but_not_the_text():
+    proc = OutputProcessor(CharDecoder(), frozenset({EOS}))
+    state, _ = add(proc, stop=["zz"])
+    proc.process(step(EngineCoreOutput("r", ids("ab") + [EOS], finish_reason="stop")))
+    c = state.output().outputs[0]
+    assert (c.token_ids, c.text, c.finish_reason, c.stop_reason) == (ids("ab") + [EOS], "ab", "stop", None)

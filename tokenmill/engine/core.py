@@ -159,13 +159,14 @@ class EngineCore:
             elif prompt_lps is not None and req.request_id not in result.failed:
                 outputs.append(EngineCoreOutput(req.request_id, [], num_preemptions=req.num_preemptions,
                                                 new_prompt_logprobs=prompt_lps))
+        if self.speculator is not None:
+            for rid, drafts, accepted in verified:  # before the finished are released: they forget it all
+                self.speculator.observe(rid, drafts, accepted)
+            for req in sched.preempted:
+                self.speculator.forget(req.request_id)  # its KV is gone: a draft model starts it over
         for req in finished:
             self._release(req.request_id)
         if self.speculator is not None:
-            for req in sched.preempted:
-                self.speculator.forget(req.request_id)  # its KV is gone: a draft model starts it over
-            for rid, drafts, accepted in verified:
-                self.speculator.observe(rid, drafts, accepted)
             self.speculator.propose(self.scheduler.running)
         return EngineOutputs(outputs, started)
 

@@ -316,6 +316,8 @@ class Scheduler:
                 req.output_token_ids.append(token)
                 if req.check_stop():
                     got.truncate(i + 1)
+                    # accepted drafts after the end were computed but are not the request's: not cached either
+                    req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
                     self._finish(req)  # caches its full blocks
                     finished.append(req)
                     break
