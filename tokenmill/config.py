@@ -173,8 +173,8 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")
 class SpeculativeConfig:
     """--speculative-config, the JSON of vLLM's flag: `{"method": "ngram", "num_speculative_tokens": 4,
     "prompt_lookup_max": 4, "prompt_lookup_min": 2}` (prompt lookup) or `{"model": PATH, "num_speculative_tokens": 4}`
-    (a draft model sharing the target's vocabulary). Speculation pauses while more than `disable_by_batch_size`
-    requests run (verifying k drafts costs k more tokens of compute, which a full batch no longer has to spare)."""
+    (a draft model sharing the target's vocabulary). A request speculates where its acceptance pays for the extra
+    compute at the current batch (spec/speculator.py); none does while more than `disable_by_batch_size` run."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -182,7 +182,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     model: str | None = None  # the draft model (method draft_model): an HF directory or a .gguf file
     quantization: str | None = None  # the draft's weights, as --quantization (e.g. awq for an INT4 self-draft)
-    disable_by_batch_size: int | None = None  # None: see tokenmill/spec/speculator.py DEFAULT_MAX_BATCH
+    disable_by_batch_size: int | None = None  # a hard cap; None: the measured step cost decides (spec/cost.py)
 
     KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "quantization",
             "disable_by_batch_size")

@@ -15,8 +15,9 @@ from tokenmill.engine_args import EngineArgs
 from tokenmill.errors import ConfigError
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec.cost import StepCostModel
 from tokenmill.spec.ngram import propose_ngram
-from tokenmill.spec.speculator import DEFAULT_MAX_BATCH, NgramProposer, Speculator, build_speculator
+from tokenmill.spec.speculator import PROBE_EVERY, NgramProposer, Speculator, build_speculator
 
 # ---- propose_ngram -----------------------------------------------------------------------------------------
 
@@ -250,13 +251,9 @@ def test_a_request_with_one_token_left_is_not_even_offered_to_the_proposer():
 
 
 def test_speculation_pauses_while_more_requests_than_the_threshold_run():
-    assert DEFAULT_MAX_BATCH == 8
-    spec, proposer = speculator()
-    spec.propose([decoding(f"r{i}") for i in range(DEFAULT_MAX_BATCH)])
-    assert len(proposer.last) == DEFAULT_MAX_BATCH
-    over = [decoding(f"s{i}") for i in range(DEFAULT_MAX_BATCH + 1)]
-    spec.propose(over)
-    assert len(proposer.calls) == 1 and all(r.spec_token_ids == [] for r in over)
+    spec, proposer = speculator()  # no cap (and no cost model): everyone speculates
+    spec.propose([decoding(f"r{i}") for i in range(64)])
+    assert len(proposer.last) == 64
 
     spec, proposer = speculator(disable_by_batch_size=2)
     spec.propose([decoding("a"), decoding("b")])
@@ -347,3 +344,61 @@ def test_the_ngram_proposer_looks_up_prompt_and_output_together():
     assert req.spec_token_ids == [3, 4, 5]  # [1, 2] from the output matched in the prompt
     assert other.spec_token_ids == []
     assert spec.proposer.propose([req], [1]) == [[3]]
+
+
+# ---- the cost model: speculate where it pays ----------------------------------------------------------------
+
+
+def fitted(fixed: float, per_token: float) -> StepCostModel:
+    model = StepCostModel()
+    for n in [1, 8, 64, 5, 300, 16, 2, 40, 128, 3] * 3:
+        model.observe(n, fixed + per_token * n)
+    return model
+
+
+def test_the_step_cost_fit_recovers_fixed_and_per_token_time():
+    assert StepCostModel().fit is None
+    fixed, per_token = fitted(0.010, 0.001).fit
+    assert fixed == pytest.approx(0.010, rel=1e-6) and per_token == pytest.approx(0.001, rel=1e-6)
+    model = StepCostModel()
+    for _ in range(20):
+        model.observe(8, 0.02)  # one token count only: nothing to fit a slope from
+    assert model.fit is None and model.break_even_acceptance(8) == 0.0
+
+
+def test_break_even_acceptance_is_the_share_of_the_step_that_grows_with_tokens():
+    model = fitted(0.010, 0.001)
+    assert model.break_even_acceptance(2) == pytest.approx(0.002 / 0.012)
+    assert model.break_even_acceptance(64) == pytest.approx(0.064 / 0.074)
+    assert model.break_even_acceptance(2, proposer_seconds=0.006) == pytest.approx(0.008 / 0.012)
+
+
+def test_a_request_speculates_only_where_its_acceptance_pays_and_probes_now_and_then():
+    proposer = FakeProposer()
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4), proposer, fitted(0.010, 0.001))
+    good, poor = decoding("good"), decoding("poor")
+    spec.observe("good", 4, 3)
+    spec.observe("poor", 4, 0)
+    spec.observe("poor", 2, 0)
+    small = [good, poor]  # break-even 0.17: the good one (0.6) speculates, the poor one (0.25) does too
+    spec.propose(small)
+    assert set(proposer.last) == {"good", "poor"}
+    crowd = [good, poor] + [decoding(f"x{i}") for i in range(62)]  # 64 running: break-even 0.86
+    spec.acceptance.update({f"x{i}": 0.95 for i in range(62)})
+    spec.propose(crowd)
+    assert "good" not in proposer.last and "poor" not in proposer.last and len(proposer.last) == 62
+    for _ in range(PROBE_EVERY - 2):
+        spec.propose(crowd)
+        assert "good" not in proposer.last
+    spec.propose(crowd)  # passed over PROBE_EVERY times: it speculates once to measure again
+    assert "good" in proposer.last and "poor" in proposer.last
+
+
+def test_a_slow_proposer_raises_the_bar():
+    proposer = FakeProposer()
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4), proposer, fitted(0.010, 0.001))
+    req = decoding("a")
+    spec.observe("a", 4, 2)  # acceptance 0.5 x 0.3 + 0.5 x 0.7 = 0.5
+    spec.proposer_seconds = 0.008  # a draft forward pass per draft position, nearly a target step
+    spec.propose([req])  # break-even (0.001 + 0.008) / 0.011 = 0.82
+    assert proposer.calls == []

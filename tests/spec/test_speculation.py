@@ -59,6 +59,7 @@ def make_llm(path, spec: dict | None = SPEC, proposer=None, **kw) -> LLM:
     llm = LLM(str(path), dtype="float32", **kw)
     if proposer is not None:
         llm.engine.core.speculator.proposer = proposer
+        llm.engine.core.speculator.cost = None  # speculate whatever the measured step cost says: deterministic
     return llm
 
 
@@ -262,7 +263,7 @@ def test_speculation_pauses_while_more_than_disable_by_batch_size_run(tiny_dir, 
     prompts = [f"Item {i}: the quick brown fox" for i in range(9)]
     ref = generate(base, prompts, greedy_params(12))
     proposer = ReferenceProposer(refs_of(ref))
-    llm = make_llm(tiny_dir, proposer=proposer)  # default threshold: 8
+    llm = make_llm(tiny_dir, spec={**SPEC, "disable_by_batch_size": 8}, proposer=proposer)
     assert tokens(generate(llm, prompts, greedy_params(12))) == tokens(ref)
     assert proposer.asked == [] and stats(llm).num_drafts == 0  # nine ran together from start to end
     llm = make_llm(tiny_dir, spec={**SPEC, "disable_by_batch_size": 9}, proposer=ReferenceProposer(refs_of(ref)))

@@ -7,6 +7,7 @@ its own process.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from tokenmill.model.backends import auto_dtype
 from tokenmill.model.loader import load_model_config, load_weights, resolve_model_path
 from tokenmill.quant.methods import checkpoint_quantization, resolve_quantization
 from tokenmill.request import Request, RequestStatus
+from tokenmill.spec.cost import StepCostModel
 from tokenmill.spec.speculator import Speculator, build_speculator
 from tokenmill.spec.stats import SpecDecodeStats
 
@@ -87,8 +89,9 @@ class EngineCore:
                                   kv_dtype=self.kv_dtype)
         del weights
         self.speculator: Speculator | None = None
+        self.step_cost = StepCostModel()  # measured step times: what a draft token costs now
         if config.speculative is not None:
-            self.speculator = build_speculator(config.speculative, self)
+            self.speculator = build_speculator(config.speculative, self, self.step_cost)
             self.scheduler.spec_stats = SpecDecodeStats()
             self.scheduler.lookahead = self.cache_info.reserved_tokens = self.speculator.lookahead
         self._unstarted: set[str] = set()  # added, never scheduled yet: reported in `started` when first scheduled
@@ -136,7 +139,9 @@ class EngineCore:
             if req.request_id in self._unstarted:
                 self._unstarted.discard(req.request_id)
                 started[req.request_id] = (req.first_scheduled_time, req.num_cached_tokens or 0)
+        start = time.perf_counter()
         result = self._execute(sched)
+        self.step_cost.observe(sched.num_tokens, time.perf_counter() - start)
         outputs = []
         for rid, why in result.failed.items():
             log.error("request %s failed: %s", rid, why)

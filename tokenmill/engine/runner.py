@@ -181,7 +181,9 @@ class ModelRunner:
             for s, mine in zip(sampling, _per_request(results, sampling)):
                 rid, n = s.request.request_id, 1 + s.num_spec_tokens
                 q = self.draft_probs.pop(rid, None)
-                if q is not None and n > 1 and not s.request.params.greedy:
+                # seeded requests keep the point-mass rule: their tokens are then the ones decoding without
+                # speculation draws, whether or not (and however far) a step speculated
+                if q is not None and n > 1 and not s.request.params.greedy and s.request.params.seed is None:
                     result.sampled[rid] = self._rejection_sample(s, q, logits[i:i + n], rows[i:i + n])
                 else:
                     result.sampled[rid] = verify(s, mine)

@@ -4,23 +4,28 @@ drafts ride on the requests (`Request.spec_token_ids`) into the next step's sche
 Rules, plain Python:
 - only a request that is decoding (its prompt done) and has not opted out (`SamplingParams.speculate`);
 - never past the request's end: k <= max_tokens - tokens out - 1, so a verify pass never samples past max_tokens;
-- pause while more than `disable_by_batch_size` requests run: verifying k drafts costs k more tokens of compute
-  per request, which a large batch (compute-bound) no longer has to spare;
+- only where it pays: verifying k drafts costs k more tokens of compute per request. The engine's measured step
+  times (spec/cost.py) say what acceptance a draft token needs to raise tokens/s at the current batch; a request
+  whose recent acceptance is below that does not speculate (every PROBE_EVERY-th step it does once, to measure
+  again). A small batch is mostly fixed cost, so speculation almost always pays there; a compute-bound one pauses.
+  `disable_by_batch_size` (vLLM's option) is a hard cap on top: no speculation while more requests run;
 - per request, k follows its acceptance: a request whose drafts keep failing proposes fewer (down to one, so it
   can recover), one whose drafts are accepted goes back up to the configured k.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 from tokenmill.config import SpeculativeConfig
 from tokenmill.request import Request
+from tokenmill.spec.cost import StepCostModel
 from tokenmill.spec.ngram import propose_ngram
 
-# Default pause threshold: on 2 CPU cores a decode step of 8 requests is already compute-bound at 5 tokens each
-# (BENCHMARKS.md, speculative decoding); above it speculation costs throughput.
-DEFAULT_MAX_BATCH = 8
+PROBE_EVERY = 16  # a request passed over this many times speculates once, to measure its acceptance again
+PRIOR_ACCEPTANCE = 0.5  # a request's acceptance before it has any: the engine's recent average, or this
+EMA = 0.3  # weight of the newest verify pass in a request's acceptance estimate
 
 
 class Proposer(Protocol):
@@ -45,17 +50,22 @@ class NgramProposer:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer):
-        self.config, self.proposer = config, proposer
-        self.max_batch = config.disable_by_batch_size or DEFAULT_MAX_BATCH
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, cost: StepCostModel | None = None):
+        self.config, self.proposer, self.cost = config, proposer, cost
+        self.max_batch = config.disable_by_batch_size  # None: no cap, the cost model decides
         self.k: dict[str, int] = {}  # per request: how many drafts it proposes now (adaptive)
+        self.acceptance: dict[str, float] = {}  # per request: recent acceptance rate (EMA)
+        self.passed_over: dict[str, int] = {}  # per request: steps it could have speculated and did not
+        self.mean_acceptance = PRIOR_ACCEPTANCE  # over all requests (EMA): the prior of a new request
+        self.proposer_seconds = 0.0  # the proposer's time per draft position (EMA): a draft model's forward passes
 
     def describe(self) -> str:
         c = self.config
         how = (f"n-gram prompt lookup (n {c.prompt_lookup_min}..{c.prompt_lookup_max})" if c.method == "ngram"
                else f"draft model {c.model}" + (f" ({c.quantization})" if c.quantization else ""))
-        return (f"speculative decoding: {how}, up to {c.num_speculative_tokens} draft tokens a step; paused while "
-                f"more than {self.max_batch} requests run")
+        cap = f"; never while more than {self.max_batch} requests run" if self.max_batch else ""
+        return (f"speculative decoding: {how}, up to {c.num_speculative_tokens} draft tokens a step, where the "
+                f"measured step cost says it pays{cap}")
 
     @property
     def lookahead(self) -> int:
@@ -63,25 +73,42 @@ class Speculator:
 
     def propose(self, running: list[Request]) -> None:
         """Set the drafts of the running requests that should speculate in the next step."""
-        if len(running) > self.max_batch:
+        if self.max_batch is not None and len(running) > self.max_batch:
             return
+        needed = (self.cost.break_even_acceptance(len(running), self.proposer_seconds)
+                  if self.cost is not None else 0.0)
         chosen, ks = [], []
         for r in running:
             if r.status.finished or not r.params.speculate or r.num_tokens - r.num_computed_tokens != 1:
                 continue
             k = min(self.k.get(r.request_id, self.config.num_speculative_tokens),
                     r.max_tokens - r.num_output_tokens - 1)
-            if k > 0:
-                chosen.append(r)
-                ks.append(k)
+            if k <= 0:
+                continue
+            rid = r.request_id
+            if self.acceptance.get(rid, self.mean_acceptance) < needed:
+                self.passed_over[rid] = self.passed_over.get(rid, 0) + 1
+                if self.passed_over[rid] < PROBE_EVERY:
+                    continue
+            self.passed_over.pop(rid, None)
+            chosen.append(r)
+            ks.append(k)
         if chosen:
+            start = time.perf_counter()
             for r, drafts in zip(chosen, self.proposer.propose(chosen, ks)):
                 r.spec_token_ids = drafts
+            per_position = (time.perf_counter() - start) / max(ks)
+            self.proposer_seconds = (1 - EMA) * self.proposer_seconds + EMA * per_position
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
-        """After a verify pass: all accepted -> one more draft next time (up to k); none -> half as many."""
+        """After a verify pass: the request's acceptance estimate moves; all accepted -> one more draft next time
+        (up to k); none -> half as many."""
         if not num_drafts:
             return
+        rate = num_accepted / num_drafts
+        prior = self.acceptance.get(request_id, self.mean_acceptance)
+        self.acceptance[request_id] = (1 - EMA) * prior + EMA * rate
+        self.mean_acceptance = (1 - EMA / 4) * self.mean_acceptance + EMA / 4 * rate
         k = self.k.get(request_id, self.config.num_speculative_tokens)
         if num_accepted == num_drafts:
             k = min(k + 1, self.config.num_speculative_tokens)
@@ -91,13 +118,15 @@ class Speculator:
 
     def forget(self, request_id: str) -> None:
         self.k.pop(request_id, None)
+        self.acceptance.pop(request_id, None)
+        self.passed_over.pop(request_id, None)
         self.proposer.forget(request_id)
 
 
-def build_speculator(config: SpeculativeConfig, core: object) -> Speculator:
+def build_speculator(config: SpeculativeConfig, core: object, cost: StepCostModel | None = None) -> Speculator:
     """The speculator for `config`; a draft model is loaded beside the engine core's target (spec/draft_model.py)."""
     if config.method == "ngram":
-        return Speculator(config, NgramProposer(config))
+        return Speculator(config, NgramProposer(config), cost)
     from tokenmill.spec.draft_model import DraftModelProposer
 
-    return Speculator(config, DraftModelProposer.for_engine(config, core))
+    return Speculator(config, DraftModelProposer.for_engine(config, core), cost)
