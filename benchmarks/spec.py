@@ -2,17 +2,18 @@
 
     python benchmarks/spec.py                          # all parts, 3 runs
     python benchmarks/spec.py --parts single --runs 3
-    python benchmarks/spec.py --parts batched --runs 2
+    python benchmarks/spec.py --parts cost,threshold --runs 2
 
 - single: one stream (each prompt alone, greedy, up to --max-tokens, natural ends), output tokens/s per
-  configuration on three workloads: repetitive (edit a code block: rename a variable, add a docstring; summarise a
+  configuration on three workloads: repetitive (edit a code block: rename a variable, comment its lines; summarise a
   text quoting it), ShareGPT chat (first turns) and random token prompts; acceptance per workload. Greedy output is
   the same tokens under every configuration (checked), so tokens/s compares the same work.
-- batched: ShareGPT through the offline engine with 64 requests at a time (128 prompts, 128 output tokens,
-  ignore_eos): output tokens/s with n-gram speculation as shipped (it pauses above its batch threshold), with
-  the threshold lifted (speculating at 64), and without speculation.
-- threshold: ShareGPT at 4, 8, 16 and 32 at a time (4x as many prompts, 128 output tokens, ignore_eos), n-gram
-  never paused against none: where speculation stops paying, which sets the default pause threshold.
+- cost: what a draft-model cycle costs against one decode step, measured on the runners themselves (a 256-token
+  context, one request): the target's 1-token step, its (k+1)-token verify step and the draft's 1-token step; the
+  speed-up a draft can give is L / (k c + v) with L its mean accepted length, c = draft / target step, v = verify /
+  target step.
+- threshold: ShareGPT at 4, 16 and 64 at a time (2x as many prompts, at least 16; 128 output tokens, ignore_eos):
+  no speculation, n-gram as shipped (the measured step cost decides who speculates) and n-gram always.
 Engines are built once; rounds take the configurations in turn, so a slow spell of the machine hits all of them.
 """
 
@@ -25,6 +26,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -154,50 +157,59 @@ def acceptance(engines: dict[str, LLM], workloads: dict[str, list[list[int]]], m
             print(f"| {w} | {c} | {st.acceptance_rate:.1%} | {st.mean_accepted_length:.2f} | {by_pos} |")
 
 
-def batched(runs: int, kv: int) -> None:
-    configs = {"none": None, "ngram k=4 (pauses above 8 running)": {"method": "ngram", "num_speculative_tokens": 4},
-               "ngram k=4, never paused": {"method": "ngram", "num_speculative_tokens": 4,
-                                           "disable_by_batch_size": 1024}}
-    engines = {c: LLM(speculative_config=s, max_num_seqs=64, kv_cache_memory=kv) for c, s in configs.items()}
-    requests = load_sharegpt(engines["none"].get_tokenizer(), 128, seed=0, fixed_output_len=128)
-    speeds = {c: [] for c in engines}
-    for run in range(runs):
-        for c, llm in engines.items():
-            speeds[c].append(run_offline(llm, requests, progress=False)["output_throughput"])
-        print(f"run {run + 1}: " + ", ".join(f"{c} {speeds[c][-1]:.1f}" for c in engines), file=sys.stderr, flush=True)
-    print(f"\n## ShareGPT, 64 at a time (128 prompts, 128 output tokens; median of {runs} runs; CPU {cpu_isa()})")
-    print("| configuration | output tok/s | vs none |\n|---|---|---|")
-    base = statistics.median(speeds["none"])
-    for c, llm in engines.items():
-        med = statistics.median(speeds[c])
-        print(f"| {c} | {med:.1f} | {med / base:.2f}x |")
-        st = llm.engine.core.scheduler.spec_stats
-        if st is not None:
-            print(f"|   ({st.describe()}) | | |")
+def cost(runs: int, kv: int, quantization: str, k: int) -> None:
+    llm = LLM(speculative_config={"model": str(default_model_path()), "quantization": quantization,
+                                  "num_speculative_tokens": k}, kv_cache_memory=kv, enable_prefix_caching=False)
+    core = llm.engine.core
+    target, draft = core.runner, core.speculator.proposer.runner
+    blocks = list(range(core.cache_info.num_blocks))[:32]  # an idle engine: any blocks, nothing cached
+    context = [int(t) for t in torch.randint(100, 20000, (256,), generator=torch.Generator().manual_seed(0))]
+
+    def step_ms(runner, n: int) -> float:
+        runner.forward_last([(blocks, 0, context)])
+        times = []
+        for _ in range(20 * runs):
+            t = time.perf_counter()
+            runner.forward_last([(blocks, 256, context[:n])])
+            times.append(time.perf_counter() - t)
+        return statistics.median(times) * 1e3
+
+    t1, tv, d1 = step_ms(target, 1), step_ms(target, k + 1), step_ms(draft, 1)
+    print(f"\n## draft-model cost (256-token context, median of {20 * runs} forward passes; CPU {cpu_isa()})")
+    print("| target 1-token step | target verify step (k+1 tokens) | draft 1-token step | c = draft / target | "
+          "v = verify / target | break-even mean accepted length k c + v |\n|---|---|---|---|---|---|")
+    c, v = d1 / t1, tv / t1
+    print(f"| {t1:.1f} ms | {tv:.1f} ms | {d1:.1f} ms | {c:.2f} | {v:.2f} | {k * c + v:.2f} (k = {k}) |")
 
 
 def threshold(runs: int, kv: int, levels: list[int]) -> None:
-    always = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 1024}
-    print(f"\n## ShareGPT by concurrency, n-gram never paused vs none (median of {runs} runs; CPU {cpu_isa()})")
-    print("| at a time | prompts | none tok/s | ngram tok/s | ratio | acceptance |\n|---|---|---|---|---|---|")
+    """ShareGPT at several concurrencies: no speculation, n-gram as shipped (the measured step cost decides who
+    speculates) and n-gram always (the cost model off)."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 4}
+    print(f"\n## ShareGPT by concurrency (128 output tokens, ignore_eos; median of {runs} runs; CPU {cpu_isa()})")
+    print("| at a time | prompts | none tok/s | n-gram as shipped | n-gram always | acceptance (as shipped / always) |")
+    print("|---|---|---|---|---|---|")
     for level in levels:
         engines = {c: LLM(speculative_config=s, max_num_seqs=level, kv_cache_memory=kv)
-                   for c, s in {"none": None, "ngram": always}.items()}
-        requests = load_sharegpt(engines["none"].get_tokenizer(), 4 * level, seed=1, fixed_output_len=128)
+                   for c, s in {"none": None, "adaptive": ngram, "always": ngram}.items()}
+        engines["always"].engine.core.speculator.cost = None
+        requests = load_sharegpt(engines["none"].get_tokenizer(), max(2 * level, 16), seed=1, fixed_output_len=128)
         speeds = {c: [] for c in engines}
         for _ in range(runs):
             for c, llm in engines.items():
                 speeds[c].append(run_offline(llm, requests, progress=False)["output_throughput"])
-        none, ngram = statistics.median(speeds["none"]), statistics.median(speeds["ngram"])
-        st = engines["ngram"].engine.core.scheduler.spec_stats
-        print(f"| {level} | {len(requests)} | {none:.1f} | {ngram:.1f} | {ngram / none:.2f}x | "
-              f"{st.acceptance_rate:.1%} |", flush=True)
+        med = {c: statistics.median(v) for c, v in speeds.items()}
+        acc = [engines[c].engine.core.scheduler.spec_stats for c in ("adaptive", "always")]
+        print(f"| {level} | {len(requests)} | {med['none']:.1f} | {med['adaptive']:.1f} "
+              f"({med['adaptive'] / med['none']:.2f}x) | {med['always']:.1f} ({med['always'] / med['none']:.2f}x) | "
+              f"{acc[0].acceptance_rate:.0%} of {acc[0].num_draft_tokens} / {acc[1].acceptance_rate:.0%} of "
+              f"{acc[1].num_draft_tokens} |", flush=True)
         del engines
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="single,batched")
+    ap.add_argument("--parts", default="single,cost,threshold")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--num-prompts", type=int, default=8, help="ShareGPT and random prompts in the single-stream part")
@@ -225,10 +237,10 @@ def main() -> None:
         single_stream(engines, workloads, args.runs, args.max_tokens)
         acceptance(engines, workloads, args.max_tokens)
         del engines
+    if "cost" in parts:
+        cost(args.runs, kv, args.draft or "int4", args.k)
     if "threshold" in parts:
-        threshold(args.runs, kv, [4, 8, 16, 32])
-    if "batched" in parts:
-        batched(args.runs, kv)
+        threshold(args.runs, kv, [4, 16, 64])
 
 
 if __name__ == "__main__":
