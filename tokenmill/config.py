@@ -138,6 +138,11 @@ class CacheConfig:
         return model_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
 
+# continuous: first come first served; priority: lower `priority` first, preempting worse ones, aging bounds waits;
+# static: fixed batches (kept for measurement)
+SCHEDULING_POLICIES = ("continuous", "priority", "static")
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 128
@@ -150,6 +155,11 @@ class SchedulerConfig:
     # while requests decode, a step carries at most this many prompt tokens besides them (None: no cap), so the
     # decodes' steps stay short (inter-token latency) at the cost of prompts taking more steps
     max_prefill_tokens_while_decoding: int | None = None
+    # latency targets for requests that give none (SamplingParams.slo_*): with an ITL target, a step carries no
+    # more prompt tokens than the measured step cost allows within it (engine/scheduler.py)
+    slo_ttft_ms: float | None = None
+    slo_itl_ms: float | None = None
+    priority_aging_s: float = 30.0  # policy priority: a waiting request gains one priority level per this long
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -162,8 +172,14 @@ class SchedulerConfig:
         if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 1:
             raise ConfigError("--max-prefill-tokens-while-decoding must be >= 1, got "
                               f"{self.max_prefill_tokens_while_decoding}")
-        if self.policy not in ("continuous", "static"):
-            raise ConfigError(f"--scheduling-policy must be 'continuous' or 'static', got {self.policy!r}")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
+                              f"{self.policy!r}")
+        for name, flag in (("slo_ttft_ms", "--slo-ttft-ms"), ("slo_itl_ms", "--slo-itl-ms"),
+                           ("priority_aging_s", "--priority-aging-s")):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{flag} must be a positive number, got {value}")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
@@ -182,7 +198,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     model: str | None = None  # the draft model (method draft_model): an HF directory or a .gguf file
     quantization: str | None = None  # the draft's weights, as --quantization (e.g. awq for an INT4 self-draft)
-    disable_by_batch_size: int | None = None  # a hard cap; None: the measured step cost decides (spec/cost.py)
+    disable_by_batch_size: int | None = None  # a hard cap; None: the measured step cost decides (engine/step_cost.py)
 
     KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "quantization",
             "disable_by_batch_size")

@@ -14,7 +14,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES, CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.config import (
+    KV_CACHE_DTYPES,
+    QUANTIZATION_CHOICES,
+    SCHEDULING_POLICIES,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+)
 
 
 def parse_bytes(text: str) -> int:
@@ -88,8 +95,19 @@ class EngineArgs:
               "beyond --max-num-batched-tokens): shorter steps for the decodes (inter-token latency p99), more "
               "steps for the prompts", type=int, config="scheduler")
     max_model_len: int | None = _opt(None, "context window (default: the model's)", type=int, config="scheduler")
-    scheduling_policy: str = _opt("continuous", "continuous batching, or static (fixed batches, for measurement)",
-                                  choices=["continuous", "static"], config="scheduler", key="policy")
+    scheduling_policy: str = _opt("continuous", "continuous: first come first served; priority: lower `priority` "
+                                                "(a request field) first, preempting running requests of a worse "
+                                                "one when it needs room, a waiting request gaining a level every "
+                                                "--priority-aging-s; static: fixed batches (for measurement)",
+                                  choices=list(SCHEDULING_POLICIES), config="scheduler", key="policy")
+    priority_aging_s: float = _opt(30.0, "policy priority: a waiting request gains one priority level per this many "
+                                         "seconds, so none waits forever", type=float, config="scheduler")
+    slo_ttft_ms: float | None = _opt(None, "time-to-first-token target of requests that give none "
+                                           "(`slo_ttft_ms`): orders admission by slack under policy priority",
+                                     type=float, config="scheduler")
+    slo_itl_ms: float | None = _opt(None, "inter-token latency target of requests that give none (`slo_itl_ms`): "
+                                          "while such requests decode, a step carries no more prompt tokens than "
+                                          "the measured step cost allows within it", type=float, config="scheduler")
 
     speculative_config: str | None = _opt(
         None, "speculative decoding, as vLLM's flag: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "

@@ -57,6 +57,10 @@ class Request:
     # speculative decoding: tokens a proposer guessed to follow the output, verified by the next step (tokens to
     # compute = tokens known, drafts included); never part of `num_tokens`, which counts committed tokens only
     spec_token_ids: list[int] = field(default_factory=list)
+    # scheduling: lower priority first (policy priority); latency targets in seconds (None: none)
+    priority: int = 0
+    ttft_target: float | None = None
+    itl_target: float | None = None
 
     @property
     def num_tokens(self) -> int:

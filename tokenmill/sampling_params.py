@@ -9,6 +9,7 @@ from tokenmill.errors import InvalidRequest
 
 MAX_LOGPROBS = 20
 MAX_N = 64
+MAX_PRIORITY = 1_000_000
 
 
 @dataclass
@@ -34,6 +35,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token after the first (0 = just that token)
     skip_special_tokens: bool = True
     speculate: bool = True  # with --speculative-config: False opts this request out of speculation
+    # scheduling hints (vLLM keeps `priority` beside the sampling parameters; here they travel together):
+    # lower priority runs first under --scheduling-policy priority; SLO targets override the server's defaults
+    priority: int = 0
+    slo_ttft_ms: float | None = None  # time to first token target
+    slo_itl_ms: float | None = None  # inter-token latency target
     stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -65,6 +71,14 @@ class SamplingParams:
                         f"must be an integer in [0, {MAX_LOGPROBS}]")
         if self.seed is not None:
             self._check(isinstance(self.seed, int) and 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)")
+        self._check(isinstance(self.priority, int) and not isinstance(self.priority, bool)
+                    and abs(self.priority) <= MAX_PRIORITY, "priority",
+                    f"must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}] (lower runs first)")
+        for name in ("slo_ttft_ms", "slo_itl_ms"):
+            value = getattr(self, name)
+            if value is not None:
+                self._check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                            and value > 0, name, "must be a positive number of milliseconds")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self._check(all(isinstance(s, str) and s for s in stops), "stop", "must be non-empty strings")
         self.stop_list = stops

@@ -22,7 +22,7 @@ from tokenmill.model.backends import auto_dtype
 from tokenmill.model.loader import load_model_config, load_weights, resolve_model_path
 from tokenmill.quant.methods import checkpoint_quantization, resolve_quantization
 from tokenmill.request import Request, RequestStatus
-from tokenmill.spec.cost import StepCostModel
+from tokenmill.engine.step_cost import StepCostModel
 from tokenmill.spec.speculator import Speculator, build_speculator
 from tokenmill.spec.stats import SpecDecodeStats
 
@@ -89,7 +89,8 @@ class EngineCore:
                                   kv_dtype=self.kv_dtype)
         del weights
         self.speculator: Speculator | None = None
-        self.step_cost = StepCostModel()  # measured step times: what a draft token costs now
+        self.step_cost = StepCostModel()  # measured step times: a step's size within an ITL target; a draft's cost
+        self.scheduler.step_cost = self.step_cost
         if config.speculative is not None:
             self.speculator = build_speculator(config.speculative, self, self.step_cost)
             self.scheduler.spec_stats = SpecDecodeStats()
@@ -99,9 +100,13 @@ class EngineCore:
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, msg: AddRequest) -> None:
         """Queue one sequence; it passed admission (engine/admission.py) at the edge, so it fits."""
-        self.scheduler.add_request(Request(msg.request_id, msg.prompt_token_ids, msg.params, msg.max_tokens,
+        p, sc = msg.params, self.config.scheduler
+        ttft, itl = p.slo_ttft_ms or sc.slo_ttft_ms, p.slo_itl_ms or sc.slo_itl_ms
+        self.scheduler.add_request(Request(msg.request_id, msg.prompt_token_ids, p, msg.max_tokens,
                                            msg.eos_token_ids, arrival_time=msg.arrival_time,
-                                           cache_salt=msg.cache_salt))
+                                           cache_salt=msg.cache_salt, priority=p.priority,
+                                           ttft_target=ttft / 1e3 if ttft else None,
+                                           itl_target=itl / 1e3 if itl else None))
         self._unstarted.add(msg.request_id)
 
     def abort(self, request_ids: list[str]) -> None:

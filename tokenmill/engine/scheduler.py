@@ -23,6 +23,14 @@ Speculative decoding rides on the same rule: a decoding request's known tokens i
 scheduled 1 + k tokens (the budget may cut drafts off); `update` keeps the accepted ones and rolls computed tokens
 back over the rejected ones, whose KV slots the next step overwrites. A draft model writes its own KV a few
 positions ahead of the target (`lookahead`), so each allocation makes room for that many more.
+
+Latency targets and priorities (any policy): while requests with an inter-token latency target decode, a step
+carries no more tokens than the measured step cost (engine/step_cost.py) fits within the smallest target, the
+decodes first. The `priority` policy ranks requests by (priority - waited / aging, arrival): running requests are
+served and waiting ones admitted best first (among equals, least TTFT slack first), a request short of blocks
+preempts the worst-ranked one, and the best waiting request preempts worse-ranked running ones when it needs a
+seat or blocks. Ranks only improve with waiting, and one total order decides both ways, so no two requests
+preempt each other back and forth, and aging bounds every wait.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache import KVCacheManager, PrefixCacheStats
+from tokenmill.engine.step_cost import StepCostModel
 from tokenmill.request import Request, RequestStatus
 from tokenmill.spec.stats import SpecDecodeStats
 
@@ -100,6 +109,7 @@ class SchedulerStats:
     num_prefill_tokens_computed_total: int = 0
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     spec_decode: SpecDecodeStats | None = None  # with speculative decoding on
+    preemptions_by_cause: dict[str, int] = field(default_factory=dict)  # "blocks" (pool short), "priority"
 
 
 class Scheduler:
@@ -113,6 +123,8 @@ class Scheduler:
         self.num_prefill_tokens_computed = 0  # prompt (and recomputed) tokens run through the model: not cache hits
         self.lookahead = 0  # KV slots past the scheduled tokens a draft model writes (engine/core.py sets it)
         self.spec_stats: SpecDecodeStats | None = None  # counted in `update` when speculation is on
+        self.step_cost: StepCostModel | None = None  # measured step times (engine/core.py sets it)
+        self.preemptions_by_cause = {"blocks": 0, "priority": 0}
         # None: a quarter of the budget (three quarters stay for newcomers; a long prefill keeps at least a quarter
         # while others compete, all of it otherwise), and at least one KV block
         self.long_prefill_threshold = (config.long_prefill_token_threshold
@@ -141,28 +153,32 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         now = time.monotonic()
-        admitting = self.config.policy == "continuous"
-        cap = self.config.max_prefill_tokens_while_decoding
-        if cap is not None and admitting:
-            decoding = sum(1 + len(r.spec_token_ids) for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
-            if decoding:  # decode tokens (drafts included) + at most `cap` prompt tokens
-                budget = min(budget, decoding + cap)
+        admitting = self.config.policy != "static"  # continuous batching (first come first served, or by rank)
+        by_rank = self.config.policy == "priority"
+        if admitting:
+            budget = self._latency_budget(budget)
         threshold = self.long_prefill_threshold if admitting else budget
         share = threshold  # what running prefills longer than the threshold may take in phase A
         capped: list[ScheduledRequest] = []  # their chunks, grown in phase C
 
         if not admitting and not self.running:
             self._form_static_batch(now)
-        running = list(self.running)
+        if by_rank and self.waiting:
+            self._preempt_for_priority(out, now, threshold)
+        running = sorted(self.running, key=lambda r: self._rank(r, now)) if by_rank else list(self.running)
+        short_of_blocks = False
         i = 0
         while i < len(running) and budget > 0:  # phase A
             req = running[i]
             todo = req.num_tokens_with_spec - req.num_computed_tokens
             n = min(todo, budget, share) if todo > threshold else min(todo, budget)
             while not self.kv.allocate_slots(req, n + self.lookahead):
-                victim = running.pop()  # the latest arrival among those not yet served this step
-                self._preempt(victim)
+                # the latest arrival (or the worst ranked) among those not yet served this step
+                victim = (running.pop() if not by_rank else
+                          running.pop(max(range(i, len(running)), key=lambda j: self._rank(running[j], now))))
+                self._preempt(victim, "blocks")
                 out.preempted.append(victim)
+                short_of_blocks = True
                 if victim is req:
                     break
             else:
@@ -173,7 +189,7 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        if not out.preempted:
+        if not short_of_blocks:
             queue = list(self.waiting)  # before admission, to count who was overtaken
             passed_over = False
             if admitting:  # phase B
@@ -184,6 +200,51 @@ class Scheduler:
             self._count_skips(queue)
         out.scheduled = [s for s in out.scheduled if s.num_new_tokens]  # long prefills phase A left for C
         return out
+
+    def _latency_budget(self, budget: int) -> int:
+        """The step's token budget under the caps that keep decodes' inter-token latency: a fixed number of prompt
+        tokens besides them (--max-prefill-tokens-while-decoding), and what the measured step cost fits within
+        the smallest ITL target of the requests decoding (their own tokens always fit)."""
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        if not decoding:
+            return budget
+        decode_tokens = sum(1 + len(r.spec_token_ids) for r in decoding)  # drafts included
+        cap = self.config.max_prefill_tokens_while_decoding
+        if cap is not None:
+            budget = min(budget, decode_tokens + cap)
+        target = min((r.itl_target for r in decoding if r.itl_target), default=None)
+        if target is not None and self.step_cost is not None:
+            fits = self.step_cost.max_tokens_within(target)
+            if fits is not None:
+                budget = min(budget, max(decode_tokens, fits))
+        return budget
+
+    def _rank(self, request: Request, now: float) -> tuple[int, float]:
+        """Policy priority: smaller runs first. A request gains a level per `priority_aging_s` since it arrived."""
+        waited = max(now - request.arrival_time, 0.0)
+        return request.priority - int(waited / self.config.priority_aging_s), request.arrival_time
+
+    def _slack(self, request: Request, now: float) -> float:
+        """Seconds to spare before the request's TTFT target, after its predicted prefill (inf: no target)."""
+        if request.ttft_target is None:
+            return float("inf")
+        fit = self.step_cost.fit if self.step_cost is not None else None
+        prefill = fit[0] + fit[1] * (request.num_tokens - request.num_computed_tokens) if fit else 0.0
+        return request.arrival_time + request.ttft_target - now - prefill
+
+    def _preempt_for_priority(self, out: SchedulerOutput, now: float, first_chunk: int) -> None:
+        """The best-ranked waiting request takes the place of worse-ranked running ones, worst first, while it
+        lacks a seat (max_num_seqs) or the blocks of its first chunk."""
+        best = min(self.waiting, key=lambda r: self._rank(r, now))
+        need = self.kv.blocks_needed(min(best.num_tokens, first_chunk) + self.lookahead)
+        while self.running:
+            if len(self.running) < self.config.max_num_seqs and self.kv.num_free_blocks >= need:
+                return
+            worst = max(self.running, key=lambda r: self._rank(r, now))
+            if self._rank(worst, now) <= self._rank(best, now):
+                return
+            self._preempt(worst, "priority")
+            out.preempted.append(worst)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float, threshold: int | None,
                        capped: list[ScheduledRequest]) -> tuple[int, bool]:
@@ -248,6 +309,9 @@ class Scheduler:
         with prefix caching and a short queue, longest cached prefix first (SGLang's LPM) except that a request
         passed over LPM_MAX_SKIPS times goes first; on a long queue ranking costs more than it saves: FCFS."""
         order = list(enumerate(self.waiting))
+        if self.config.policy == "priority":
+            now = time.monotonic()
+            return sorted(order, key=lambda e: (self._rank(e[1], now)[0], self._slack(e[1], now), e[0]))
         if not self.kv.prefix_caching or len(order) < 2 or len(order) > LPM_MAX_QUEUE:
             return order
         cached = {id(r): self.kv.cached_prefix_len(r) for _, r in order}
@@ -278,7 +342,8 @@ class Scheduler:
             req.first_scheduled_time = req.first_scheduled_time or now
             self.running.append(req)
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, cause: str = "blocks") -> None:
+        self.preemptions_by_cause[cause] += 1
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
@@ -351,4 +416,5 @@ class Scheduler:
             num_prefill_tokens_computed_total=self.num_prefill_tokens_computed,
             prefix_cache=self.kv.prefix_cache_stats(),
             spec_decode=self.spec_stats.copy() if self.spec_stats is not None else None,
+            preemptions_by_cause=dict(self.preemptions_by_cause),
         )

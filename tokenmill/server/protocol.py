@@ -61,6 +61,9 @@ class _Sampling(_Body):
     cache_salt: str | None = None  # tenants with different salts never share cached KV blocks
     prompt_logprobs: int | None = None  # vLLM's extra: a `prompt_logprobs` list in each choice
     speculate: bool = True  # tokenmill's extra: false opts the request out of speculative decoding
+    priority: int = 0  # vLLM's extra: lower runs first under --scheduling-policy priority
+    slo_ttft_ms: float | None = None  # tokenmill's extras: this request's latency targets (else the server's)
+    slo_itl_ms: float | None = None
 
     def check_prompt_logprobs(self) -> None:
         """Checked here, not only in SamplingParams: completions may compute more for echo, hiding a bad value."""
@@ -109,7 +112,8 @@ class _Sampling(_Body):
             min_tokens=self.min_tokens, stop=stops or None, stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
-            speculate=self.speculate)
+            speculate=self.speculate, priority=self.priority, slo_ttft_ms=self.slo_ttft_ms,
+            slo_itl_ms=self.slo_itl_ms)
 
     @property
     def include_usage(self) -> bool:

@@ -5,7 +5,7 @@ Rules, plain Python:
 - only a request that is decoding (its prompt done) and has not opted out (`SamplingParams.speculate`);
 - never past the request's end: k <= max_tokens - tokens out - 1, so a verify pass never samples past max_tokens;
 - only where it pays: verifying k drafts costs k more tokens of compute per request. The engine's measured step
-  times (spec/cost.py) say what acceptance a draft token needs to raise tokens/s at the current batch; a request
+  times (engine/step_cost.py) say what acceptance a draft token needs to raise tokens/s at the current batch; a request
   whose recent acceptance is below that does not speculate (every PROBE_EVERY-th step it does once, to measure
   again). A small batch is mostly fixed cost, so speculation almost always pays there; a compute-bound one pauses.
   `disable_by_batch_size` (vLLM's option) is a hard cap on top: no speculation while more requests run;
@@ -20,7 +20,7 @@ from typing import Protocol
 
 from tokenmill.config import SpeculativeConfig
 from tokenmill.request import Request
-from tokenmill.spec.cost import StepCostModel
+from tokenmill.engine.step_cost import StepCostModel
 from tokenmill.spec.ngram import propose_ngram
 
 PROBE_EVERY = 16  # a request passed over this many times speculates once, to measure its acceptance again

@@ -1,7 +1,8 @@
 """What a step costs on this machine, now: step time ~ fixed + per_token x tokens, fitted online by exponentially
 weighted least squares from the engine's own measured steps. Plain Python.
 
-The speculator asks it whether a draft token pays for itself. A step of R decode tokens yields R tokens in
+The scheduler asks it how many tokens a step may carry within an inter-token latency target; the speculator asks
+it whether a draft token pays for itself. A step of R decode tokens yields R tokens in
 fixed + per_token R seconds; k drafts per request add per_token R k seconds (and a proposer's own time d per draft
 position) and yield accepted tokens at the acceptance rate alpha. Speculating raises tokens/s exactly when
     alpha > (per_token R + d) / (fixed + per_token R),
@@ -36,6 +37,13 @@ class StepCostModel:
     def fit(self) -> tuple[float, float] | None:
         """(fixed seconds, seconds per token), or None before enough varied steps were seen."""
         return self._fit
+
+    def max_tokens_within(self, seconds: float) -> int | None:
+        """The most tokens a step can carry and still take at most `seconds` (None: unknown, or no per-token cost)."""
+        if self._fit is None or self._fit[1] <= 0:
+            return None
+        fixed, per_token = self._fit
+        return max(int((seconds - fixed) / per_token), 0)
 
     def break_even_acceptance(self, num_tokens: int, proposer_seconds: float = 0.0) -> float:
         """The acceptance rate above which a draft token raises tokens/s in a step of `num_tokens` decode tokens

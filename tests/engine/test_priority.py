@@ -1,0 +1,150 @@
+"""Priorities and latency targets in the scheduler (no model): rank order, preemption by priority, aging, the
+step budget within an ITL target, TTFT slack ordering; and their validation at the edge."""
+
+import time
+
+import pytest
+
+from tokenmill.config import SchedulerConfig
+from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.scheduler import SampledTokens, Scheduler
+from tokenmill.engine.step_cost import StepCostModel
+from tokenmill.errors import ConfigError, InvalidRequest
+from tokenmill.request import Request, RequestStatus
+from tokenmill.sampling_params import SamplingParams
+
+
+def request(rid: str, prompt_len: int = 8, max_tokens: int = 8, priority: int = 0, waited: float = 0.0,
+            ttft: float | None = None, itl: float | None = None) -> Request:
+    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(temperature=0, max_tokens=max_tokens),
+                   max_tokens, arrival_time=time.monotonic() - waited, priority=priority, ttft_target=ttft,
+                   itl_target=itl)
+
+
+def scheduler(num_blocks: int = 64, block_size: int = 4, **cfg) -> Scheduler:
+    cfg.setdefault("policy", "priority")
+    return Scheduler(SchedulerConfig(**cfg), KVCacheManager(num_blocks, block_size))
+
+
+def step(sched: Scheduler):
+    out = sched.schedule()
+    sched.update(out, {s.request.request_id: SampledTokens([7]) for s in out.scheduled if s.samples})
+    return out
+
+
+def fitted(fixed: float, per_token: float) -> StepCostModel:
+    model = StepCostModel()
+    for n in [1, 8, 64, 5, 300, 16, 2, 40, 128, 3] * 2:
+        model.observe(n, fixed + per_token * n)
+    return model
+
+
+def test_a_high_priority_request_is_admitted_before_an_earlier_queue():
+    sched = scheduler(max_num_seqs=1)
+    for i in range(3):
+        sched.add_request(request(f"low-{i}", priority=1))
+    step(sched)  # low-0 runs
+    sched.add_request(request("high", priority=0))
+    out = step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["high"]
+    assert [r.request_id for r in out.preempted] == ["low-0"]  # a seat was needed: the worse one gave it up
+    assert sched.preemptions_by_cause == {"blocks": 0, "priority": 1}
+    while sched.has_unfinished:
+        step(sched)
+    sched.kv.check_idle()
+
+
+def test_fcfs_does_not_reorder_by_priority():
+    sched = scheduler(max_num_seqs=1, policy="continuous")
+    sched.add_request(request("low", priority=5))
+    sched.add_request(request("high", priority=0))
+    assert [s.request.request_id for s in step(sched).scheduled] == ["low"]
+
+
+def test_short_of_blocks_the_worst_ranked_request_is_preempted_not_the_latest():
+    sched = scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64)
+    sched.add_request(request("high-late", prompt_len=8, max_tokens=16, priority=0))
+    sched.add_request(request("low-early", prompt_len=8, max_tokens=16, priority=3, waited=0.0))
+    preempted = []
+    while sched.has_unfinished:
+        preempted += [r.request_id for r in step(sched).preempted]
+    assert preempted and set(preempted) == {"low-early"}
+    sched.kv.check_idle()
+
+
+def test_aging_lets_a_long_waiting_low_priority_request_overtake_fresh_high_priority_ones():
+    sched = scheduler(max_num_seqs=1, priority_aging_s=1.0)
+    sched.add_request(request("fresh-high", priority=0))
+    sched.add_request(request("old-low", priority=3, waited=10.0))  # ranks 3 - 10 = -7
+    assert [s.request.request_id for s in step(sched).scheduled] == ["old-low"]
+
+
+def test_two_requests_never_preempt_each_other_back_and_forth():
+    sched = scheduler(max_num_seqs=1, priority_aging_s=0.5)
+    sched.add_request(request("a", priority=1, waited=2.0, max_tokens=30))  # rank 1 - 4 = -3
+    sched.add_request(request("b", priority=0, waited=0.0, max_tokens=30))  # rank 0
+    preemptions = 0
+    while sched.has_unfinished:
+        preemptions += len(step(sched).preempted)
+    assert preemptions == 0
+
+
+def test_an_itl_target_caps_the_step_to_what_the_measured_cost_fits():
+    sched = scheduler(num_blocks=256, max_num_batched_tokens=512, policy="continuous")
+    sched.step_cost = fitted(0.010, 0.001)  # 10 ms + 1 ms per token: 40 tokens fit in 50 ms
+    for i in range(4):
+        sched.add_request(request(f"d{i}", prompt_len=4, max_tokens=50, itl=0.050))
+    step(sched)  # their prompts
+    sched.add_request(request("long", prompt_len=400, max_tokens=2))
+    sizes = []
+    while any(r.request_id == "long" and r.num_computed_tokens < 400 for r in sched.running + list(sched.waiting)):
+        out = step(sched)
+        sizes.append(out.num_tokens)
+    assert max(sizes) <= 40 and len(sizes) >= 400 // 36
+    plain = scheduler(num_blocks=256, max_num_batched_tokens=512, policy="continuous")
+    for i in range(4):
+        plain.add_request(request(f"d{i}", prompt_len=4, max_tokens=50))
+    step(plain)
+    plain.add_request(request("long", prompt_len=400, max_tokens=2))
+    assert step(plain).num_tokens > 100  # no target: the long prompt takes its share of a large step
+
+
+def test_an_itl_target_never_starves_the_decodes_themselves():
+    sched = scheduler(policy="continuous")
+    sched.step_cost = fitted(0.030, 0.001)  # the fixed cost alone is over the 20 ms target
+    for i in range(5):
+        sched.add_request(request(f"d{i}", prompt_len=4, max_tokens=6, itl=0.020))
+    step(sched)
+    assert step(sched).num_tokens == 5
+
+
+def test_admission_among_equal_priorities_goes_by_ttft_slack():
+    sched = scheduler(max_num_seqs=1)
+    sched.add_request(request("relaxed", ttft=10.0))
+    sched.add_request(request("none"))
+    sched.add_request(request("urgent", ttft=0.2))
+    assert [s.request.request_id for s in step(sched).scheduled] == ["urgent"]
+
+
+@pytest.mark.parametrize("kw,param", [({"priority": 1.5}, "priority"), ({"priority": 10**7}, "priority"),
+                                      ({"slo_ttft_ms": 0}, "slo_ttft_ms"), ({"slo_itl_ms": -5}, "slo_itl_ms"),
+                                      ({"slo_itl_ms": float("nan")}, "slo_itl_ms")])
+def test_bad_priority_or_targets_name_the_field(kw, param):
+    with pytest.raises(InvalidRequest) as e:
+        SamplingParams(**kw)
+    assert e.value.param == param
+
+
+@pytest.mark.parametrize("kw,flag", [({"policy": "lottery"}, "--scheduling-policy"),
+                                     ({"slo_itl_ms": 0}, "--slo-itl-ms"), ({"priority_aging_s": -1}, "--priority-aging-s")])
+def test_bad_scheduler_flags_name_the_flag(kw, flag):
+    with pytest.raises(ConfigError, match=flag):
+        SchedulerConfig(**kw)
+
+
+def test_a_finished_request_is_not_ranked():
+    sched = scheduler()
+    r = request("x")
+    sched.add_request(r)
+    sched.abort("x")
+    assert r.status is RequestStatus.FINISHED_ABORTED and not sched.has_unfinished
