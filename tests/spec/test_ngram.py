@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenmill.config import SpeculativeConfig
+from tokenmill.engine.step_cost import StepCostModel
 from tokenmill.engine_args import EngineArgs
 from tokenmill.errors import ConfigError
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.engine.step_cost import StepCostModel
 from tokenmill.spec.ngram import propose_ngram
 from tokenmill.spec.speculator import PROBE_EVERY, NgramProposer, Speculator, build_speculator
 

@@ -17,12 +17,12 @@ from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.messages import AddRequest, EngineCoreOutput, EngineOutputs
 from tokenmill.engine.runner import DTYPES, ModelRunner, StepResult, kv_bytes_per_token
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
+from tokenmill.engine.step_cost import StepCostModel
 from tokenmill.errors import ConfigError
 from tokenmill.model.backends import auto_dtype
 from tokenmill.model.loader import load_model_config, load_weights, resolve_model_path
 from tokenmill.quant.methods import checkpoint_quantization, resolve_quantization
 from tokenmill.request import Request, RequestStatus
-from tokenmill.engine.step_cost import StepCostModel
 from tokenmill.spec.speculator import Speculator, build_speculator
 from tokenmill.spec.stats import SpecDecodeStats
 

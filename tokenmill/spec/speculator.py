@@ -19,8 +19,8 @@ import time
 from typing import Protocol
 
 from tokenmill.config import SpeculativeConfig
-from tokenmill.request import Request
 from tokenmill.engine.step_cost import StepCostModel
+from tokenmill.request import Request
 from tokenmill.spec.ngram import propose_ngram
 
 PROBE_EVERY = 16  # a request passed over this many times speculates once, to measure its acceptance again
