@@ -118,6 +118,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting-tokens", type=int, default=None,
                    help="prompt tokens waiting to run beyond which new requests get HTTP 429 (default: the KV "
                         "cache's token capacity; one request that alone needs more gets 400)")
+    g.add_argument("--slo-admission", choices=["off", "reject", "degrade"], default="off",
+                   help="a request whose predicted time to first token (measured step cost, prompt tokens waiting "
+                        "ahead, running batch) is past its TTFT target (slo_ttft_ms or --slo-ttft-ms): reject gets "
+                        "HTTP 429 with Retry-After, degrade runs it one priority level lower; off admits it")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds requests in flight get to finish on SIGTERM; then they end with HTTP 503 (or a "
                         "stream's error event)")

@@ -26,7 +26,11 @@ class ContextTooLong(InvalidRequest):
 
 
 class ServerOverloaded(TokenmillError):
-    """The waiting queue is full; try again later."""
+    """The waiting queue is full, or a request's latency target cannot be met now; try again later."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after  # seconds, for the Retry-After header
 
 
 class RequestFailed(TokenmillError):

@@ -48,11 +48,17 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[
-            SamplingParams] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of the prompts."""
+            SamplingParams] | None = None, use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of the prompts. `priority` (one per
+        prompt, as vLLM's) matters under scheduling_policy="priority": lower runs first."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts))
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise InvalidRequest(f"{len(priority)} priorities for {len(prompts)} prompts", param="priority")
+            params = [dataclasses.replace(p, priority=q) for p, q in zip(params, priority)]
         ids = []
         try:
             for prompt, p in zip(prompts, params):

@@ -236,3 +236,41 @@ def test_the_api_process_never_loads_the_model_stack():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def fitted_stats(running: int = 0) -> SchedulerStats:
+    return SchedulerStats(running, 0, 0, 0.0, 0, step_cost=(0.010, 0.001))  # 10 ms + 1 ms per token
+
+
+@pytest.mark.parametrize("mode", ["reject", "degrade", "off"])
+def test_slo_admission_acts_on_the_predicted_ttft(mode):
+    async def main():
+        from tokenmill.config import SchedulerConfig
+
+        client = FakeClient()
+        engine = AsyncEngine(EngineConfig(scheduler=SchedulerConfig(policy="priority")), client=client,
+                             slo_admission=mode, max_waiting_tokens=10**6)
+        engine.start()
+        engine.attach(asyncio.get_running_loop())
+        client.play(outputs(stats=fitted_stats()))
+        await asyncio.sleep(0)
+        engine.add_requests("queued", [(None, [1] * 30)], SamplingParams(max_tokens=1))
+        # 30 tokens ahead + 20 own in one 512-token step: 10 + 50 ms
+        assert engine.predicted_ttft(20) == pytest.approx(0.060)
+        engine.add_requests("fits", [(None, [1] * 20)], SamplingParams(max_tokens=1, slo_ttft_ms=200))
+        late = SamplingParams(max_tokens=1, slo_ttft_ms=50)  # predicted 10 + 70 ms
+        if mode == "reject":
+            with pytest.raises(ServerOverloaded, match="slo_ttft_ms") as e:
+                engine.add_requests("late", [(None, [1] * 20)], late)
+            assert e.value.retry_after == 1
+            assert [m.request_id for m in client.of_type(AddRequest)] == ["queued", "fits"]
+        else:
+            engine.add_requests("late", [(None, [1] * 20)], late)
+            sent = {m.request_id: m.params.priority for m in client.of_type(AddRequest)}
+            assert sent == {"queued": 0, "fits": 0, "late": 1 if mode == "degrade" else 0}
+        # policy priority: the tokens of worse-ranked requests waiting do not count
+        for i in range(8):
+            engine.add_requests(f"low-{i}", [(None, [1] * 60)], SamplingParams(max_tokens=1, priority=5))
+        assert engine.predicted_ttft(40, priority=0) < 0.5 < engine.predicted_ttft(40, priority=5)
+
+    asyncio.run(main())

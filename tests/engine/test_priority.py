@@ -91,9 +91,9 @@ def test_two_requests_never_preempt_each_other_back_and_forth():
 
 def test_an_itl_target_caps_the_step_to_what_the_measured_cost_fits():
     sched = scheduler(num_blocks=256, max_num_batched_tokens=512, policy="continuous")
-    sched.step_cost = fitted(0.010, 0.001)  # 10 ms + 1 ms per token: 40 tokens fit in 50 ms
+    sched.step_cost = fitted(0.010, 0.001)  # 10 ms + 1 ms per token: 40 tokens fit in 0.8 x 62.5 ms
     for i in range(4):
-        sched.add_request(request(f"d{i}", prompt_len=4, max_tokens=50, itl=0.050))
+        sched.add_request(request(f"d{i}", prompt_len=4, max_tokens=50, itl=0.0625))
     step(sched)  # their prompts
     sched.add_request(request("long", prompt_len=400, max_tokens=2))
     sizes = []
@@ -148,3 +148,26 @@ def test_a_finished_request_is_not_ranked():
     sched.add_request(r)
     sched.abort("x")
     assert r.status is RequestStatus.FINISHED_ABORTED and not sched.has_unfinished
+
+
+def test_by_rank_an_itl_target_protects_its_decodes_before_lower_priority_ones():
+    sched = scheduler(num_blocks=256)
+    sched.step_cost = fitted(0.010, 0.001)  # 40 tokens fit in 0.8 x 62.5 ms
+    for i in range(30):
+        sched.add_request(request(f"batch-{i}", prompt_len=4, max_tokens=50, priority=1))
+    for i in range(20):
+        sched.add_request(request(f"chat-{i}", prompt_len=4, max_tokens=50, priority=0, itl=0.0625))
+    step(sched)
+    step(sched)  # all 50 decode now
+    out = step(sched)
+    served = [s.request.request_id for s in out.scheduled]
+    assert out.num_tokens == 40 and all(f"chat-{i}" in served for i in range(20))  # the rest: 20 batch decodes
+    fcfs = scheduler(num_blocks=256, policy="continuous")
+    fcfs.step_cost = sched.step_cost
+    for i in range(30):
+        fcfs.add_request(request(f"batch-{i}", prompt_len=4, max_tokens=50, priority=1))
+    for i in range(20):
+        fcfs.add_request(request(f"chat-{i}", prompt_len=4, max_tokens=50, itl=0.050))
+    step(fcfs)
+    step(fcfs)
+    assert step(fcfs).num_tokens == 50  # first come first served protects every decode

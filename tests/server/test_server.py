@@ -297,6 +297,10 @@ BAD = [  # (path, body, status, param or None, fragment of the message)
     (C, {**OK_C, "seed": -1}, 400, "seed", ""),
     (C, {**OK_C, "stop": [""]}, 400, "stop", "non-empty"),
     (C, {**OK_C, "cache_salt": ""}, 400, "cache_salt", "non-empty"),
+    (C, {**OK_C, "priority": "high"}, 400, "priority", "integer"),
+    (C, {**OK_C, "priority": 10**9}, 400, "priority", "lower runs first"),
+    (CH, {**OK_CH, "slo_ttft_ms": -5}, 400, "slo_ttft_ms", "positive"),
+    (C, {**OK_C, "slo_itl_ms": 0}, 400, "slo_itl_ms", "positive"),
     (C, {**OK_C, "stop_token_ids": [10**7]}, 400, "stop_token_ids", "vocabulary"),
     (C, {**OK_C, "repetition_penalty": 1e-300}, 400, "repetition_penalty", ""),
     (C, {**OK_C, "presence_penalty": 3}, 400, "presence_penalty", ""),
@@ -448,6 +452,21 @@ def test_malformed_http_gets_a_json_400(server, request_bytes):
     assert status == 400 and headers["content-type"] == "application/json", (status, headers, body)
     err = json.loads(body)["error"]
     assert err["type"] == "invalid_request_error" and err["message"]
+
+
+def test_priorities_and_targets_are_served_and_measured(http):
+    r = http.post(C, json={**OK_C, "priority": -3, "slo_ttft_ms": 60000, "slo_itl_ms": 60000})
+    assert r.status_code == 200
+    text = http.get("/metrics").text
+    assert 'tokenmill_time_to_first_token_by_priority_seconds_count{model_name=' in text
+    assert 'priority="-3"' in text
+    assert m_value(text, 'tokenmill_slo_requests_total', 'outcome="met",priority="-3"') >= 1
+
+
+def m_value(text: str, name: str, labels: str) -> float:
+    line = next((ln for ln in text.splitlines() if ln.startswith(name) and labels in ln), None)
+    assert line is not None, [ln for ln in text.splitlines() if ln.startswith(name)]
+    return float(line.rsplit(" ", 1)[1])
 
 
 def test_metrics_names(http):

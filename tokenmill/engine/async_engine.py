@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.admission import ContextLimits, admit
@@ -25,6 +26,7 @@ from tokenmill.engine.messages import AbortRequests, EngineOutputs, EngineReady
 from tokenmill.engine.output_processor import MetricsObserver, OutputProcessor, RequestState, SampleDelta
 from tokenmill.engine.process_client import EngineDeadError, EngineProcessClient
 from tokenmill.engine.scheduler import SchedulerStats
+from tokenmill.engine.step_cost import predict_ttft
 from tokenmill.errors import InvalidRequest, ServerOverloaded, TokenmillError
 from tokenmill.model.paths import resolve_model_path
 from tokenmill.sampling_params import SamplingParams
@@ -33,6 +35,7 @@ from tokenmill.tokenizer import Tokenizer
 log = logging.getLogger("tokenmill")
 
 HEALTH_STALE_S = 10.0  # a heartbeat older than this (the loop is stuck) makes /health 503
+SLO_ADMISSION = ("off", "reject", "degrade")  # --slo-admission: what a request predicted to miss its TTFT target gets
 
 
 @dataclass
@@ -96,8 +99,12 @@ class AsyncEngine:
     """Owns the engine process; `add_requests` returns an OutputStream to iterate for its updates."""
 
     def __init__(self, config: EngineConfig, *, max_waiting_requests: int = 256, max_waiting_tokens: int | None = None,
-                 observer: MetricsObserver | None = None, client: EngineProcessClient | None = None):
+                 observer: MetricsObserver | None = None, client: EngineProcessClient | None = None,
+                 slo_admission: str = "off"):
+        if slo_admission not in SLO_ADMISSION:
+            raise ValueError(f"slo_admission must be one of {', '.join(SLO_ADMISSION)}")
         self.config = config
+        self.slo_admission = slo_admission
         self.client = client or EngineProcessClient(config)
         self.max_waiting_requests = max_waiting_requests
         self.max_waiting_tokens = max_waiting_tokens
@@ -111,7 +118,8 @@ class AsyncEngine:
         self.dead: str | None = None
         self._lock = threading.Lock()  # the processor and the maps below: the event loop and the reader share them
         self._streams: dict[str, tuple[OutputStream, int]] = {}  # request id -> its stream and prompt index
-        self._unstarted: dict[str, int] = {}  # core id -> its prompt tokens, until the core first schedules it
+        # core id -> (its prompt tokens, its priority), until the core first schedules it
+        self._unstarted: dict[str, tuple[int, int]] = {}
         self._unstarted_tokens = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._last_heartbeat = 0.0
@@ -186,6 +194,26 @@ class AsyncEngine:
                                     f"--max-waiting-tokens {self.max_waiting_tokens}); retry later")
         return None
 
+    def predicted_ttft(self, new_tokens: int, priority: int = 0) -> float | None:
+        """Seconds until the first token of a request with `new_tokens` prompt tokens, from the engine's measured
+        step cost, the prompt tokens waiting ahead of it (under policy priority: those of requests ranked no worse)
+        and the running batch; None until the engine has measured its steps."""
+        by_rank = self.config.scheduler.policy == "priority"
+        ahead = sum(t for t, p in self._unstarted.values() if not by_rank or p <= priority)
+        return predict_ttft(new_tokens, ahead, self.stats.num_running, self.stats.step_cost,
+                            self.config.scheduler.max_num_batched_tokens)
+
+    def _admit_by_slo(self, params: SamplingParams, predicted: float | None) -> SamplingParams:
+        """--slo-admission: a request whose predicted TTFT is past its target is refused now (reject: 429 with a
+        Retry-After of the predicted wait), or runs one priority level lower (degrade); off: admitted as it is."""
+        target = params.slo_ttft_ms or self.config.scheduler.slo_ttft_ms
+        if self.slo_admission == "off" or predicted is None or not target or predicted <= target / 1e3:
+            return params
+        if self.slo_admission == "degrade":
+            return replace(params, priority=params.priority + 1)
+        raise ServerOverloaded(f"the predicted time to first token is {predicted:.2f} s, past this request's target "
+                               f"of {target:g} ms (slo_ttft_ms); retry later", retry_after=math.ceil(predicted))
+
     def _check_fits_queue(self, num_prompts: int, params: SamplingParams, new_tokens: int) -> None:
         """A request bigger than the whole waiting queue can never join it: retrying cannot help, so not a 429."""
         new_requests = num_prompts * params.n
@@ -215,17 +243,20 @@ class AsyncEngine:
             overloaded = self.overloaded(len(prompts) * params.n, new_tokens)
             if overloaded is not None:
                 raise overloaded
+            predicted = self.predicted_ttft(new_tokens, params.priority)
+            params = self._admit_by_slo(params, predicted)
             states = []
             for i, ((text, ids), mt) in enumerate(zip(prompts, max_tokens)):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 state, msgs = self.processor.add_request(rid, text, ids, params, mt, arrival, cache_salt)
+                state.predicted_ttft = predicted
                 states.append(state)
                 sequences += msgs
             stream = OutputStream(self, states)
             for i, state in enumerate(states):
                 self._streams[state.request_id] = (stream, i)
             for msg in sequences:
-                self._unstarted[msg.request_id] = len(msg.prompt_token_ids)
+                self._unstarted[msg.request_id] = (len(msg.prompt_token_ids), params.priority)
                 self._unstarted_tokens += len(msg.prompt_token_ids)
         for msg in sequences:
             self.client.send(msg)
@@ -255,9 +286,9 @@ class AsyncEngine:
     def _forget_unstarted(self, core_ids: Iterable[str]) -> None:
         """No longer waiting: scheduled, ended or aborted."""
         for core_id in core_ids:
-            n = self._unstarted.pop(core_id, None)
-            if n is not None:
-                self._unstarted_tokens -= n
+            entry = self._unstarted.pop(core_id, None)
+            if entry is not None:
+                self._unstarted_tokens -= entry[0]
 
     # ---- the reader thread ---------------------------------------------------------------------------------------
     def _on_outputs(self, msg: EngineOutputs) -> None:

@@ -26,8 +26,8 @@ class MetricsObserver(Protocol):
 
     def on_added(self, prompt_tokens: int) -> None: ...
     def on_started(self, queue_time: float) -> None: ...
-    def on_first_token(self, ttft: float) -> None: ...
-    def on_inter_token(self, itl: float) -> None: ...
+    def on_first_token(self, ttft: float, request: RequestState) -> None: ...
+    def on_inter_token(self, itl: float, request: RequestState) -> None: ...
     def on_finished(self, request: RequestState, e2e: float) -> None: ...
     def on_aborted(self, count: int) -> None: ...
     def on_outcomes(self, reasons: list[str]) -> None: ...
@@ -103,6 +103,7 @@ class RequestState:
     # params.prompt_logprobs: [None, {token: logprob}, ...] as far as computed; the n samples share the prompt, so
     # only the first sample's core sequence computes them
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    predicted_ttft: float | None = None  # seconds, as the server's admission predicted it (async_engine.py)
 
     @property
     def finished(self) -> bool:
@@ -214,9 +215,9 @@ class OutputProcessor:
                 if state.metrics.first_token_time is None:
                     state.metrics.first_token_time = now
                 if obs is not None and sample.last_token_time is None:
-                    obs.on_first_token(now - state.metrics.arrival_time)
+                    obs.on_first_token(now - state.metrics.arrival_time, state)
                 elif obs is not None:
-                    obs.on_inter_token(now - sample.last_token_time)
+                    obs.on_inter_token(now - sample.last_token_time, state)
                 sample.last_token_time = now
         for state in touched.values():
             if state.finished:

@@ -12,6 +12,8 @@ kernel launches), so even poor drafts pay; a compute-bound batch needs drafts th
 
 from __future__ import annotations
 
+import math
+
 DECAY = 0.98  # each step weighs 2% less than the next: the fit follows the last ~50 steps
 MIN_STEPS = 8
 
@@ -43,7 +45,11 @@ class StepCostModel:
         if self._fit is None or self._fit[1] <= 0:
             return None
         fixed, per_token = self._fit
-        return max(int((seconds - fixed) / per_token), 0)
+        return max(int((seconds - fixed) / per_token + 1e-6), 0)
+
+    def predict_ttft(self, prompt_tokens: int, tokens_ahead: int, running: int, budget: int) -> float | None:
+        """See predict_ttft; None before a fit."""
+        return predict_ttft(prompt_tokens, tokens_ahead, running, self._fit, budget)
 
     def break_even_acceptance(self, num_tokens: int, proposer_seconds: float = 0.0) -> float:
         """The acceptance rate above which a draft token raises tokens/s in a step of `num_tokens` decode tokens
@@ -53,3 +59,15 @@ class StepCostModel:
         fixed, per_token = self._fit
         step = fixed + per_token * num_tokens
         return (per_token * num_tokens + proposer_seconds) / step if step > 0 else 0.0
+
+
+def predict_ttft(prompt_tokens: int, tokens_ahead: int, running: int, fit: tuple[float, float] | None,
+                 budget: int) -> float | None:
+    """Seconds until a new prompt's first token: the prompt tokens queued ahead of it and its own go through steps
+    of `budget` tokens, of which the running requests' decodes take one each; a step costs what the fit says."""
+    if fit is None:
+        return None
+    fixed, per_token = fit
+    total = tokens_ahead + prompt_tokens
+    steps = math.ceil(total / max(budget - running, 1))
+    return steps * (fixed + per_token * min(budget, total + running))

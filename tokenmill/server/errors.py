@@ -91,7 +91,7 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
 
 def error_response(exc: BaseException) -> JSONResponse:
     status, body = classify(exc)
-    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    headers = {"Retry-After": str(getattr(exc, "retry_after", 1))} if status in (429, 503) else None
     if status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
     return JSONResponse(body, status_code=status, headers=headers)

@@ -51,9 +51,10 @@ def serve(args: argparse.Namespace) -> int:
     from tokenmill.server.app import ServerSettings, create_app
     from tokenmill.server.metrics import ServerMetrics
 
-    metrics = ServerMetrics(names[0])
+    metrics = ServerMetrics(names[0], config.scheduler.slo_ttft_ms, config.scheduler.slo_itl_ms)
     engine = AsyncEngine(config, max_waiting_requests=args.max_waiting_requests,
-                         max_waiting_tokens=args.max_waiting_tokens, observer=metrics)
+                         max_waiting_tokens=args.max_waiting_tokens, observer=metrics,
+                         slo_admission=args.slo_admission)
     try:
         info = engine.start()
         print(info.startup_summary, file=sys.stderr, flush=True)

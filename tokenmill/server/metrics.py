@@ -22,8 +22,9 @@ _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, slo_ttft_ms: float | None = None, slo_itl_ms: float | None = None):
         self.registry = r = CollectorRegistry()
+        self._slo_defaults = (slo_ttft_ms, slo_itl_ms)  # the server's targets for requests that give none
         labels = ["model_name"]
         self._model = model_name
         self.requests = Counter("tokenmill_requests", "Finished requests (each of n samples counts) by outcome: "
@@ -74,6 +75,24 @@ class ServerMetrics:
         self.spec_accepted_per_pos = Counter("tokenmill_spec_decode_num_accepted_tokens_per_pos", "Draft tokens "
                                              "accepted, by their position in the draft (0 = first)",
                                              ["model_name", "position"], registry=r)
+        by_priority = ["model_name", "priority"]
+        self.ttft_by_priority = Histogram("tokenmill_time_to_first_token_by_priority_seconds", "Arrival to first "
+                                          "token, by request priority", by_priority, buckets=_LATENCY_BUCKETS,
+                                          registry=r)
+        self.itl_by_priority = Histogram("tokenmill_inter_token_latency_by_priority_seconds", "Between consecutive "
+                                         "tokens of a sample, by request priority", by_priority,
+                                         buckets=_ITL_BUCKETS, registry=r)
+        self.slo_requests = Counter("tokenmill_slo_requests", "Finished requests with latency targets, by priority "
+                                    "and whether they met every target (TTFT, and mean ITL as TPOT): goodput is the "
+                                    "rate of outcome=met", ["model_name", "priority", "outcome"], registry=r)
+        self.ttft_prediction_error = Histogram("tokenmill_ttft_prediction_error_seconds", "Actual minus predicted "
+                                               "time to first token (admission's prediction)", labels,
+                                               buckets=(-10, -5, -2, -1, -0.5, -0.25, -0.1, 0, 0.1, 0.25, 0.5, 1,
+                                                        2, 5, 10), registry=r)
+        self.preemptions_by_cause = Counter("tokenmill_num_preemptions_by_cause", "Requests preempted, by cause: "
+                                            "blocks (the pool ran short) or priority (a better-ranked request took "
+                                            "the place)", ["model_name", "cause"], registry=r)
+        self._causes_seen: dict[str, int] = {}
         self.engine_alive = Gauge("tokenmill_engine_alive", "1 while the engine loop is alive", labels, registry=r)
         self.weight_bytes = Gauge("tokenmill_model_weight_bytes", "Bytes the model's weights hold in the engine, by "
                                   "weight format (as the start-up log says)", ["model_name", "format"], registry=r)
@@ -112,15 +131,39 @@ class ServerMetrics:
     def on_started(self, queue_time: float) -> None:
         self._queue.observe(max(queue_time, 0.0))
 
-    def on_first_token(self, ttft: float) -> None:
+    def on_first_token(self, ttft: float, request) -> None:
         self._ttft.observe(ttft)
+        self.ttft_by_priority.labels(self._model, str(request.params.priority)).observe(ttft)
+        if request.predicted_ttft is not None:
+            self.ttft_prediction_error.labels(self._model).observe(ttft - request.predicted_ttft)
 
-    def on_inter_token(self, itl: float) -> None:
+    def on_inter_token(self, itl: float, request) -> None:
         self._itl.observe(itl)
+        self.itl_by_priority.labels(self._model, str(request.params.priority)).observe(itl)
 
     def on_finished(self, parent, e2e: float) -> None:
         self.on_outcomes([s.finish_reason or "error" for s in parent.samples])
         self._e2e.observe(e2e)
+        met = self._met_slo(parent)
+        if met is not None:
+            self.slo_requests.labels(self._model, str(parent.params.priority), "met" if met else "missed").inc()
+
+    def _met_slo(self, parent) -> bool | None:
+        """Whether a finished request met its latency targets (None: it had none): TTFT, and its samples' mean
+        time per output token after the first (vLLM's TPOT) against the ITL target."""
+        p = parent.params
+        ttft_ms, itl_ms = p.slo_ttft_ms or self._slo_defaults[0], p.slo_itl_ms or self._slo_defaults[1]
+        if not ttft_ms and not itl_ms:
+            return None
+        m = parent.metrics
+        if m.first_token_time is None or m.finished_time is None:
+            return False
+        if ttft_ms and (m.first_token_time - m.arrival_time) * 1e3 > ttft_ms:
+            return False
+        tokens = max(len(s.token_ids) for s in parent.samples)
+        if itl_ms and tokens > 1 and (m.finished_time - m.first_token_time) / (tokens - 1) * 1e3 > itl_ms:
+            return False
+        return not any(s.finish_reason in ("error", "abort") for s in parent.samples)
 
     def on_outcomes(self, reasons: list[str]) -> None:
         """One count per sample by how it ended."""
@@ -157,6 +200,10 @@ class ServerMetrics:
         self._pblocks.set(pc.cached_blocks)
         if stats.spec_decode is not None:
             self._on_spec(stats.spec_decode)
+        for cause, total in stats.preemptions_by_cause.items():
+            if total > self._causes_seen.get(cause, 0):
+                self.preemptions_by_cause.labels(self._model, cause).inc(total - self._causes_seen.get(cause, 0))
+                self._causes_seen[cause] = total
 
     def _on_spec(self, sd) -> None:
         """Speculation totals since start -> counter increases (as the scheduler totals above)."""
