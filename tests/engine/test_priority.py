@@ -5,10 +5,10 @@ import time
 
 import pytest
 
+from tests.engine.test_step_cost import fitted
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.scheduler import SampledTokens, Scheduler
-from tokenmill.engine.step_cost import StepCostModel
 from tokenmill.errors import ConfigError, InvalidRequest
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
@@ -30,13 +30,6 @@ def step(sched: Scheduler):
     out = sched.schedule()
     sched.update(out, {s.request.request_id: SampledTokens([7]) for s in out.scheduled if s.samples})
     return out
-
-
-def fitted(fixed: float, per_token: float) -> StepCostModel:
-    model = StepCostModel()
-    for n in [1, 8, 64, 5, 300, 16, 2, 40, 128, 3] * 2:
-        model.observe(n, fixed + per_token * n)
-    return model
 
 
 def test_a_high_priority_request_is_admitted_before_an_earlier_queue():

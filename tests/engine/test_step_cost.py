@@ -5,11 +5,26 @@ import pytest
 from tokenmill.engine.step_cost import StepCostModel, predict_ttft
 
 
-def test_tokens_within_a_target_follow_the_fit():
+def fitted(fixed: float, per_token: float) -> StepCostModel:
     model = StepCostModel()
-    assert model.max_tokens_within(0.05) is None
-    for n in [1, 64, 8, 300, 2, 128, 16, 40] * 2:
-        model.observe(n, 0.010 + 0.001 * n)
+    for n in [1, 8, 64, 5, 300, 16, 2, 40, 128, 3] * 3:
+        model.observe(n, fixed + per_token * n)
+    return model
+
+
+def test_the_step_cost_fit_recovers_fixed_and_per_token_time():
+    assert StepCostModel().fit is None
+    fixed, per_token = fitted(0.010, 0.001).fit
+    assert fixed == pytest.approx(0.010, rel=1e-6) and per_token == pytest.approx(0.001, rel=1e-6)
+    model = StepCostModel()
+    for _ in range(20):
+        model.observe(8, 0.02)  # one token count only: nothing to fit a slope from
+    assert model.fit is None and model.break_even_acceptance(8) == 0.0
+
+
+def test_tokens_within_a_target_follow_the_fit():
+    assert StepCostModel().max_tokens_within(0.05) is None
+    model = fitted(0.010, 0.001)
     assert model.max_tokens_within(0.050) == 40
     assert model.max_tokens_within(0.005) == 0  # below the fixed cost: nothing besides what must run
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.engine.test_step_cost import fitted
 from tokenmill.config import SpeculativeConfig
-from tokenmill.engine.step_cost import StepCostModel
 from tokenmill.engine_args import EngineArgs
 from tokenmill.errors import ConfigError
 from tokenmill.request import Request, RequestStatus
@@ -347,23 +347,6 @@ def test_the_ngram_proposer_looks_up_prompt_and_output_together():
 
 
 # ---- the cost model: speculate where it pays ----------------------------------------------------------------
-
-
-def fitted(fixed: float, per_token: float) -> StepCostModel:
-    model = StepCostModel()
-    for n in [1, 8, 64, 5, 300, 16, 2, 40, 128, 3] * 3:
-        model.observe(n, fixed + per_token * n)
-    return model
-
-
-def test_the_step_cost_fit_recovers_fixed_and_per_token_time():
-    assert StepCostModel().fit is None
-    fixed, per_token = fitted(0.010, 0.001).fit
-    assert fixed == pytest.approx(0.010, rel=1e-6) and per_token == pytest.approx(0.001, rel=1e-6)
-    model = StepCostModel()
-    for _ in range(20):
-        model.observe(8, 0.02)  # one token count only: nothing to fit a slope from
-    assert model.fit is None and model.break_even_acceptance(8) == 0.0
 
 
 def test_break_even_acceptance_is_the_share_of_the_step_that_grows_with_tokens():
