@@ -15,7 +15,7 @@ the rejection sampler (spec/rejection.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,7 +25,6 @@ from tokenmill.errors import ConfigError
 from tokenmill.request import Request
 
 if TYPE_CHECKING:
-    from tokenmill.engine.core import EngineCore
     from tokenmill.engine.runner import ModelRunner
 
 DRAFT_SEED_SALT = 0x5DEECE66D  # the draft's draws use other seeds than the target's at the same position
@@ -50,7 +49,9 @@ class DraftModelProposer:
         self.states: dict[str, _DraftState] = {}
 
     @classmethod
-    def for_engine(cls, config: SpeculativeConfig, core: EngineCore) -> DraftModelProposer:
+    def for_engine(cls, config: SpeculativeConfig, core: Any) -> DraftModelProposer:
+        """The draft for an EngineCore (engine/core.py, which builds the speculator: not imported here, so the two
+        modules do not import each other): its target runner, model config, KV pool shape and seed."""
         from tokenmill.engine.runner import ModelRunner
         from tokenmill.model.loader import load_model_config, load_weights, resolve_model_path
         from tokenmill.quant.methods import resolve_quantization
