@@ -63,10 +63,12 @@ def mixed(args) -> None:
     interactive = load_sharegpt(tok, n_i, seed=args.seed, max_prompt_len=256, fixed_output_len=64)
     batch = random_requests(tok, n_b, 1024, 256, seed=args.seed)
     rows = {}
-    for policy in ("continuous", "priority"):
+    configs = {"continuous": ["--scheduling-policy", "continuous"], "priority": ["--scheduling-policy", "priority"],
+               "priority + --slo-admission reject": ["--scheduling-policy", "priority", "--slo-admission", "reject"]}
+    for policy, flags in configs.items():
         runs = []
         for run in range(args.runs):
-            proc, url = start_tokenmill(["--scheduling-policy", policy, "--kv-cache-memory", "512MiB"])
+            proc, url = start_tokenmill([*flags, "--kv-cache-memory", "512MiB"])
             try:
                 runs.append(asyncio.run(mixed_load(url, first_model(url, None), interactive, batch, args.rate_interactive,
                                                    args.rate_batch, args.seed + run)))
@@ -82,13 +84,15 @@ def mixed(args) -> None:
     print(f"\n## Mixed load: interactive {args.rate_interactive:g} req/s (ShareGPT, 64 out, priority 0, TTFT {TTFT_S:g} s"
           f", ITL {ITL_S * 1e3:.0f} ms) + batch {args.rate_batch:g} req/s (1,024 in, 256 out, priority 1), "
           f"{args.duration:g} s of arrivals, median of {args.runs} runs (CPU {cpu_isa()})")
-    print("| policy | interactive goodput req/s | met SLO | TTFT p50 | TTFT p99 | TPOT p50 | batch output tok/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| policy | interactive goodput req/s | met SLO | refused (429) | TTFT p50 | TTFT p99 | TPOT p50 | "
+          "batch output tok/s |")
+    print("|---|---|---|---|---|---|---|---|")
     summary = {}
     for policy, runs in rows.items():
-        goodput, met, p50, p99, tp, batch_tps = [], [], [], [], [], []
+        goodput, met, p50, p99, tp, batch_tps, refused = [], [], [], [], [], [], []
         for res_i, res_b, dur in runs:
             ok = [r for r in res_i if r.success]
+            refused.append(sum(1 for r in res_i if not r.success and "429" in (r.error or "")))
             good = [r for r in ok if r.ttft <= TTFT_S and tpot(r) <= ITL_S]
             goodput.append(len(good) / dur)
             met.append(len(good) / max(len(res_i), 1))
@@ -97,9 +101,10 @@ def mixed(args) -> None:
             tp.append(pct([tpot(r) for r in ok], 0.5))
             batch_tps.append(sum(r.output_tokens or 0 for r in res_b if r.success) / dur)
         m = {k: statistics.median(v) for k, v in (("goodput", goodput), ("met", met), ("p50", p50), ("p99", p99),
-                                                   ("tpot", tp), ("batch", batch_tps))}
+                                                   ("tpot", tp), ("batch", batch_tps), ("refused", refused))}
         summary[policy] = m
-        print(f"| {policy} | {m['goodput']:.2f} | {m['met']:.0%} | {m['p50']:.2f} s | {m['p99']:.2f} s | "
+        print(f"| {policy} | {m['goodput']:.2f} | {m['met']:.0%} | {m['refused']:.0f} | {m['p50']:.2f} s | "
+              f"{m['p99']:.2f} s | "
               f"{m['tpot'] * 1e3:.0f} ms | {m['batch']:.1f} |")
     f, p = summary["continuous"], summary["priority"]
     print(f"\npriority / FCFS: interactive goodput {p['goodput'] / max(f['goodput'], 1e-9):.2f}x, batch throughput "
