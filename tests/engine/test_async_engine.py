@@ -274,3 +274,18 @@ def test_slo_admission_acts_on_the_predicted_ttft(mode):
         assert engine.predicted_ttft(40, priority=0) < 0.5 < engine.predicted_ttft(40, priority=5)
 
     asyncio.run(main())
+
+
+def test_the_ttft_prediction_uses_the_steps_an_itl_target_allows():
+    async def main():
+        client = FakeClient()
+        engine = AsyncEngine(EngineConfig(), client=client)
+        engine.start()
+        engine.attach(asyncio.get_running_loop())
+        client.play(outputs(stats=fitted_stats()))
+        await asyncio.sleep(0)
+        # 50 ms x 0.8 = 40 ms: 30 tokens a step after the 10 ms fixed cost; 60 tokens -> 2 steps of 40 ms
+        assert engine.predicted_ttft(60, itl_ms=50) == pytest.approx(0.080)
+        assert engine.predicted_ttft(60) == pytest.approx(0.070)  # no target: one 512-token step
+
+    asyncio.run(main())

@@ -25,7 +25,7 @@ from tokenmill.engine.admission import ContextLimits, admit
 from tokenmill.engine.messages import AbortRequests, EngineOutputs, EngineReady
 from tokenmill.engine.output_processor import MetricsObserver, OutputProcessor, RequestState, SampleDelta
 from tokenmill.engine.process_client import EngineDeadError, EngineProcessClient
-from tokenmill.engine.scheduler import SchedulerStats
+from tokenmill.engine.scheduler import ITL_STEP_SHARE, SchedulerStats
 from tokenmill.engine.step_cost import predict_ttft
 from tokenmill.errors import InvalidRequest, ServerOverloaded, TokenmillError
 from tokenmill.model.paths import resolve_model_path
@@ -194,14 +194,18 @@ class AsyncEngine:
                                     f"--max-waiting-tokens {self.max_waiting_tokens}); retry later")
         return None
 
-    def predicted_ttft(self, new_tokens: int, priority: int = 0) -> float | None:
+    def predicted_ttft(self, new_tokens: int, priority: int = 0, itl_ms: float | None = None) -> float | None:
         """Seconds until the first token of a request with `new_tokens` prompt tokens, from the engine's measured
         step cost, the prompt tokens waiting ahead of it (under policy priority: those of requests ranked no worse)
-        and the running batch; None until the engine has measured its steps."""
-        by_rank = self.config.scheduler.policy == "priority"
+        and the running batch, in steps no bigger than an ITL target lets them be (the request's, else the
+        server's); None until the engine has measured its steps."""
+        sc = self.config.scheduler
+        by_rank = sc.policy == "priority"
         ahead = sum(t for t, p in self._unstarted.values() if not by_rank or p <= priority)
-        return predict_ttft(new_tokens, ahead, self.stats.num_running, self.stats.step_cost,
-                            self.config.scheduler.max_num_batched_tokens)
+        budget, fit, itl_ms = sc.max_num_batched_tokens, self.stats.step_cost, itl_ms or sc.slo_itl_ms
+        if fit is not None and itl_ms and fit[1] > 0:  # as the scheduler sizes steps (engine/scheduler.py)
+            budget = min(budget, max(int((ITL_STEP_SHARE * itl_ms / 1e3 - fit[0]) / fit[1]), 1))
+        return predict_ttft(new_tokens, ahead, self.stats.num_running, fit, budget)
 
     def _admit_by_slo(self, params: SamplingParams, predicted: float | None) -> SamplingParams:
         """--slo-admission: a request whose predicted TTFT is past its target is refused now (reject: 429 with a
@@ -243,7 +247,7 @@ class AsyncEngine:
             overloaded = self.overloaded(len(prompts) * params.n, new_tokens)
             if overloaded is not None:
                 raise overloaded
-            predicted = self.predicted_ttft(new_tokens, params.priority)
+            predicted = self.predicted_ttft(new_tokens, params.priority, params.slo_itl_ms)
             params = self._admit_by_slo(params, predicted)
             states = []
             for i, ((text, ids), mt) in enumerate(zip(prompts, max_tokens)):
