@@ -70,8 +70,8 @@ def mixed(args) -> None:
         for run in range(args.runs):
             proc, url = start_tokenmill([*flags, "--kv-cache-memory", "512MiB"])
             try:
-                runs.append(asyncio.run(mixed_load(url, first_model(url, None), interactive, batch, args.rate_interactive,
-                                                   args.rate_batch, args.seed + run)))
+                runs.append(asyncio.run(mixed_load(url, first_model(url, None), interactive, batch,
+                                                   args.rate_interactive, args.rate_batch, args.seed + run)))
             finally:
                 proc.terminate()
                 proc.wait(60)
@@ -81,7 +81,8 @@ def mixed(args) -> None:
                   f"{pct([r.ttft for r in ok_i], 0.99):.2f} s; batch {sum(r.success for r in res_b)}/{len(res_b)}",
                   file=sys.stderr, flush=True)
         rows[policy] = runs
-    print(f"\n## Mixed load: interactive {args.rate_interactive:g} req/s (ShareGPT, 64 out, priority 0, TTFT {TTFT_S:g} s"
+    print(f"\n## Mixed load: interactive {args.rate_interactive:g} req/s (ShareGPT, 64 out, priority 0, "
+          f"TTFT {TTFT_S:g} s"
           f", ITL {ITL_S * 1e3:.0f} ms) + batch {args.rate_batch:g} req/s (1,024 in, 256 out, priority 1), "
           f"{args.duration:g} s of arrivals, median of {args.runs} runs (CPU {cpu_isa()})")
     print("| policy | interactive goodput req/s | met SLO | refused (429) | TTFT p50 | TTFT p99 | TPOT p50 | "

@@ -229,11 +229,12 @@ def main() -> None:
         workloads = {
             "repetitive": repetitive_prompts(tok),
             "sharegpt": [r.prompt_token_ids for r in load_sharegpt(tok, args.num_prompts, seed=0, max_prompt_len=512)],
-            "random": [r.prompt_token_ids for r in random_requests(tok, args.num_prompts, 64, 1, seed=rng.randint(0, 99))],
+            "random": [r.prompt_token_ids
+                       for r in random_requests(tok, args.num_prompts, 64, 1, seed=rng.randint(0, 99))],
         }
         for llm in engines.values():  # warm up every path (kernels, the draft's first forward)
-            llm.generate([{"prompt_token_ids": workloads["repetitive"][0]}], SamplingParams(temperature=0, max_tokens=8),
-                         use_tqdm=False)
+            llm.generate([{"prompt_token_ids": workloads["repetitive"][0]}],
+                         SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
         single_stream(engines, workloads, args.runs, args.max_tokens)
         acceptance(engines, workloads, args.max_tokens)
         del engines

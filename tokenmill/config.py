@@ -221,7 +221,8 @@ class SpeculativeConfig:
                               '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
         unknown = sorted(set(value) - set(cls.KEYS))
         if unknown:
-            raise ConfigError(f"--speculative-config: unknown key(s) {', '.join(unknown)}; known: {', '.join(cls.KEYS)}")
+            raise ConfigError(f"--speculative-config: unknown key(s) {', '.join(unknown)}; known: "
+                              f"{', '.join(cls.KEYS)}")
         kw = dict(value)
         if "method" not in kw:
             kw["method"] = "draft_model" if kw.get("model") else "ngram"

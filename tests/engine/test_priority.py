@@ -129,7 +129,8 @@ def test_bad_priority_or_targets_name_the_field(kw, param):
 
 
 @pytest.mark.parametrize("kw,flag", [({"policy": "lottery"}, "--scheduling-policy"),
-                                     ({"slo_itl_ms": 0}, "--slo-itl-ms"), ({"priority_aging_s": -1}, "--priority-aging-s")])
+                                     ({"slo_itl_ms": 0}, "--slo-itl-ms"),
+                                     ({"priority_aging_s": -1}, "--priority-aging-s")])
 def test_bad_scheduler_flags_name_the_flag(kw, flag):
     with pytest.raises(ConfigError, match=flag):
         SchedulerConfig(**kw)

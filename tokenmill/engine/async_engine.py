@@ -24,8 +24,9 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.admission import ContextLimits, admit
 from tokenmill.engine.messages import AbortRequests, EngineOutputs, EngineReady
 from tokenmill.engine.output_processor import MetricsObserver, OutputProcessor, RequestState, SampleDelta
+from tokenmill.engine.policy import ITL_STEP_SHARE
 from tokenmill.engine.process_client import EngineDeadError, EngineProcessClient
-from tokenmill.engine.scheduler import ITL_STEP_SHARE, SchedulerStats
+from tokenmill.engine.scheduler import SchedulerStats
 from tokenmill.engine.step_cost import predict_ttft
 from tokenmill.errors import InvalidRequest, ServerOverloaded, TokenmillError
 from tokenmill.model.paths import resolve_model_path

@@ -41,15 +41,13 @@ from dataclasses import dataclass, field
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache import KVCacheManager, PrefixCacheStats
+from tokenmill.engine.policy import latency_budget, rank, ttft_slack
 from tokenmill.engine.step_cost import StepCostModel
 from tokenmill.request import Request, RequestStatus
 from tokenmill.spec.stats import SpecDecodeStats
 
 LPM_MAX_QUEUE = 128  # longest waiting queue ranked by cached prefix; longer ones are served first come first
 LPM_MAX_SKIPS = 16  # a waiting request overtaken this many times is tried first
-# of an ITL target, the share a step's model pass may take: the rest goes to scheduling, sampling's host side, the
-# output's trip to the API process and the stream (measured at 150 ms: without this margin TPOT p50 came to 165 ms)
-ITL_STEP_SHARE = 0.8
 
 
 @dataclass
@@ -160,7 +158,8 @@ class Scheduler:
         admitting = self.config.policy != "static"  # continuous batching (first come first served, or by rank)
         by_rank = self.config.policy == "priority"
         if admitting:
-            budget = self._latency_budget(budget, by_rank)
+            budget = latency_budget(self.running, budget, by_rank, self.config.max_prefill_tokens_while_decoding,
+                                    self.step_cost)
         threshold = self.long_prefill_threshold if admitting else budget
         share = threshold  # what running prefills longer than the threshold may take in phase A
         capped: list[ScheduledRequest] = []  # their chunks, grown in phase C
@@ -205,39 +204,8 @@ class Scheduler:
         out.scheduled = [s for s in out.scheduled if s.num_new_tokens]  # long prefills phase A left for C
         return out
 
-    def _latency_budget(self, budget: int, by_rank: bool) -> int:
-        """The step's token budget under the caps that keep decodes' inter-token latency: a fixed number of prompt
-        tokens besides them (--max-prefill-tokens-while-decoding), and what the measured step cost fits within
-        the smallest ITL target of the requests decoding. The decodes it protects always fit: all of them first
-        come first served; by rank, those with an ITL target (served first when they rank first), so the decodes
-        of requests without one may wait a step when the target leaves no room for them."""
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        if not decoding:
-            return budget
-        protected = [r for r in decoding if r.itl_target] if by_rank else decoding
-        decode_tokens = sum(1 + len(r.spec_token_ids) for r in protected)  # drafts included
-        cap = self.config.max_prefill_tokens_while_decoding
-        if cap is not None:
-            budget = min(budget, sum(1 + len(r.spec_token_ids) for r in decoding) + cap)
-        target = min((r.itl_target for r in decoding if r.itl_target), default=None)
-        if target is not None and self.step_cost is not None:
-            fits = self.step_cost.max_tokens_within(target * ITL_STEP_SHARE)
-            if fits is not None:
-                budget = min(budget, max(decode_tokens, fits, 1))
-        return budget
-
     def _rank(self, request: Request, now: float) -> tuple[int, float]:
-        """Policy priority: smaller runs first. A request gains a level per `priority_aging_s` since it arrived."""
-        waited = max(now - request.arrival_time, 0.0)
-        return request.priority - int(waited / self.config.priority_aging_s), request.arrival_time
-
-    def _slack(self, request: Request, now: float) -> float:
-        """Seconds to spare before the request's TTFT target, after its predicted prefill (inf: no target)."""
-        if request.ttft_target is None:
-            return float("inf")
-        fit = self.step_cost.fit if self.step_cost is not None else None
-        prefill = fit[0] + fit[1] * (request.num_tokens - request.num_computed_tokens) if fit else 0.0
-        return request.arrival_time + request.ttft_target - now - prefill
+        return rank(request, now, self.config.priority_aging_s)
 
     def _preempt_for_priority(self, out: SchedulerOutput, now: float, first_chunk: int) -> None:
         """The best-ranked waiting request takes the place of worse-ranked running ones, worst first, while it
@@ -318,7 +286,8 @@ class Scheduler:
         order = list(enumerate(self.waiting))
         if self.config.policy == "priority":
             now = time.monotonic()
-            return sorted(order, key=lambda e: (self._rank(e[1], now)[0], self._slack(e[1], now), e[0]))
+            return sorted(order, key=lambda e: (self._rank(e[1], now)[0], ttft_slack(e[1], now, self.step_cost),
+                                                e[0]))
         if not self.kv.prefix_caching or len(order) < 2 or len(order) > LPM_MAX_QUEUE:
             return order
         cached = {id(r): self.kv.cached_prefix_len(r) for _, r in order}
