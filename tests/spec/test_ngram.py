@@ -385,3 +385,15 @@ def test_a_slow_proposer_raises_the_bar():
     spec.proposer_seconds = 0.008  # a draft forward pass per draft position, nearly a target step
     spec.propose([req])  # break-even (0.001 + 0.008) / 0.011 = 0.82
     assert proposer.calls == []
+
+
+def test_a_failing_proposer_costs_the_drafts_not_the_step():
+    class Broken(FakeProposer):
+        def propose(self, requests, ks):
+            raise RuntimeError("draft forward failed")
+
+    proposer = Broken()
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4), proposer)
+    req = decoding("a")
+    spec.propose([req])  # does not raise
+    assert req.spec_token_ids == [] and proposer.forgotten == ["a"]

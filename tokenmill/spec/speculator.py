@@ -15,6 +15,7 @@ Rules, plain Python:
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Protocol
 
@@ -22,6 +23,8 @@ from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.step_cost import StepCostModel
 from tokenmill.request import Request
 from tokenmill.spec.ngram import propose_ngram
+
+log = logging.getLogger("tokenmill")
 
 PROBE_EVERY = 16  # a request passed over this many times speculates once, to measure its acceptance again
 PRIOR_ACCEPTANCE = 0.5  # a request's acceptance before it has any: the engine's recent average, or this
@@ -95,7 +98,15 @@ class Speculator:
             ks.append(k)
         if chosen:
             start = time.perf_counter()
-            for r, drafts in zip(chosen, self.proposer.propose(chosen, ks)):
+            try:
+                proposals = self.proposer.propose(chosen, ks)
+            except Exception:  # drafts are optional: the step goes on without them, no request fails
+                log.exception("the %s proposer failed; these requests decode without drafts this step",
+                              self.config.method)
+                for r in chosen:
+                    self.proposer.forget(r.request_id)  # a draft model recomputes its KV for them from the start
+                return
+            for r, drafts in zip(chosen, proposals):
                 r.spec_token_ids = drafts
             per_position = (time.perf_counter() - start) / max(ks)
             self.proposer_seconds = (1 - EMA) * self.proposer_seconds + EMA * per_position
