@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 
@@ -59,6 +61,39 @@ def test_bad_serve_flags_are_one_line_errors(capsys, argv, flag):
     assert flag in one_line_error(capsys, ["bench", "serve", *argv])
 
 
+def test_request_class_specs_parse():
+    from tokenmill.bench.cli import parse_request_class
+    from tokenmill.bench.metrics import RequestClass
+
+    assert parse_request_class("interactive:share=0.75,priority=0,slo_ttft_ms=1000,slo_tpot_ms=150") == \
+        RequestClass("interactive", share=0.75, priority=0, slo_ttft_ms=1000.0, slo_tpot_ms=150.0)
+    assert parse_request_class(" batch : share = 0.25 , priority=-1 ,") == \
+        RequestClass("batch", share=0.25, priority=-1)
+    assert parse_request_class("plain") == RequestClass("plain", share=1.0)
+
+
+@pytest.mark.parametrize("specs,message", [
+    (["i:share=1,speed=2"], "class 'i': unknown key 'speed'; keys are share, priority, slo_ttft_ms, slo_tpot_ms"),
+    (["i:share=lots"], "class 'i': share must be a positive number, got 'lots'"),
+    (["i:share=0"], "class 'i': share must be a positive number, got '0'"),
+    (["i:slo_ttft_ms=-5"], "class 'i': slo_ttft_ms must be a positive number, got '-5'"),
+    (["i:slo_tpot_ms=inf"], "class 'i': slo_tpot_ms must be a positive number, got 'inf'"),
+    (["i:priority=0.5"], "class 'i': priority must be an integer, got '0.5'"),
+    (["i:share"], "class 'i': 'share' is not key=value"),
+    (["i:share=1,share=2"], "class 'i': share given twice"),
+    (["i:share=1", "b", "i:share=2"], "class 'i' is given twice"),
+    ([":share=1"], "missing class name in ':share=1'"),
+    (["share=0.5,priority=1"], "missing class name"),
+    (["a b:share=1"], "class name 'a b' may hold only"),
+])
+def test_bad_request_class_is_a_one_line_error(capsys, specs, message):
+    argv = ["bench", "serve", "--base-url", "http://127.0.0.1:9"]  # refused before any connection is tried
+    for spec in specs:
+        argv += ["--request-class", spec]
+    line = one_line_error(capsys, argv)
+    assert line.startswith("error: --request-class: ") and message in line, line
+
+
 def test_bad_plot_input_is_a_one_line_error(capsys, tmp_path):
     not_result = tmp_path / "x.json"
     not_result.write_text("[1, 2]")
@@ -88,17 +123,37 @@ def server():
         s.stop()
 
 
+def metrics_text(server) -> str:
+    import httpx
+
+    return httpx.get(server.url + "/metrics", headers=server.headers, timeout=30).text
+
+
+def slo_requests(text: str) -> Counter:
+    """tokenmill_slo_requests_total by (priority, outcome), from the server's Prometheus text."""
+    counts: Counter = Counter()
+    for line in text.splitlines():
+        if line.startswith("tokenmill_slo_requests_total{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            counts[labels["priority"], labels["outcome"]] += int(float(line.rsplit(" ", 1)[1]))
+    return counts
+
+
 @pytest.mark.slow
 def test_serve_run_writes_a_complete_result_and_plots(server, tmp_path):
     from tests.server.conftest import API_KEY
 
     result_path = tmp_path / "run.json"
+    slo_before = slo_requests(metrics_text(server))
     proc = tokenmill("bench", "serve", "--base-url", server.url, "--api-key", API_KEY, "--dataset", "random",
                      "--random-input-len", "32", "--random-output-len", "8", "--num-prompts", "8",
                      "--request-rate", "inf", "--seed", "3", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000",
+                     "--request-class", "interactive:share=0.75,priority=0,slo_ttft_ms=50000,slo_tpot_ms=40000",
+                     "--request-class", "batch:share=0.25,priority=1",
                      "--label", "tokenmill-test", "--save-result", str(result_path), "--disable-tqdm")
     assert proc.returncode == 0, proc.stderr
-    for heading in ("Successful requests:", "Median TTFT (ms):", "P99 ITL (ms):", "Request goodput"):
+    for heading in ("Successful requests:", "Median TTFT (ms):", "P99 ITL (ms):", "Request goodput",
+                    "Per Request Class", "50000/40000", "60000/60000"):
         assert heading in proc.stdout, proc.stdout
 
     result = json.loads(result_path.read_text())
@@ -113,6 +168,19 @@ def test_serve_run_writes_a_complete_result_and_plots(server, tmp_path):
     assert result["total_output_tokens"] == 64 and result["output_throughput"] > 0
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])
     assert result["p99_ttft_ms"] >= result["median_ttft_ms"] > 0
+    # two classes, 6 + 2 of the 8 requests, each with its own targets (batch falls back to the global ones)
+    assert sorted(result["request_classes"]) == ["batch"] * 2 + ["interactive"] * 6
+    classes = result["classes"]
+    assert list(classes) == ["interactive", "batch"]
+    assert (classes["interactive"]["requests"], classes["batch"]["requests"]) == (6, 2)
+    assert classes["interactive"]["priority"] == 0 and classes["batch"]["priority"] == 1
+    assert classes["interactive"]["slo_ttft_ms"] == 50000 and classes["batch"]["slo_tpot_ms"] == 60000
+    assert classes["interactive"]["request_goodput"] + classes["batch"]["request_goodput"] == \
+        pytest.approx(result["request_goodput"])
+    assert classes["batch"]["p99_ttft_ms"] >= classes["batch"]["median_ttft_ms"] > 0
+    # the server saw each class's priority and targets: only interactive requests carry SLOs, at priority 0
+    probe = 1 if result["request_classes"][0] == "interactive" else 0  # the test request is request 0's class
+    assert slo_requests(metrics_text(server)) - slo_before == {("0", "met"): 6 + probe}
 
     # a second run (another label, a finite rate) so the against-rate charts have something to compare
     second = dict(result, label="other", request_rate=2.0, output_throughput=result["output_throughput"] / 2)

@@ -10,8 +10,19 @@ import httpx
 import numpy as np
 import pytest
 
+from tokenmill.bench import loadgen
 from tokenmill.bench.datasets import BenchRequest
-from tokenmill.bench.loadgen import LoadConfig, StreamRecorder, arrival_times, request_body, send_request
+from tokenmill.bench.loadgen import (
+    LoadConfig,
+    StreamRecorder,
+    arrival_times,
+    class_body,
+    draw_classes,
+    request_body,
+    run_load,
+    send_request,
+)
+from tokenmill.bench.metrics import RequestClass
 from tokenmill.bench.sse import SSEParser
 
 # ------------------------------------------------------------------------------------------- arrivals
@@ -57,6 +68,75 @@ def test_arrivals_are_seeded():
 def test_bad_rate_or_burstiness_is_refused(rate, burstiness):
     with pytest.raises(ValueError):
         arrival_times(3, rate, burstiness)
+
+
+# -------------------------------------------------------------------------------------- request classes
+
+
+def test_class_draw_follows_the_shares():
+    assert np.bincount(draw_classes(1000, [0.75, 0.25], seed=1)).tolist() == [750, 250]
+    assert np.bincount(draw_classes(8, [3, 1], seed=1)).tolist() == [6, 2]  # shares are normalised
+    assert np.bincount(draw_classes(10, [1, 1, 1], seed=1)).tolist() == [4, 3, 3]  # remainders, in order
+    assert np.bincount(draw_classes(7, [0.5, 0.3, 0.2], seed=1)).tolist() == [4, 2, 1]
+
+
+def test_class_draw_is_seeded_and_shuffled():
+    a, b, c = (draw_classes(200, [0.5, 0.5], seed=s) for s in (4, 4, 5))
+    assert a == b and a != c
+    assert a != sorted(a)  # mixed through the run, not one class after the other
+    assert draw_classes(3, [1.0], seed=0) == [0, 0, 0]
+
+
+@pytest.mark.parametrize("shares", [[], [1.0, 0.0], [-1.0], [float("nan")], [float("inf")]])
+def test_class_draw_refuses_bad_shares(shares):
+    with pytest.raises(ValueError, match="shares"):
+        draw_classes(4, shares)
+
+
+def test_class_body_sends_only_what_the_class_sets():
+    full = RequestClass("i", share=0.75, priority=0, slo_ttft_ms=1000.0, slo_tpot_ms=150.0)
+    assert class_body(full) == {"priority": 0, "slo_ttft_ms": 1000.0, "slo_itl_ms": 150.0}
+    assert class_body(RequestClass("b", priority=1)) == {"priority": 1}
+    assert class_body(RequestClass("plain")) == {}
+
+
+def test_per_request_body_goes_over_the_global_one():
+    req = BenchRequest("Say hi", [1, 2], 2, 7)
+    cfg = LoadConfig(base_url="http://x", model="m", extra_body={"top_k": 1, "priority": 5})
+    body = request_body(cfg, req, extra_body={"priority": 0, "slo_itl_ms": 150.0})
+    assert body["priority"] == 0 and body["slo_itl_ms"] == 150.0 and body["top_k"] == 1
+    assert request_body(cfg, req)["priority"] == 5
+
+
+def _sse_handler(seen: list):
+    async def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        events = [completion_chunk("a"), completion_chunk("b"), usage_chunk(4, 2)]
+        payload = "".join(f"data: {e}\n\n" for e in events) + "data: [DONE]\n\n"
+        return httpx.Response(200, content=payload.encode(), headers={"content-type": "text/event-stream"})
+
+    return handler
+
+
+def test_run_load_sends_each_request_its_own_body(monkeypatch):
+    seen: list[dict] = []
+    monkeypatch.setattr(loadgen, "make_client", lambda cfg: httpx.AsyncClient(
+        base_url="http://server", transport=httpx.MockTransport(_sse_handler(seen))))
+    cfg = LoadConfig(base_url="http://server", model="m", progress=False, extra_body={"top_k": 1})
+    requests = [BenchRequest(f"p{i}", [1], 1, 2) for i in range(4)]
+    bodies = [{"priority": i % 2, "slo_ttft_ms": 100.0 * (i + 1)} for i in range(4)]
+    results, _ = asyncio.run(run_load(cfg, requests, bodies))
+    assert all(r.success for r in results)
+    by_prompt = {b["prompt"]: b for b in seen}
+    for i in range(4):
+        assert by_prompt[f"p{i}"]["priority"] == i % 2 and by_prompt[f"p{i}"]["slo_ttft_ms"] == 100.0 * (i + 1)
+        assert by_prompt[f"p{i}"]["top_k"] == 1
+
+    seen.clear()  # without per-request bodies (benchmarks/*.py call it so): only the global fields
+    results, _ = asyncio.run(run_load(cfg, requests[:2]))
+    assert len(results) == 2 and all("priority" not in b for b in seen) and len(seen) == 2
+    with pytest.raises(ValueError, match="3 extra bodies for 4 requests"):
+        asyncio.run(run_load(cfg, requests, bodies[:3]))
 
 
 # ------------------------------------------------------------------------------------------------ SSE

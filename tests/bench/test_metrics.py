@@ -7,7 +7,15 @@ import math
 import numpy as np
 import pytest
 
-from tokenmill.bench.metrics import LatencyStats, RequestResult, calculate_metrics, output_lengths, tpot
+from tokenmill.bench.metrics import (
+    LatencyStats,
+    RequestClass,
+    RequestResult,
+    calculate_metrics,
+    class_metrics,
+    output_lengths,
+    tpot,
+)
 
 
 def ok(ttft: float, itl: list[float], tokens: int | None, prompt_len: int = 10, text: str = "") -> RequestResult:
@@ -110,3 +118,57 @@ def test_flat_keys_follow_vllm_names():
 def test_duration_must_be_positive():
     with pytest.raises(ValueError, match="duration"):
         calculate_metrics([], 0.0)
+
+
+# ------------------------------------------------------------------------------------------ per class
+
+
+def test_each_class_is_held_to_its_own_slos():
+    slow_start = ok(0.5, [0.01] * 9, tokens=10)  # ttft 500 ms, tpot 10 ms
+    results = [slow_start, slow_start, ok(0.1, [0.01] * 9, tokens=10), slow_start, failed(),
+               ok(0.1, [0.05] * 9, tokens=10)]  # the last: tpot 50 ms
+    labels = ["tight", "loose", "tight", "global", "loose", "global"]
+    classes = [RequestClass("tight", share=3, slo_ttft_ms=200),
+               RequestClass("loose", share=1, priority=1, slo_ttft_ms=1000),
+               RequestClass("global", share=1, slo_ttft_ms=1000)]  # no TPOT target of its own
+    lens = output_lengths(results)
+    tight, loose, glob = class_metrics(results, lens, labels, classes, 2.0, slo_tpot_ms=20)
+    # the same 500 ms TTFT fails "tight" (200 ms) and passes "loose" (1000 ms)
+    assert tight.request_goodput == pytest.approx(1 / 2.0) and loose.request_goodput == pytest.approx(1 / 2.0)
+    assert (tight.requests, tight.completed, tight.failed) == (2, 2, 0)
+    assert (loose.requests, loose.completed, loose.failed) == (2, 1, 1)  # a failed request is never good
+    # a class without a TPOT target takes the run's (20 ms): the 50 ms TPOT request misses it
+    assert glob.request_goodput == pytest.approx(1 / 2.0)
+    assert (glob.slo_ttft_ms, glob.slo_tpot_ms) == (1000, 20) and (tight.slo_ttft_ms, tight.slo_tpot_ms) == (200, 20)
+    assert [c.share for c in (tight, loose, glob)] == pytest.approx([0.6, 0.2, 0.2])
+    assert loose.priority == 1 and tight.priority is None
+
+
+def test_class_latencies_and_throughput_cover_only_that_class():
+    results = [ok(0.1, [0.02] * 3, tokens=4), ok(0.3, [0.04] * 3, tokens=4), ok(0.9, [0.1], tokens=2),
+               ok(0.2, [], tokens=1)]
+    labels = ["a", "a", "b", "a"]
+    a, b = class_metrics(results, output_lengths(results), labels, [RequestClass("a"), RequestClass("b")], 4.0)
+    assert a.ttft_ms.median == pytest.approx(200.0) and a.ttft_ms.percentiles[99] == pytest.approx(298.0)
+    assert a.tpot_ms.median == pytest.approx(30.0)  # the one-token request has no TPOT
+    assert b.ttft_ms.median == pytest.approx(900.0) and b.tpot_ms.median == pytest.approx(100.0)
+    assert a.output_throughput == pytest.approx(9 / 4.0) and b.output_throughput == pytest.approx(2 / 4.0)
+    assert a.request_throughput == pytest.approx(3 / 4.0)
+    assert a.request_goodput is None and b.request_goodput is None  # no SLO anywhere
+    flat = a.flat()
+    assert flat["median_ttft_ms"] == pytest.approx(200.0) and flat["p99_tpot_ms"] == pytest.approx(39.8)
+    assert "name" not in flat and flat["completed"] == 3
+
+
+def test_a_class_with_no_requests_has_no_latencies():
+    (empty,) = class_metrics([], [], [], [RequestClass("idle", slo_ttft_ms=100)], 1.0)
+    assert (empty.requests, empty.completed, empty.request_goodput) == (0, 0, 0.0)
+    assert empty.ttft_ms.median is None and empty.flat()["p99_ttft_ms"] is None
+
+
+def test_class_metrics_refuses_mismatched_inputs():
+    r = [ok(0.1, [0.1], tokens=2)]
+    with pytest.raises(ValueError, match="unknown classes: b"):
+        class_metrics(r, [2], ["b"], [RequestClass("a")], 1.0)
+    with pytest.raises(ValueError, match="class labels"):
+        class_metrics(r, [2], [], [RequestClass("a")], 1.0)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tokenmill.bench.metrics import RequestResult, calculate_metrics
+from tokenmill.bench.metrics import RequestClass, RequestResult, calculate_metrics, class_metrics
 from tokenmill.bench.report import format_result, load_result, save_result, serve_result
 
 
@@ -48,3 +48,33 @@ def test_load_result_refuses_other_json(tmp_path):
     path.write_text(json.dumps({"hello": 1}))
     with pytest.raises(ValueError, match="not a tokenmill bench result"):
         load_result(path)
+
+
+def test_classes_are_saved_and_printed(tmp_path):
+    results = [_result(8), _result(5), _result(8, ok=False), _result(3)]
+    labels = ["interactive", "batch", "batch", "interactive"]
+    classes = [RequestClass("interactive", share=3, priority=0, slo_ttft_ms=100, slo_tpot_ms=150),
+               RequestClass("batch", share=1, priority=1)]
+    metrics, lens = calculate_metrics(results, 2.0, slo_ttft_ms=500)
+    per_class = class_metrics(results, lens, labels, classes, 2.0, slo_ttft_ms=500)
+    record = serve_result({"label": "mix", "request_rate": 4.0}, metrics, results, lens, None, per_class, labels)
+    again = load_result(save_result(record, tmp_path / "mix.json"))
+    assert again["request_classes"] == labels
+    assert list(again["classes"]) == ["interactive", "batch"]
+    inter, batch = again["classes"]["interactive"], again["classes"]["batch"]
+    assert inter["request_goodput"] == 0.0  # TTFT 200 ms misses its own 100 ms target...
+    assert batch["request_goodput"] == pytest.approx(0.5)  # ...and meets the run's 500 ms one
+    assert (batch["completed"], batch["failed"], batch["priority"], batch["share"]) == (1, 1, 1, 0.25)
+    lines = format_result(again).splitlines()
+    start = next(i for i, line in enumerate(lines) if "Per Request Class" in line)
+    header, inter_row, batch_row = (line.split() for line in lines[start + 1:start + 4])
+    assert header[:4] == ["class", "prio", "ok", "failed"]
+    # class, prio, ok, failed, TTFT p50/p99, TPOT p50/p99, out tok/s, goodput, SLO ttft/tpot
+    assert inter_row == ["interactive", "0", "2", "0", "200.00", "200.00", "50.00", "50.00", "5.50", "0.00",
+                         "100/150"]
+    assert batch_row == ["batch", "1", "1", "1", "200.00", "200.00", "50.00", "50.00", "2.50", "0.50", "500/-"]
+
+
+def test_a_run_without_classes_has_no_class_table(record):
+    assert "classes" not in record and "request_classes" not in record
+    assert "Per Request Class" not in format_result(record)

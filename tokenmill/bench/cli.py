@@ -13,12 +13,16 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.bench.datasets import DATASETS, DatasetOptions, sample_requests
+
+if TYPE_CHECKING:
+    from tokenmill.bench.metrics import RequestClass
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +100,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     g.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT limit in ms")
     g.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT limit in ms")
+    g.add_argument("--request-class", action="append", default=None, metavar="SPEC",
+                   help="repeatable; one class of a mixed load, NAME:key=value,... with keys share (fraction of "
+                        "the requests, default 1, normalised), priority, slo_ttft_ms, slo_tpot_ms (sent to the "
+                        "server, as slo_itl_ms for TPOT, and used for the class's goodput), e.g. "
+                        "interactive:share=0.75,priority=0,slo_ttft_ms=1000,slo_tpot_ms=150")
     add_dataset_args(p, with_seed=True)
     _add_output_args(p)
     p.set_defaults(func=cmd_serve)
@@ -179,6 +188,53 @@ def _check_serve_flags(args: argparse.Namespace) -> dict[str, Any]:
     return extra
 
 
+CLASS_KEYS = ("share", "priority", "slo_ttft_ms", "slo_tpot_ms")
+_CLASS_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def parse_request_class(spec: str) -> RequestClass:
+    """One `--request-class NAME:key=value,...`, checked; errors start with the flag and name the class."""
+    from tokenmill.bench.metrics import RequestClass
+
+    name, _, rest = (part.strip() for part in spec.partition(":"))
+    _require(bool(name) and "=" not in name,
+             f"--request-class: missing class name in {spec!r}; write NAME:key=value,...")
+    _require(_CLASS_NAME.fullmatch(name) is not None,
+             f"--request-class: class name {name!r} may hold only letters, digits, '_', '-' and '.'")
+    where = f"--request-class: class {name!r}"
+    fields: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, value = (part.strip() for part in item.partition("="))
+        _require(bool(eq), f"{where}: {item!r} is not key=value")
+        _require(key in CLASS_KEYS, f"{where}: unknown key {key!r}; keys are {', '.join(CLASS_KEYS)}")
+        _require(key not in fields, f"{where}: {key} given twice")
+        fields[key] = _class_value(where, key, value)
+    return RequestClass(name, **fields)
+
+
+def _class_value(where: str, key: str, text: str) -> int | float:
+    if key == "priority":
+        try:
+            return int(text)
+        except ValueError:
+            raise BenchUsageError(f"{where}: priority must be an integer, got {text!r}") from None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    _require(value > 0 and math.isfinite(value), f"{where}: {key} must be a positive number, got {text!r}")
+    return value
+
+
+def request_classes(args: argparse.Namespace) -> list[RequestClass]:
+    """Every --request-class, checked (names unique); empty when the load is not mixed."""
+    classes = [parse_request_class(spec) for spec in args.request_class or []]
+    names = [c.name for c in classes]
+    twice = next((n for n in names if names.count(n) > 1), None)
+    _require(twice is None, f"--request-class: class {twice!r} is given twice")
+    return classes
+
+
 # ----------------------------------------------------------------------------------------------- commands
 
 
@@ -233,11 +289,12 @@ def _sample(opts: DatasetOptions, tokenizer: Any) -> list:
 
 def _serve(args: argparse.Namespace) -> int:
     from tokenmill.bench.loadgen import LoadConfig, ServerUnreachable, first_model, run_load, send_request
-    from tokenmill.bench.metrics import calculate_metrics
+    from tokenmill.bench.metrics import calculate_metrics, class_metrics
     from tokenmill.bench.report import format_serve, save_result, serve_result
     from tokenmill.bench.spec_metrics import delta, format_spec, scrape
 
     extra_body = _check_serve_flags(args)
+    classes = request_classes(args)
     opts = dataset_options(args)
     base_url = args.base_url.rstrip("/")
     try:
@@ -246,6 +303,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise BenchUsageError(f"--base-url {base_url}: {e}") from None
     tokenizer = load_tokenizer(args.tokenizer)
     requests = _sample(opts, tokenizer)
+    assignment, bodies = _assign_classes(classes, len(requests), args.seed)
     cfg = LoadConfig(base_url=base_url, model=model, endpoint=args.endpoint, request_rate=args.request_rate,
                      burstiness=args.burstiness, max_concurrency=args.max_concurrency, seed=args.seed,
                      api_key=args.api_key, ignore_eos=not args.no_ignore_eos, extra_body=extra_body,
@@ -255,11 +313,12 @@ def _serve(args: argparse.Namespace) -> int:
         from tokenmill.bench.loadgen import make_client
 
         async with make_client(cfg) as client:  # one short request first: checks the setup, warms the server
-            probe = await send_request(client, cfg, requests[0], 0.0, max_tokens=min(4, requests[0].output_len))
+            probe = await send_request(client, cfg, requests[0], 0.0, max_tokens=min(4, requests[0].output_len),
+                                       extra_body=bodies[0] if bodies else None)
         if not probe.success:
             raise BenchUsageError(f"--base-url {base_url}: the test request (model {model!r}, "
                                   f"{args.endpoint} endpoint) failed: {probe.error.splitlines()[0][:300]}")
-        return await run_load(cfg, requests)
+        return await run_load(cfg, requests, bodies)
 
     print(f"benchmark: {base_url} model {model}, {args.endpoint} endpoint, rate {args.request_rate:g} req/s, "
           f"burstiness {args.burstiness:g}, max concurrency {args.max_concurrency}", file=sys.stderr)
@@ -275,7 +334,10 @@ def _serve(args: argparse.Namespace) -> int:
               "max_concurrency": args.max_concurrency, "seed": args.seed,
               "slo_ms": {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms},
               "ignore_eos": cfg.ignore_eos, "extra_body": extra_body}
-    result = serve_result(config, metrics, results, output_lens, [r.output_len for r in requests])
+    per_class = class_metrics(results, output_lens, assignment, classes, duration, args.slo_ttft_ms,
+                              args.slo_tpot_ms) if classes else None
+    result = serve_result(config, metrics, results, output_lens, [r.output_len for r in requests],
+                          per_class, assignment)
     print(format_serve(result))
     if spec is not None:
         result["spec_decode"] = spec
@@ -283,6 +345,18 @@ def _serve(args: argparse.Namespace) -> int:
     if args.save_result:
         print(f"result: {save_result(result, args.save_result)}", file=sys.stderr)
     return 0
+
+
+def _assign_classes(classes: list[RequestClass], n: int, seed: int) -> tuple[list[str] | None, list[dict] | None]:
+    """Each request's class name and the body fields it sends (None, None for a load with no classes)."""
+    from tokenmill.bench.loadgen import class_body, draw_classes
+
+    if not classes:
+        return None, None
+    drawn = [classes[i] for i in draw_classes(n, [c.share for c in classes], seed)]
+    counts = ", ".join(f"{c.name} {sum(1 for d in drawn if d is c)}" for c in classes)
+    print(f"request classes (seed {seed}): {counts}", file=sys.stderr)
+    return [c.name for c in drawn], [class_body(c) for c in drawn]
 
 
 def _offline(args: argparse.Namespace) -> int:

@@ -8,7 +8,8 @@ actually sent, after any wait for a slot, as in vLLM.
 
 Requests are plain text (portable across servers), `stream: true` with `stream_options.include_usage`,
 `max_tokens` = the dataset's output length, greedy, and `ignore_eos` (vLLM and tokenmill honour it; other
-servers ignore unknown fields).
+servers ignore unknown fields). In a mixed load (`--request-class`) each request is given a class by a seeded
+shuffle and carries that class's `priority`, `slo_ttft_ms` and `slo_itl_ms` in its body.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tokenmill.bench.datasets import BenchRequest
-from tokenmill.bench.metrics import RequestResult
+from tokenmill.bench.metrics import RequestClass, RequestResult
 from tokenmill.bench.sse import DONE, SSEParser
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -51,6 +52,31 @@ def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0,
     return times
 
 
+CLASS_STREAM = 1  # the class draw's own random stream, so it does not echo the arrival gaps of the same seed
+
+
+def draw_classes(n: int, shares: Sequence[float], seed: int = 0) -> list[int]:
+    """The class index of each of `n` requests: counts follow the shares as closely as whole requests allow
+    (largest remainders), in a seeded random order, so small runs get the mix asked for and reruns the same one."""
+    if not shares or any(not (s > 0 and math.isfinite(s)) for s in shares):
+        raise ValueError(f"shares must be positive and finite, got {list(shares)}")
+    total = float(sum(shares))
+    quotas = [n * s / total for s in shares]
+    counts = [math.floor(q) for q in quotas]
+    by_remainder = sorted(range(len(shares)), key=lambda i: (counts[i] - quotas[i], i))
+    for i in by_remainder[:n - sum(counts)]:
+        counts[i] += 1
+    labels = np.repeat(np.arange(len(shares)), counts)
+    return np.random.default_rng((seed, CLASS_STREAM)).permutation(labels).tolist()
+
+
+def class_body(c: RequestClass) -> dict[str, Any]:
+    """What a request of class `c` tells the server: only the fields the class sets (vLLM refuses a nonzero
+    `priority` unless it schedules by priority, so nothing is sent for a class that gives none)."""
+    fields = {"priority": c.priority, "slo_ttft_ms": c.slo_ttft_ms, "slo_itl_ms": c.slo_tpot_ms}
+    return {k: v for k, v in fields.items() if v is not None}
+
+
 @dataclass
 class LoadConfig:
     """Where and how to send the workload."""
@@ -69,8 +95,9 @@ class LoadConfig:
     progress: bool = True
 
 
-def request_body(cfg: LoadConfig, req: BenchRequest, max_tokens: int | None = None) -> dict[str, Any]:
-    """The JSON body of one streamed request."""
+def request_body(cfg: LoadConfig, req: BenchRequest, max_tokens: int | None = None,
+                 extra_body: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON body of one streamed request; `extra_body` (this request's own fields) goes over cfg.extra_body."""
     body: dict[str, Any] = {"model": cfg.model, "max_tokens": max_tokens or req.output_len, "temperature": 0.0,
                             "stream": True, "stream_options": {"include_usage": True}}
     if cfg.endpoint == "chat":
@@ -80,6 +107,7 @@ def request_body(cfg: LoadConfig, req: BenchRequest, max_tokens: int | None = No
     if cfg.ignore_eos:
         body["ignore_eos"] = True
     body.update(cfg.extra_body)
+    body.update(extra_body or {})
     return body
 
 
@@ -148,14 +176,15 @@ class StreamRecorder:
 
 
 async def send_request(client: httpx.AsyncClient, cfg: LoadConfig, req: BenchRequest, t0: float,
-                       max_tokens: int | None = None) -> RequestResult:
+                       max_tokens: int | None = None, extra_body: dict[str, Any] | None = None) -> RequestResult:
     """Stream one request and time its chunks; never raises (failures come back as unsuccessful results)."""
     sent_at = time.perf_counter()
     rec = StreamRecorder(cfg.endpoint, req.prompt_len, sent_at)
     rec.result.start_time = sent_at - t0
     parser = SSEParser()
+    request_json = request_body(cfg, req, max_tokens, extra_body)
     try:
-        async with client.stream("POST", ENDPOINTS[cfg.endpoint], json=request_body(cfg, req, max_tokens)) as resp:
+        async with client.stream("POST", ENDPOINTS[cfg.endpoint], json=request_json) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread()).decode(errors="replace")
                 rec.result.error = f"HTTP {resp.status_code}: {body[:300]}"
@@ -183,28 +212,32 @@ def make_client(cfg: LoadConfig) -> httpx.AsyncClient:
                              timeout=httpx.Timeout(cfg.timeout_s, connect=30.0))
 
 
-async def run_load(cfg: LoadConfig, requests: Sequence[BenchRequest]) -> tuple[list[RequestResult], float]:
+async def run_load(cfg: LoadConfig, requests: Sequence[BenchRequest],
+                   extra_bodies: Sequence[dict[str, Any]] | None = None) -> tuple[list[RequestResult], float]:
     """Send every request at its arrival time; returns the results (in request order) and the duration
-    from the start of sending to the last response."""
+    from the start of sending to the last response. `extra_bodies[i]`, if given, goes into request i's body."""
+    if extra_bodies is not None and len(extra_bodies) != len(requests):
+        raise ValueError(f"{len(extra_bodies)} extra bodies for {len(requests)} requests")
+    bodies = extra_bodies if extra_bodies is not None else [None] * len(requests)
     times = arrival_times(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
     slots = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not cfg.progress, leave=False)
 
     async with make_client(cfg) as client:
-        async def one(req: BenchRequest, at: float) -> RequestResult:
+        async def one(req: BenchRequest, at: float, extra: dict[str, Any] | None) -> RequestResult:
             delay = t0 + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             if slots is None:
-                result = await send_request(client, cfg, req, t0)
+                result = await send_request(client, cfg, req, t0, extra_body=extra)
             else:
                 async with slots:
-                    result = await send_request(client, cfg, req, t0)
+                    result = await send_request(client, cfg, req, t0, extra_body=extra)
             bar.update(1)
             return result
 
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(one(r, float(t)) for r, t in zip(requests, times)))
+        results = await asyncio.gather(*(one(r, float(t), b) for r, t, b in zip(requests, times, bodies)))
         duration = time.perf_counter() - t0
     bar.close()
     return list(results), duration

@@ -13,6 +13,8 @@ results published for vLLM and with runs of its own benchmark against the same s
 - Throughputs: totals over successful requests divided by the whole benchmark's duration.
 - Goodput: successful requests meeting every SLO given (a TPOT of 0 for one-token requests), per second.
 - Failed requests count only in `failed`: no latency, no tokens.
+- Per request class (`--request-class`): the same definitions over that class's requests, divided by the whole
+  benchmark's duration (so class goodputs add up to a mixed load's total), each class against its own SLOs.
 """
 
 from __future__ import annotations
@@ -148,6 +150,90 @@ def calculate_metrics(
         e2el_ms=LatencyStats.of([r.latency for r, _ in ok], percentiles),
     )
     return metrics, lens
+
+
+@dataclass
+class RequestClass:
+    """One kind of request in a mixed load: its share of the requests, and what it asks the server for.
+
+    `priority` and the SLOs travel in the request body (slo_tpot_ms as the server's `slo_itl_ms`); the SLOs also
+    decide the class's goodput. None means: not sent, and for goodput the run's global SLO applies.
+    """
+
+    name: str
+    share: float = 1.0
+    priority: int | None = None
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+
+
+@dataclass
+class ClassMetrics:
+    """The numbers of one request class; goodput uses `slo_ttft_ms`/`slo_tpot_ms`, the targets it was held to."""
+
+    name: str
+    share: float  # normalised
+    priority: int | None
+    slo_ttft_ms: float | None
+    slo_tpot_ms: float | None
+    requests: int
+    completed: int
+    failed: int
+    output_throughput: float
+    request_throughput: float
+    request_goodput: float | None  # None when neither the class nor the run gave an SLO
+    ttft_ms: LatencyStats
+    tpot_ms: LatencyStats
+
+    def flat(self) -> dict:
+        """JSON-ready, with the vLLM-style latency keys of the run's own record (median_ttft_ms, p99_tpot_ms)."""
+        out = {k: v for k, v in asdict(self).items() if k not in ("name", "ttft_ms", "tpot_ms")}
+        for name in ("ttft", "tpot"):
+            stats: LatencyStats = getattr(self, f"{name}_ms")
+            out[f"mean_{name}_ms"], out[f"median_{name}_ms"] = stats.mean, stats.median
+            for p, value in stats.percentiles.items():
+                out[f"p{p}_{name}_ms"] = value
+        return out
+
+
+def class_metrics(
+    results: Sequence[RequestResult],
+    output_lens: Sequence[int],
+    assignment: Sequence[str],
+    classes: Sequence[RequestClass],
+    duration_s: float,
+    slo_ttft_ms: float | None = None,
+    slo_tpot_ms: float | None = None,
+    percentiles: Sequence[int] = PERCENTILES,
+) -> list[ClassMetrics]:
+    """Per-class metrics, in the order of `classes`; `assignment[i]` names request i's class.
+
+    A class's own SLO wins, metric by metric; where it gives none, the run's global one (if any) applies.
+    """
+    if duration_s <= 0:
+        raise ValueError(f"duration must be positive, got {duration_s}")
+    if not len(results) == len(output_lens) == len(assignment):
+        raise ValueError(f"{len(results)} results, {len(output_lens)} lengths, {len(assignment)} class labels")
+    unknown = set(assignment) - {c.name for c in classes}
+    if unknown:
+        raise ValueError(f"requests of unknown classes: {', '.join(sorted(unknown))}")
+    total_share = sum(c.share for c in classes)
+    out = []
+    for c in classes:
+        mine = [(r, n) for r, n, name in zip(results, output_lens, assignment) if name == c.name]
+        ok = [(r, n) for r, n in mine if r.success]
+        ttft_slo = c.slo_ttft_ms if c.slo_ttft_ms is not None else slo_ttft_ms
+        tpot_slo = c.slo_tpot_ms if c.slo_tpot_ms is not None else slo_tpot_ms
+        goodput = None
+        if ttft_slo is not None or tpot_slo is not None:
+            goodput = sum(1 for r, n in ok if _meets_slo(r, n, ttft_slo, tpot_slo)) / duration_s
+        out.append(ClassMetrics(
+            name=c.name, share=c.share / total_share, priority=c.priority, slo_ttft_ms=ttft_slo,
+            slo_tpot_ms=tpot_slo, requests=len(mine), completed=len(ok), failed=len(mine) - len(ok),
+            output_throughput=sum(n for _, n in ok) / duration_s, request_throughput=len(ok) / duration_s,
+            request_goodput=goodput, ttft_ms=LatencyStats.of([r.ttft for r, _ in ok], percentiles),
+            tpot_ms=LatencyStats.of([t for r, n in ok if (t := tpot(r, n)) is not None], percentiles)))
+    return out
 
 
 def _meets_slo(r: RequestResult, output_len: int, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:

@@ -3,6 +3,8 @@
 A result is one flat JSON object: the run's configuration (label, base_url, model, dataset, request_rate, ...),
 the metrics under vLLM's key names (request_throughput, mean_ttft_ms, p99_itl_ms, ...), and the per-request
 samples (ttfts, itls, e2els, input_lens, output_lens, errors) so plots and later analyses need no re-run.
+A mixed load (`--request-class`) adds "classes" (name -> that class's metrics) and "request_classes" (each
+request's class name).
 Infinite request rates are written as the string "inf" (JSON has no infinity).
 """
 
@@ -14,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench.metrics import PERCENTILES, BenchmarkMetrics, RequestResult
+from tokenmill.bench.metrics import PERCENTILES, BenchmarkMetrics, ClassMetrics, RequestResult
 
 WIDTH = 50
 
@@ -28,7 +30,9 @@ def rate_from_json(value: Any) -> float:
 
 
 def serve_result(config: dict[str, Any], metrics: BenchmarkMetrics, results: Sequence[RequestResult],
-                 output_lens: Sequence[int], expected_lens: Sequence[int] | None = None) -> dict[str, Any]:
+                 output_lens: Sequence[int], expected_lens: Sequence[int] | None = None,
+                 class_stats: Sequence[ClassMetrics] | None = None,
+                 request_classes: Sequence[str] | None = None) -> dict[str, Any]:
     """The JSON-ready record of one `bench serve` run (failed requests keep their slot, with nulls).
 
     `short_outputs` counts successful requests that made fewer tokens than their `max_tokens`: with
@@ -47,6 +51,10 @@ def serve_result(config: dict[str, Any], metrics: BenchmarkMetrics, results: Seq
     out["e2els"] = [r.latency if r.success else None for r in results]
     out["start_times"] = [r.start_time for r in results]
     out["errors"] = [r.error for r in results]
+    if class_stats:
+        out["classes"] = {c.name: c.flat() for c in class_stats}
+    if request_classes is not None:
+        out["request_classes"] = list(request_classes)
     return out
 
 
@@ -117,12 +125,37 @@ def format_serve(result: dict[str, Any], percentiles: Sequence[int] = PERCENTILE
         for p in percentiles:
             if p != 50:
                 lines.append(_line(f"P{p} {short} (ms):", result.get(f"p{p}_{key}_ms")))
+    if result.get("classes"):
+        lines.extend(format_classes(result["classes"]))
     errors = [e for e in result.get("errors", []) if e]
     if errors:
         lines.append("-" * WIDTH)
         lines.append(f"First error ({len(errors)} failed): {errors[0].splitlines()[0][:200]}")
     lines.append("=" * WIDTH)
     return "\n".join(lines)
+
+
+CLASS_COLUMNS = (("prio", 5), ("ok", 5), ("failed", 6), ("TTFT p50", 9), ("TTFT p99", 9), ("TPOT p50", 9),
+                 ("TPOT p99", 9), ("out tok/s", 9), ("goodput", 8), ("SLO ttft/tpot", 14))
+
+
+def format_classes(classes: dict[str, dict[str, Any]]) -> list[str]:
+    """One row per request class (latencies in ms, goodput in req/s against the SLO column's targets)."""
+    def slo(c: dict[str, Any]) -> str:
+        if c.get("slo_ttft_ms") is None and c.get("slo_tpot_ms") is None:
+            return "-"
+        return "/".join("-" if v is None else f"{v:g}" for v in (c.get("slo_ttft_ms"), c.get("slo_tpot_ms")))
+
+    def row(first: str, cells: Sequence[Any]) -> str:
+        return f"{first:<{name_width}} " + " ".join(f"{cell!s:>{w}}" for cell, (_, w) in zip(cells, CLASS_COLUMNS))
+
+    name_width = max([12, *(len(name) for name in classes)])
+    lines = [" Per Request Class ".center(WIDTH, "-"), row("class", [title for title, _ in CLASS_COLUMNS])]
+    keys = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "output_throughput", "request_goodput")
+    for name, c in classes.items():
+        prio = "-" if c.get("priority") is None else c["priority"]
+        lines.append(row(name, [prio, c.get("completed"), c.get("failed"), *(_fmt(c.get(k)) for k in keys), slo(c)]))
+    return lines
 
 
 def format_offline(result: dict[str, Any]) -> str:
