@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import statistics
 import sys
@@ -25,7 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import httpx
 from http_vs_offline import start_tokenmill
+from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill.bench.datasets import load_sharegpt, random_requests
 from tokenmill.bench.loadgen import LoadConfig, RequestResult, first_model, run_load
@@ -48,6 +51,21 @@ def tpot(r: RequestResult) -> float:
     return statistics.mean(r.itl) if r.itl else 0.0
 
 
+def server_view(url: str) -> str:
+    """What the server counted: preemptions by cause, and how its TTFT prediction (admission's) compared with the
+    TTFT it measured (mean error, share of requests that took longer than predicted)."""
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)}
+    causes = {s.labels["cause"]: int(s.value) for s in families["tokenmill_num_preemptions_by_cause"].samples
+              if s.name.endswith("_total")}
+    err = families["tokenmill_ttft_prediction_error_seconds"].samples
+    count = sum(s.value for s in err if s.name.endswith("_count"))
+    total = sum(s.value for s in err if s.name.endswith("_sum"))
+    at_most_0 = sum(s.value for s in err if s.name.endswith("_bucket") and s.labels["le"] == "0.0")
+    late = (count - at_most_0) / count if count else math.nan
+    return (f"preemptions {causes}; TTFT prediction error mean {total / max(count, 1):+.2f} s, "
+            f"{late:.0%} later than predicted")
+
+
 async def mixed_load(url: str, model: str, interactive, batch, rate_i: float, rate_b: float, seed: int):
     common = {"base_url": url, "model": model, "progress": False}
     cfg_i = LoadConfig(**common, request_rate=rate_i, seed=seed, ignore_eos=True,
@@ -65,6 +83,8 @@ def mixed(args) -> None:
     rows = {}
     configs = {"continuous": ["--scheduling-policy", "continuous"], "priority": ["--scheduling-policy", "priority"],
                "priority + --slo-admission reject": ["--scheduling-policy", "priority", "--slo-admission", "reject"]}
+    short = {"continuous": "continuous", "priority": "priority", "reject": "priority + --slo-admission reject"}
+    configs = {short[k]: configs[short[k]] for k in args.policies.split(",")}
     for policy, flags in configs.items():
         runs = []
         for run in range(args.runs):
@@ -72,6 +92,7 @@ def mixed(args) -> None:
             try:
                 runs.append(asyncio.run(mixed_load(url, first_model(url, None), interactive, batch,
                                                    args.rate_interactive, args.rate_batch, args.seed + run)))
+                print(f"{policy} run {run + 1}: {server_view(url)}", file=sys.stderr, flush=True)
             finally:
                 proc.terminate()
                 proc.wait(60)
@@ -107,6 +128,8 @@ def mixed(args) -> None:
         print(f"| {policy} | {m['goodput']:.2f} | {m['met']:.0%} | {m['refused']:.0f} | {m['p50']:.2f} s | "
               f"{m['p99']:.2f} s | "
               f"{m['tpot'] * 1e3:.0f} ms | {m['batch']:.1f} |")
+    if "continuous" not in summary or "priority" not in summary:
+        return
     f, p = summary["continuous"], summary["priority"]
     print(f"\npriority / FCFS: interactive goodput {p['goodput'] / max(f['goodput'], 1e-9):.2f}x, batch throughput "
           f"{p['batch'] / max(f['batch'], 1e-9):.2f}x")
@@ -157,6 +180,9 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals in the mixed part")
     ap.add_argument("--rate-interactive", type=float, default=2.0)
     ap.add_argument("--rate-batch", type=float, default=0.5)
+    ap.add_argument("--policies", default="continuous,priority,reject",
+                    help="mixed part: configurations to run (continuous, priority, reject: priority with "
+                         "--slo-admission reject)")
     ap.add_argument("--gap", type=float, default=6.0, help="seconds between long prompts in the itl part")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()

@@ -19,7 +19,8 @@ CHANGED = {"model": ("m.gguf", "m.gguf"), "tokenizer": ("tok", "tok"), "dtype": 
            "scheduling_policy": ("static", "static"), "batch_invariant": (None, False),
            "quantization": ("int8", "int8"), "max_prefill_tokens_while_decoding": ("64", 64),
            "speculative_config": ('{"num_speculative_tokens": 3}', '{"num_speculative_tokens": 3}'),
-           "priority_aging_s": ("5", 5.0), "slo_ttft_ms": ("800", 800.0), "slo_itl_ms": ("150", 150.0)}
+           "priority_aging_s": ("5", 5.0), "new_token_ratio": ("0.5", 0.5), "slo_ttft_ms": ("800", 800.0),
+           "slo_itl_ms": ("150", 150.0)}
 # where the config holds the field parsed: what it should hold
 PARSED = {"speculative_config": SpeculativeConfig(method="ngram", num_speculative_tokens=3)}
 

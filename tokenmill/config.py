@@ -160,6 +160,10 @@ class SchedulerConfig:
     slo_ttft_ms: float | None = None
     slo_itl_ms: float | None = None
     priority_aging_s: float = 30.0  # policy priority: a waiting request gains one priority level per this long
+    # KV headroom for decode growth (SGLang's new-token ratio): a request is admitted only if the pool keeps room for
+    # this share of the output tokens the running requests may still write; the share decays to a tenth of itself
+    # while nothing is preempted and goes back up when blocks run out. 0: admit whatever fits now.
+    new_token_ratio: float = 0.7
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -180,6 +184,8 @@ class SchedulerConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"{flag} must be a positive number, got {value}")
+        if not 0 <= self.new_token_ratio <= 1:
+            raise ConfigError(f"--new-token-ratio must be in [0, 1], got {self.new_token_ratio}")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

@@ -102,6 +102,10 @@ class EngineArgs:
                                   choices=list(SCHEDULING_POLICIES), config="scheduler", key="policy")
     priority_aging_s: float = _opt(30.0, "policy priority: a waiting request gains one priority level per this many "
                                          "seconds, so none waits forever", type=float, config="scheduler")
+    new_token_ratio: float = _opt(0.7, "KV headroom for decode growth: admit a request only if the KV pool keeps room "
+                                       "for this share of the output tokens running requests may still write "
+                                       "(decays while nothing is preempted, rises when blocks run out; 0: off)",
+                                  type=float, config="scheduler")
     slo_ttft_ms: float | None = _opt(None, "time-to-first-token target of requests that give none "
                                            "(`slo_ttft_ms`): orders admission by slack under policy priority",
                                      type=float, config="scheduler")

@@ -22,6 +22,7 @@ from tokenmill.engine.messages import (
     FinishRequest,
 )
 from tokenmill.engine.scheduler import SchedulerStats
+from tokenmill.engine.step_cost import StepCost
 from tokenmill.errors import (
     ContextTooLong,
     InvalidRequest,
@@ -239,7 +240,7 @@ def test_the_api_process_never_loads_the_model_stack():
 
 
 def fitted_stats(running: int = 0) -> SchedulerStats:
-    return SchedulerStats(running, 0, 0, 0.0, 0, step_cost=(0.010, 0.001))  # 10 ms + 1 ms per token
+    return SchedulerStats(running, 0, 0, 0.0, 0, step_cost=StepCost(0.010, 0.001))  # 10 ms + 1 ms per token
 
 
 @pytest.mark.parametrize("mode", ["reject", "degrade", "off"])
@@ -287,5 +288,27 @@ def test_the_ttft_prediction_uses_the_steps_an_itl_target_allows():
         # 50 ms x 0.8 = 40 ms: 30 tokens a step after the 10 ms fixed cost; 60 tokens -> 2 steps of 40 ms
         assert engine.predicted_ttft(60, itl_ms=50) == pytest.approx(0.080)
         assert engine.predicted_ttft(60) == pytest.approx(0.070)  # no target: one 512-token step
+
+    asyncio.run(main())
+
+
+def test_the_ttft_prediction_counts_aged_waiting_requests_and_prefills_under_way():
+    async def main():
+        from tokenmill.config import SchedulerConfig
+
+        client = FakeClient()
+        engine = AsyncEngine(EngineConfig(scheduler=SchedulerConfig(policy="priority", priority_aging_s=10.0)),
+                             client=client, max_waiting_tokens=10**6)
+        engine.start()
+        engine.attach(asyncio.get_running_loop())
+        stats = fitted_stats()
+        stats.prefill_tokens_by_level = {0: 100, 1: 5000}  # a level-0 prompt's last 100 tokens under way
+        client.play(outputs(stats=stats))
+        await asyncio.sleep(0)
+        # 100 under way + 20 own in one step; the level-1 prefill is not ahead of a level-0 request
+        assert engine.predicted_ttft(20, priority=0) == pytest.approx(0.010 + 0.120)
+        engine.add_requests("old-batch", [(None, [1] * 40)], SamplingParams(max_tokens=1, priority=1),
+                            arrival_time=time.monotonic() - 15.0)  # aged one level: level 0 now
+        assert engine.predicted_ttft(20, priority=0) == pytest.approx(0.010 + 0.160)
 
     asyncio.run(main())

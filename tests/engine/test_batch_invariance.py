@@ -76,7 +76,8 @@ def test_preempted_and_resumed_output_is_bitwise_alone(model_dir, dtype):
     # 3 layers x 2 KV heads x 16 dims x 2 (K, V) x 4 bytes = 768 bytes/token in float32 (384 in bfloat16); 40 blocks
     # of 16 = 640 tokens, far below the ~1,500 the batch needs at once, so requests are preempted and recomputed.
     per_token = 768 if dtype == "float32" else 384
-    llm, outs = run(model_dir, batch_prompts(), dtype, kv_cache_memory=40 * 16 * per_token, max_num_batched_tokens=64)
+    llm, outs = run(model_dir, batch_prompts(), dtype, kv_cache_memory=40 * 16 * per_token, max_num_batched_tokens=64,
+                    new_token_ratio=0)  # no headroom for decode growth: admitted together, then preempted
     assert llm.engine.core.scheduler.num_preemptions > 0
     assert_bitwise(alone(model_dir, dtype), outs)
 

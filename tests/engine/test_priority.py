@@ -5,9 +5,10 @@ import time
 
 import pytest
 
-from tests.engine.test_step_cost import fitted
+from tests.engine.test_step_cost import fitted, fitted_with_pairs
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.policy import ITL_STEP_SHARE
 from tokenmill.engine.scheduler import SampledTokens, Scheduler
 from tokenmill.errors import ConfigError, InvalidRequest
 from tokenmill.request import Request, RequestStatus
@@ -55,7 +56,7 @@ def test_fcfs_does_not_reorder_by_priority():
 
 
 def test_short_of_blocks_the_worst_ranked_request_is_preempted_not_the_latest():
-    sched = scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64)
+    sched = scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64, new_token_ratio=0)
     sched.add_request(request("high-late", prompt_len=8, max_tokens=16, priority=0))
     sched.add_request(request("low-early", prompt_len=8, max_tokens=16, priority=3, waited=0.0))
     preempted = []
@@ -145,7 +146,7 @@ def test_a_finished_request_is_not_ranked():
 
 
 def test_by_rank_an_itl_target_protects_its_decodes_before_lower_priority_ones():
-    sched = scheduler(num_blocks=256)
+    sched = scheduler(num_blocks=1024)
     sched.step_cost = fitted(0.010, 0.001)  # 40 tokens fit in 0.8 x 62.5 ms
     for i in range(30):
         sched.add_request(request(f"batch-{i}", prompt_len=4, max_tokens=50, priority=1))
@@ -156,7 +157,7 @@ def test_by_rank_an_itl_target_protects_its_decodes_before_lower_priority_ones()
     out = step(sched)
     served = [s.request.request_id for s in out.scheduled]
     assert out.num_tokens == 40 and all(f"chat-{i}" in served for i in range(20))  # the rest: 20 batch decodes
-    fcfs = scheduler(num_blocks=256, policy="continuous")
+    fcfs = scheduler(num_blocks=1024, policy="continuous")
     fcfs.step_cost = sched.step_cost
     for i in range(30):
         fcfs.add_request(request(f"batch-{i}", prompt_len=4, max_tokens=50, priority=1))
@@ -165,3 +166,90 @@ def test_by_rank_an_itl_target_protects_its_decodes_before_lower_priority_ones()
     step(fcfs)
     step(fcfs)
     assert step(fcfs).num_tokens == 50  # first come first served protects every decode
+
+
+def test_under_an_itl_target_chunks_deep_into_a_long_prompt_shrink_and_every_step_fits_the_target():
+    sched = scheduler(num_blocks=2048, block_size=16, max_num_batched_tokens=512, policy="continuous")
+    sched.step_cost = fitted_with_pairs(0.010, 2e-4, 1e-7)
+    cost, target = sched.step_cost.fit, 0.100
+    for i in range(4):
+        sched.add_request(request(f"d{i}", prompt_len=4, max_tokens=400, itl=target))
+    step(sched)
+    sched.add_request(request("long", prompt_len=4000, max_tokens=2))
+    long_chunks = []
+    while any(r.request_id == "long" and r.num_computed_tokens < 4000 for r in sched.running + list(sched.waiting)):
+        out = sched.schedule()
+        assert cost.seconds(out.num_tokens, out.num_attention_pairs) <= target * ITL_STEP_SHARE + 1e-9
+        long_chunks += [s.num_new_tokens for s in out.scheduled if s.request.request_id == "long"]
+        assert sum(1 for s in out.scheduled if s.request.request_id.startswith("d")) == 4  # no decode waits
+        sched.update(out, {s.request.request_id: SampledTokens([7]) for s in out.scheduled if s.samples})
+    assert sum(long_chunks) == 4000 and long_chunks[-2] < long_chunks[0]  # deeper chunks cost more per token
+
+
+def test_an_earlier_arrival_at_the_same_level_does_not_preempt():
+    sched = scheduler(max_num_seqs=1, priority_aging_s=10.0)
+    sched.add_request(request("running", priority=0, max_tokens=20))
+    step(sched)
+    sched.add_request(request("aged", priority=1, waited=15.0))  # level 0 now, and earlier: ranks better
+    out = step(sched)
+    assert out.preempted == [] and [s.request.request_id for s in out.scheduled] == ["running"]
+    sched.add_request(request("older", priority=1, waited=25.0))  # level -1: a better level displaces
+    out = step(sched)
+    assert [r.request_id for r in out.preempted] == ["running"]
+
+
+def test_admission_serves_targets_it_can_still_meet_then_lost_ones_then_none():
+    sched = scheduler(max_num_seqs=1)
+    sched.add_request(request("none"))
+    sched.add_request(request("lost", ttft=0.5, waited=2.0))  # its target passed 1.5 s ago
+    sched.add_request(request("relaxed", ttft=20.0))
+    sched.add_request(request("tight", ttft=1.0))
+    order = [s.request.request_id for _ in range(4) for s in run_to_end_of_one(sched)]
+    assert order == ["tight", "relaxed", "lost", "none"]
+
+
+def run_to_end_of_one(sched: Scheduler):
+    """Steps until the running request ends; returns the first step's scheduled chunks."""
+    first = step(sched).scheduled
+    while sched.running:
+        step(sched)
+    return first
+
+
+def test_kv_headroom_holds_back_admission_until_decode_growth_fits():
+    sched = scheduler(num_blocks=32, block_size=4, policy="continuous")  # 128 tokens
+    sched.add_request(request("a", prompt_len=8, max_tokens=100))  # may write 100 more tokens: 70 expected
+    step(sched)
+    sched.add_request(request("b", prompt_len=8, max_tokens=40))  # 8 + 28 expected; 128 - 8 - 70 = 50 free
+    assert [s.request.request_id for s in step(sched).scheduled] == ["a", "b"]
+    sched.add_request(request("c", prompt_len=8, max_tokens=40))  # would leave the pool short of a's and b's growth
+    assert [s.request.request_id for s in step(sched).scheduled] == ["a", "b"]
+    no_headroom = scheduler(num_blocks=32, block_size=4, policy="continuous", new_token_ratio=0)
+    for rid, max_tokens in (("a", 100), ("b", 40), ("c", 40)):
+        no_headroom.add_request(request(rid, prompt_len=8, max_tokens=max_tokens))
+    assert len(step(no_headroom).scheduled) == 3  # admitted now, to be preempted later
+
+
+def test_the_new_token_ratio_decays_while_nothing_is_preempted_and_rises_when_blocks_run_out():
+    sched = scheduler(num_blocks=256, block_size=16, policy="continuous", new_token_ratio=0.7)
+    assert sched.new_token_ratio == 0.7
+    sched.add_request(request("a", prompt_len=4, max_tokens=4000))  # does not end here
+    for _ in range(700):
+        step(sched)
+    assert sched.new_token_ratio == pytest.approx(0.1)  # the floor: a seventh
+    sched.new_token_ratio = 0.1
+    sched._preempt(sched.running[0], "blocks")
+    assert sched.new_token_ratio == pytest.approx(0.7)
+
+
+def test_fewer_preemptions_with_headroom_on_a_load_that_outgrows_the_pool():
+    counts = {}
+    for ratio in (0.0, 0.7):
+        sched = scheduler(num_blocks=64, block_size=4, policy="continuous", new_token_ratio=ratio)
+        for i in range(12):
+            sched.add_request(request(f"r{i}", prompt_len=8, max_tokens=60))
+        while sched.has_unfinished:
+            step(sched)
+        sched.kv.check_idle()
+        counts[ratio] = sched.num_preemptions
+    assert counts[0.7] < counts[0.0]

@@ -1,8 +1,10 @@
 """The step cost model (engine/step_cost.py): fit, tokens within a latency target, predicted TTFT."""
 
+import random
+
 import pytest
 
-from tokenmill.engine.step_cost import StepCostModel, predict_ttft
+from tokenmill.engine.step_cost import StepCost, StepCostModel, attention_pairs, predict_ttft
 
 
 def fitted(fixed: float, per_token: float) -> StepCostModel:
@@ -14,12 +16,39 @@ def fitted(fixed: float, per_token: float) -> StepCostModel:
 
 def test_the_step_cost_fit_recovers_fixed_and_per_token_time():
     assert StepCostModel().fit is None
-    fixed, per_token = fitted(0.010, 0.001).fit
-    assert fixed == pytest.approx(0.010, rel=1e-6) and per_token == pytest.approx(0.001, rel=1e-6)
+    cost = fitted(0.010, 0.001).fit
+    assert cost.fixed == pytest.approx(0.010, rel=1e-6) and cost.per_token == pytest.approx(0.001, rel=1e-6)
+    assert cost.per_pair == 0.0  # no pairs observed: the two-term fit
     model = StepCostModel()
     for _ in range(20):
         model.observe(8, 0.02)  # one token count only: nothing to fit a slope from
     assert model.fit is None and model.break_even_acceptance(8) == 0.0
+
+
+def test_attention_pairs_count_the_causal_square_after_the_context():
+    assert attention_pairs(1, 0) == 1 and attention_pairs(1, 99) == 100  # a decode reads its context and itself
+    assert attention_pairs(4, 0) == 10 and attention_pairs(4, 10) == 50
+    assert attention_pairs(3, 5) + attention_pairs(2, 8) == attention_pairs(5, 5)  # chunks add up
+
+
+def test_the_fit_separates_attention_pairs_from_tokens():
+    rng = random.Random(0)
+    model = StepCostModel()
+    for _ in range(60):  # decodes at growing contexts and prompt chunks at various depths
+        n, ctx = rng.choice([(rng.randint(1, 64), rng.randint(0, 4000)), (rng.randint(100, 500), 0)])
+        pairs = attention_pairs(n, ctx)
+        model.observe(n, 0.008 + 2e-4 * n + 3e-8 * pairs, pairs)
+    cost = model.fit
+    assert cost.fixed == pytest.approx(0.008, rel=1e-3)
+    assert cost.per_token == pytest.approx(2e-4, rel=1e-3) and cost.per_pair == pytest.approx(3e-8, rel=1e-3)
+
+
+def test_pairs_that_only_follow_tokens_fall_back_to_the_token_fit():
+    model = StepCostModel()
+    for n in [1, 8, 64, 5, 300, 16, 2, 40, 128, 3] * 3:  # pairs exactly proportional to tokens: not separable
+        model.observe(n, 0.010 + 0.001 * n, pairs=100 * n)
+    cost = model.fit
+    assert cost.per_pair == 0.0 and cost.per_token == pytest.approx(0.001, rel=1e-6)
 
 
 def test_tokens_within_a_target_follow_the_fit():
@@ -29,8 +58,35 @@ def test_tokens_within_a_target_follow_the_fit():
     assert model.max_tokens_within(0.005) == 0  # below the fixed cost: nothing besides what must run
 
 
-def test_predicted_ttft_counts_steps_of_the_budget_less_the_running_decodes():
-    assert predict_ttft(100, 0, 0, None, 512) is None
-    assert predict_ttft(100, 0, 0, (0.01, 0.001), 512) == pytest.approx(0.110)  # one step of 100 tokens
+def test_a_chunk_deep_into_its_context_fits_fewer_tokens():
+    cost = StepCost(0.0, 1e-4, 1e-7)
+    shallow, deep = cost.max_chunk_within(0.05, 0), cost.max_chunk_within(0.05, 3000)
+    assert deep < shallow
+    for n, ctx in ((shallow, 0), (deep, 3000)):  # the largest that fits: one more would not
+        assert cost.chunk_seconds(n, ctx) <= 0.05 < cost.chunk_seconds(n + 1, ctx)
+    assert cost.max_chunk_within(0.0, 0) == 0 and StepCost(0.0, 1e-3).max_chunk_within(0.05, 10**6) == 50
+
+
+def test_predicted_ttft_packs_the_prompts_ahead_into_steps_beside_the_decodes():
+    cost = StepCost(0.01, 0.001)
+    assert predict_ttft(100, [], 0, 0, None, None, 512) is None
+    assert predict_ttft(100, [], 0, 0, cost, None, 512) == pytest.approx(0.110)  # one step of 100 tokens
     # 1,000 tokens ahead + 24 own at 256 prompt tokens a step (512 - 256 decodes): 4 full steps
-    assert predict_ttft(24, 1000, 256, (0.01, 0.001), 512) == pytest.approx(4 * (0.01 + 0.512))
+    assert predict_ttft(24, [1000], 256, 0, cost, None, 512) == pytest.approx(4 * (0.01 + 0.512))
+    # three prompts of 30 ahead share one step with ours
+    assert predict_ttft(10, [30, 30, 30], 0, 0, cost, None, 512) == pytest.approx(0.01 + 0.100)
+    # an ITL target's 40 ms: 30 prompt tokens a step after the fixed cost
+    assert predict_ttft(60, [], 0, 0, cost, 0.040, 512) == pytest.approx(2 * 0.040)
+    # decodes' context makes each step dearer
+    assert predict_ttft(10, [], 4, 4000, StepCost(0.01, 0.001, 1e-6), None, 512) == pytest.approx(
+        0.01 + 0.004 + 0.004 + 0.010 + 55e-6)
+
+
+def fitted_with_pairs(fixed: float, per_token: float, per_pair: float) -> StepCostModel:
+    """A model that has seen steps costing exactly fixed + per_token tokens + per_pair pairs."""
+    rng = random.Random(1)
+    model = StepCostModel()
+    for _ in range(40):
+        n, ctx = rng.randint(1, 400), rng.randint(0, 4000)
+        model.observe(n, fixed + per_token * n + per_pair * attention_pairs(n, ctx), attention_pairs(n, ctx))
+    return model

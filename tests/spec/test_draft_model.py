@@ -73,7 +73,7 @@ def test_chunked_prefill_and_preemption_keep_greedy_output(models):
                                  speculative={"model": models["bad"], "num_speculative_tokens": 3,
                                               "disable_by_batch_size": 1024},
                                  cache=CacheConfig(num_blocks=16, block_size=8),
-                                 scheduler=SchedulerConfig(max_num_batched_tokens=8)))
+                                 scheduler=SchedulerConfig(max_num_batched_tokens=8, new_token_ratio=0)))
     assert run(eng, PROMPTS, params) == reference
     assert eng.core.scheduler.num_preemptions > 0
 

@@ -624,7 +624,8 @@ def test_preemption_while_speculating(tiny_dir, base, kind):
     per_token = base.engine.core.cache_info.kv_bytes_per_token
     proposer = None if kind == "ngram" else ReferenceProposer(refs_of(ref), right=None if kind == "right" else 2)
     # 16 blocks of 8 tokens: each request fits alone (at most ~80 tokens), the six together do not
-    llm = make_llm(tiny_dir, proposer=proposer, block_size=8, kv_cache_memory=16 * 8 * per_token)
+    llm = make_llm(tiny_dir, proposer=proposer, block_size=8, kv_cache_memory=16 * 8 * per_token,
+                   new_token_ratio=0)  # no headroom for decode growth: admitted together, then preempted
     assert llm.engine.core.cache_info.num_blocks == 16
     outs = generate(llm, prompts, greedy_params(48))
     assert tokens(outs) == tokens(ref)
@@ -639,7 +640,7 @@ def test_preemption_with_seeded_sampling_and_prefix_caching_off(tiny_dir, base):
     ref = generate(base, prompts, params)
     per_token = base.engine.core.cache_info.kv_bytes_per_token
     llm = make_llm(tiny_dir, proposer=ReferenceProposer(refs_of(ref)), block_size=8,
-                   kv_cache_memory=16 * 8 * per_token, enable_prefix_caching=False)
+                   kv_cache_memory=16 * 8 * per_token, enable_prefix_caching=False, new_token_ratio=0)
     assert tokens(generate(llm, prompts, params)) == tokens(ref)
     assert llm.engine.core.scheduler.num_preemptions > 0 and stats(llm).acceptance_rate == 1.0
     idle(llm)

@@ -24,7 +24,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.admission import ContextLimits, admit
 from tokenmill.engine.messages import AbortRequests, EngineOutputs, EngineReady
 from tokenmill.engine.output_processor import MetricsObserver, OutputProcessor, RequestState, SampleDelta
-from tokenmill.engine.policy import ITL_STEP_SHARE
+from tokenmill.engine.policy import ITL_STEP_SHARE, aged_level
 from tokenmill.engine.process_client import EngineDeadError, EngineProcessClient
 from tokenmill.engine.scheduler import SchedulerStats
 from tokenmill.engine.step_cost import predict_ttft
@@ -119,8 +119,8 @@ class AsyncEngine:
         self.dead: str | None = None
         self._lock = threading.Lock()  # the processor and the maps below: the event loop and the reader share them
         self._streams: dict[str, tuple[OutputStream, int]] = {}  # request id -> its stream and prompt index
-        # core id -> (its prompt tokens, its priority), until the core first schedules it
-        self._unstarted: dict[str, tuple[int, int]] = {}
+        # core id -> (its prompt tokens, its priority, its arrival time), until the core first schedules it
+        self._unstarted: dict[str, tuple[int, int, float]] = {}
         self._unstarted_tokens = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._last_heartbeat = 0.0
@@ -197,16 +197,19 @@ class AsyncEngine:
 
     def predicted_ttft(self, new_tokens: int, priority: int = 0, itl_ms: float | None = None) -> float | None:
         """Seconds until the first token of a request with `new_tokens` prompt tokens, from the engine's measured
-        step cost, the prompt tokens waiting ahead of it (under policy priority: those of requests ranked no worse)
-        and the running batch, in steps no bigger than an ITL target lets them be (the request's, else the
-        server's); None until the engine has measured its steps."""
-        sc = self.config.scheduler
+        step cost: the prompt tokens ahead of it (waiting, and the rest of prefills under way; under policy
+        priority only those of requests at its level or better, aging counted) and the running decodes, in steps
+        no bigger than an ITL target lets them be (the request's, else the server's); None until the engine has
+        measured its steps."""
+        sc, stats, now = self.config.scheduler, self.stats, time.monotonic()
         by_rank = sc.policy == "priority"
-        ahead = sum(t for t, p in self._unstarted.values() if not by_rank or p <= priority)
-        budget, fit, itl_ms = sc.max_num_batched_tokens, self.stats.step_cost, itl_ms or sc.slo_itl_ms
-        if fit is not None and itl_ms and fit[1] > 0:  # as the scheduler sizes steps (engine/scheduler.py)
-            budget = min(budget, max(int((ITL_STEP_SHARE * itl_ms / 1e3 - fit[0]) / fit[1]), 1))
-        return predict_ttft(new_tokens, ahead, self.stats.num_running, fit, budget)
+        ahead = [t for t, p, arrival in self._unstarted.values()
+                 if not by_rank or aged_level(p, arrival, now, sc.priority_aging_s) <= priority]
+        under_way = sum(t for level, t in stats.prefill_tokens_by_level.items() if not by_rank or level <= priority)
+        itl_ms = itl_ms or sc.slo_itl_ms
+        return predict_ttft(new_tokens, [under_way, *ahead], stats.num_running, stats.running_context_tokens,
+                            stats.step_cost, ITL_STEP_SHARE * itl_ms / 1e3 if itl_ms else None,
+                            sc.max_num_batched_tokens)
 
     def _admit_by_slo(self, params: SamplingParams, predicted: float | None) -> SamplingParams:
         """--slo-admission: a request whose predicted TTFT is past its target is refused now (reject: 429 with a
@@ -261,7 +264,7 @@ class AsyncEngine:
             for i, state in enumerate(states):
                 self._streams[state.request_id] = (stream, i)
             for msg in sequences:
-                self._unstarted[msg.request_id] = (len(msg.prompt_token_ids), params.priority)
+                self._unstarted[msg.request_id] = (len(msg.prompt_token_ids), params.priority, arrival)
                 self._unstarted_tokens += len(msg.prompt_token_ids)
         for msg in sequences:
             self.client.send(msg)

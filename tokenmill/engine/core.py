@@ -144,9 +144,10 @@ class EngineCore:
             if req.request_id in self._unstarted:
                 self._unstarted.discard(req.request_id)
                 started[req.request_id] = (req.first_scheduled_time, req.num_cached_tokens or 0)
+        pairs = sched.num_attention_pairs
         start = time.perf_counter()
         result = self._execute(sched)
-        self.step_cost.observe(sched.num_tokens, time.perf_counter() - start)
+        self.step_cost.observe(sched.num_tokens, time.perf_counter() - start, pairs)
         outputs = []
         for rid, why in result.failed.items():
             log.error("request %s failed: %s", rid, why)

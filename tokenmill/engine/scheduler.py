@@ -25,12 +25,14 @@ back over the rejected ones, whose KV slots the next step overwrites. A draft mo
 positions ahead of the target (`lookahead`), so each allocation makes room for that many more.
 
 Latency targets and priorities (any policy): while requests with an inter-token latency target decode, a step
-carries no more tokens than the measured step cost (engine/step_cost.py) fits within the smallest target, the
-decodes first. The `priority` policy ranks requests by (priority - waited / aging, arrival): running requests are
-served and waiting ones admitted best first (among equals, least TTFT slack first), a request short of blocks
-preempts the worst-ranked one, and the best waiting request preempts worse-ranked running ones when it needs a
-seat or blocks. Ranks only improve with waiting, and one total order decides both ways, so no two requests
-preempt each other back and forth, and aging bounds every wait.
+carries no more than the measured step cost (engine/step_cost.py) fits within the smallest target: the decodes it
+protects are reserved first, and each chunk is costed where it sits in its context. The order of service, of
+admission and of preemption is the policy's (engine/policy.py): under `priority` running requests are served and
+waiting ones admitted best ranked first, a request short of blocks preempts the worst-ranked one, and the best
+waiting request preempts running ones of a worse priority level when it needs a seat or blocks.
+Admission keeps KV headroom for decode growth (SGLang's new-token ratio): a request joins only if the pool keeps
+room for the prompts under way and `new_token_ratio` of the output tokens running requests may still write; the
+ratio decays while nothing is preempted for blocks and goes back up when something is.
 """
 
 from __future__ import annotations
@@ -41,13 +43,13 @@ from dataclasses import dataclass, field
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache import KVCacheManager, PrefixCacheStats
-from tokenmill.engine.policy import latency_budget, rank, ttft_slack
-from tokenmill.engine.step_cost import StepCostModel
+from tokenmill.engine.policy import StepBudget, make_policy, step_budget
+from tokenmill.engine.step_cost import StepCost, StepCostModel, attention_pairs
 from tokenmill.request import Request, RequestStatus
 from tokenmill.spec.stats import SpecDecodeStats
 
-LPM_MAX_QUEUE = 128  # longest waiting queue ranked by cached prefix; longer ones are served first come first
-LPM_MAX_SKIPS = 16  # a waiting request overtaken this many times is tried first
+NEW_TOKEN_RATIO_FLOOR = 1 / 7  # of the configured ratio: where its decay stops (SGLang's 0.7 -> 0.1)
+NEW_TOKEN_RATIO_DECAY_STEPS = 600  # steps from the configured ratio down to the floor
 
 
 @dataclass
@@ -99,6 +101,11 @@ class SchedulerOutput:
     def empty(self) -> bool:
         return not self.scheduled
 
+    @property
+    def num_attention_pairs(self) -> int:
+        """(query, key) pairs the step's attention covers (before `update` advances the requests)."""
+        return sum(attention_pairs(s.num_new_tokens, s.request.num_computed_tokens) for s in self.scheduled)
+
 
 @dataclass
 class SchedulerStats:
@@ -111,7 +118,11 @@ class SchedulerStats:
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     spec_decode: SpecDecodeStats | None = None  # with speculative decoding on
     preemptions_by_cause: dict[str, int] = field(default_factory=dict)  # "blocks" (pool short), "priority"
-    step_cost: tuple[float, float] | None = None  # (fixed s, s per token) of a step, as measured (step_cost.py)
+    step_cost: StepCost | None = None  # what a step costs, as measured (step_cost.py)
+    running_context_tokens: int = 0  # computed tokens of the running requests: their decodes' attention
+    # prompt tokens still to compute of running requests (chunked prefills under way), by priority level now
+    prefill_tokens_by_level: dict[int, int] = field(default_factory=dict)
+    new_token_ratio: float = 0.0  # the KV headroom kept for decode growth now
 
 
 class Scheduler:
@@ -127,6 +138,8 @@ class Scheduler:
         self.spec_stats: SpecDecodeStats | None = None  # counted in `update` when speculation is on
         self.step_cost: StepCostModel | None = None  # measured step times (engine/core.py sets it)
         self.preemptions_by_cause = {"blocks": 0, "priority": 0}
+        self.policy = make_policy(config.policy, config.priority_aging_s)
+        self.new_token_ratio = config.new_token_ratio
         # None: a quarter of the budget (three quarters stay for newcomers; a long prefill keeps at least a quarter
         # while others compete, all of it otherwise), and at least one KV block
         self.long_prefill_threshold = (config.long_prefill_token_threshold
@@ -153,32 +166,33 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
         now = time.monotonic()
-        admitting = self.config.policy != "static"  # continuous batching (first come first served, or by rank)
-        by_rank = self.config.policy == "priority"
-        if admitting:
-            budget = latency_budget(self.running, budget, by_rank, self.config.max_prefill_tokens_while_decoding,
-                                    self.step_cost)
-        threshold = self.long_prefill_threshold if admitting else budget
+        policy = self.policy
+        admitting = policy.admits_while_running  # continuous batching (first come first served, or by rank)
+        tokens = self.config.max_num_batched_tokens
+        threshold = self.long_prefill_threshold if admitting else tokens
         share = threshold  # what running prefills longer than the threshold may take in phase A
         capped: list[ScheduledRequest] = []  # their chunks, grown in phase C
+        self._decay_new_token_ratio()
 
         if not admitting and not self.running:
             self._form_static_batch(now)
-        if by_rank and self.waiting:
+        if policy.ranked and self.waiting:
             self._preempt_for_priority(out, now, threshold)
-        running = sorted(self.running, key=lambda r: self._rank(r, now)) if by_rank else list(self.running)
+        cost = self.step_cost.fit if self.step_cost is not None else None
+        budget = (step_budget(self.running, tokens, policy, self.config.max_prefill_tokens_while_decoding, cost)
+                  if admitting else StepBudget(tokens))
+        running = policy.order_running(self.running, now)
         short_of_blocks = False
         i = 0
-        while i < len(running) and budget > 0:  # phase A
+        while i < len(running) and budget.left:  # phase A
             req = running[i]
-            todo = req.num_tokens_with_spec - req.num_computed_tokens
-            n = min(todo, budget, share) if todo > threshold else min(todo, budget)
+            start = req.num_computed_tokens
+            todo = req.num_tokens_with_spec - start
+            n = budget.fit(req, min(todo, share) if todo > threshold else todo, start)
             while not self.kv.allocate_slots(req, n + self.lookahead):
                 # the latest arrival (or the worst ranked) among those not yet served this step
-                victim = (running.pop() if not by_rank else
-                          running.pop(max(range(i, len(running)), key=lambda j: self._rank(running[j], now))))
+                victim = running.pop(i + policy.victim(running[i:], now))
                 self._preempt(victim, "blocks")
                 out.preempted.append(victim)
                 short_of_blocks = True
@@ -186,91 +200,109 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append(ScheduledRequest(req, n))
+                budget.take(req, n, start)
                 if todo > threshold:
                     share -= n
                     capped.append(out.scheduled[-1])
-                budget -= n
                 i += 1
 
         if not short_of_blocks:
             queue = list(self.waiting)  # before admission, to count who was overtaken
             passed_over = False
             if admitting:  # phase B
-                budget, passed_over = self._admit_waiting(out, budget, now, threshold, capped)
-            budget = self._grow(budget, capped)  # phase C
-            if passed_over and budget > 0 and all(s.samples for s in capped):
+                passed_over = self._admit_waiting(out, budget, now, threshold, capped)
+            self._grow(budget, capped)  # phase C
+            if passed_over and budget.left and all(s.samples for s in capped):
                 self._admit_waiting(out, budget, now, None, capped)
             self._count_skips(queue)
-        out.scheduled = [s for s in out.scheduled if s.num_new_tokens]  # long prefills phase A left for C
+        out.scheduled = [s for s in out.scheduled if s.num_new_tokens]  # chunks phase A left for C, or out of time
         return out
 
-    def _rank(self, request: Request, now: float) -> tuple[int, float]:
-        return rank(request, now, self.config.priority_aging_s)
+    def _decay_new_token_ratio(self) -> None:
+        top = self.config.new_token_ratio
+        step = top * (1 - NEW_TOKEN_RATIO_FLOOR) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio = max(self.new_token_ratio - step, top * NEW_TOKEN_RATIO_FLOOR)
 
     def _preempt_for_priority(self, out: SchedulerOutput, now: float, first_chunk: int) -> None:
-        """The best-ranked waiting request takes the place of worse-ranked running ones, worst first, while it
+        """The best-ranked waiting request takes the place of running ones of a worse level, worst first, while it
         lacks a seat (max_num_seqs) or the blocks of its first chunk."""
-        best = min(self.waiting, key=lambda r: self._rank(r, now))
+        policy = self.policy
+        best = self.waiting[policy.admission_order(self.waiting, now, None, None)[0][0]]
         need = self.kv.blocks_needed(min(best.num_tokens, first_chunk) + self.lookahead)
         while self.running:
             if len(self.running) < self.config.max_num_seqs and self.kv.num_free_blocks >= need:
                 return
-            worst = max(self.running, key=lambda r: self._rank(r, now))
-            if self._rank(worst, now) <= self._rank(best, now):
+            worst = self.running[policy.victim(self.running, now)]
+            if not policy.displaces(best, worst, now):
                 return
             self._preempt(worst, "priority")
             out.preempted.append(worst)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float, threshold: int | None,
-                       capped: list[ScheduledRequest]) -> tuple[int, bool]:
-        """Admit waiting requests while the budget, the sequence limit and the pool allow; return the budget left
-        and whether a long prompt was passed over. A prompt longer than `threshold` (None: no limit) gets a
-        first chunk of `threshold` tokens if it has fewer tokens left than every capped (long) prefill, else it
+    def _expected_growth(self, request: Request) -> int:
+        """KV tokens a request is expected to still need: its prompt's rest, and new_token_ratio of the output
+        tokens it may still write."""
+        return (max(request.num_prompt_tokens - request.num_computed_tokens, 0)
+                + int(self.new_token_ratio * (request.max_tokens - request.num_output_tokens)))
+
+    def _has_headroom(self, request: Request, todo: int, now: float) -> bool:
+        """Whether admitting `request` (`todo` tokens to compute) leaves the pool room for the expected growth of
+        the running requests it could not displace and its own (always, with nothing running or the ratio 0)."""
+        if not self.running or not self.config.new_token_ratio:
+            return True
+        kept = sum(self._expected_growth(r) for r in self.running if not self.policy.displaces(request, r, now))
+        own = todo + int(self.new_token_ratio * (request.max_tokens - request.num_output_tokens))
+        return self.kv.num_free_blocks * self.kv.block_size - kept >= own
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: StepBudget, now: float, threshold: int | None,
+                       capped: list[ScheduledRequest]) -> bool:
+        """Admit waiting requests while the budget, the sequence limit, the pool and its headroom for decode growth
+        allow; return whether a long prompt was passed over. A prompt longer than `threshold` (None: no limit) gets
+        a first chunk of `threshold` tokens if it has fewer tokens left than every capped (long) prefill, else it
         is passed over. A request whose next uncached block a running prefill is computing right now waits a
         step, then shares it instead."""
         prefilling = ([r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
                       if self.kv.prefix_caching else [])
         passed_over = False
-        for _, req in self._admission_order():
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+        cached_len = self.kv.cached_prefix_len if self.kv.prefix_caching else None
+        cost = self.step_cost.fit if self.step_cost is not None else None
+        for _, req in self.policy.admission_order(self.waiting, now, cached_len, cost):
+            if not budget.left or len(self.running) >= self.config.max_num_seqs:
                 break
             match = self.kv.match(req)
             cached = len(match.blocks) * self.kv.block_size if match else 0
             if prefilling and not req.wants_prompt_logprobs and self._computed_by_others(req, cached, prefilling):
                 continue
             todo = req.num_tokens - cached
-            n = min(todo, budget)
             long = threshold is not None and todo > threshold
-            if long:
-                if any(todo >= s.num_left for s in capped):  # its turn comes after theirs
-                    passed_over = True
-                    continue
-                n = min(n, threshold)
-            if not self.kv.admit(req, match, n, self.lookahead):
+            if long and any(todo >= s.num_left for s in capped):  # its turn comes after theirs
+                passed_over = True
+                continue
+            n = budget.fit(req, min(todo, threshold) if long else todo, cached)
+            if n <= 0 or not self._has_headroom(req, todo, now) or not self.kv.admit(req, match, n, self.lookahead):
                 break
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             req.first_scheduled_time = req.first_scheduled_time or now
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
-            budget -= n
+            budget.take(req, n, cached)
             if long:
                 capped.append(out.scheduled[-1])
             if self.kv.prefix_caching and req.num_tokens - req.num_computed_tokens > 1:
                 prefilling.append(req)
-        return budget, passed_over
+        return passed_over
 
-    def _grow(self, budget: int, capped: list[ScheduledRequest]) -> int:
+    def _grow(self, budget: StepBudget, capped: list[ScheduledRequest]) -> None:
         """Phase C: give the budget left to the capped long prefills, fewest tokens left first; only the extra
         blocks are allocated, and a chunk the pool cannot grow stays as it is (no preemption here)."""
         for s in sorted(capped, key=lambda s: s.num_left):
-            if budget <= 0:
+            if not budget.left:
                 break
-            extra = min(s.num_left, budget)
-            if self.kv.allocate_slots(s.request, s.num_new_tokens + extra + self.lookahead):
+            start = s.request.num_computed_tokens + s.num_new_tokens
+            extra = budget.fit(s.request, s.num_left, start)
+            if extra > 0 and self.kv.allocate_slots(s.request, s.num_new_tokens + extra + self.lookahead):
                 s.num_new_tokens += extra
-                budget -= extra
-        return budget
+                budget.take(s.request, extra, start)
 
     def _count_skips(self, queue: list[Request]) -> None:
         """Each waiting request that someone later in `queue` went before was overtaken once more."""
@@ -278,20 +310,6 @@ class Scheduler:
         for req in queue[:last]:
             if req.status is not RequestStatus.RUNNING:
                 req.num_skips += 1
-
-    def _admission_order(self) -> list[tuple[int, Request]]:
-        """Waiting requests with their queue positions, in the order to try them: first come, first served, or
-        with prefix caching and a short queue, longest cached prefix first (SGLang's LPM) except that a request
-        passed over LPM_MAX_SKIPS times goes first; on a long queue ranking costs more than it saves: FCFS."""
-        order = list(enumerate(self.waiting))
-        if self.config.policy == "priority":
-            now = time.monotonic()
-            return sorted(order, key=lambda e: (self._rank(e[1], now)[0], ttft_slack(e[1], now, self.step_cost),
-                                                e[0]))
-        if not self.kv.prefix_caching or len(order) < 2 or len(order) > LPM_MAX_QUEUE:
-            return order
-        cached = {id(r): self.kv.cached_prefix_len(r) for _, r in order}
-        return sorted(order, key=lambda e: (e[1].num_skips < LPM_MAX_SKIPS, -cached[id(e[1])], e[0]))
 
     def _computed_by_others(self, request: Request, cached_tokens: int, prefilling: list[Request]) -> bool:
         """True when a running prefill is about to compute the block that follows `request`'s cached prefix,
@@ -320,6 +338,8 @@ class Scheduler:
 
     def _preempt(self, request: Request, cause: str = "blocks") -> None:
         self.preemptions_by_cause[cause] += 1
+        if cause == "blocks" and self.config.new_token_ratio:  # admitted too much: keep more headroom again
+            self.new_token_ratio = min(1.0, max(self.config.new_token_ratio, self.new_token_ratio + 0.1))
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
@@ -394,4 +414,18 @@ class Scheduler:
             spec_decode=self.spec_stats.copy() if self.spec_stats is not None else None,
             preemptions_by_cause=dict(self.preemptions_by_cause),
             step_cost=self.step_cost.fit if self.step_cost is not None else None,
+            running_context_tokens=sum(r.num_computed_tokens for r in self.running),
+            prefill_tokens_by_level=self._prefill_tokens_by_level(),
+            new_token_ratio=self.new_token_ratio,
         )
+
+    def _prefill_tokens_by_level(self) -> dict[int, int]:
+        """Prompt tokens running requests still have to compute, by their priority level now (all level 0 unless
+        the policy ranks): what a new request's first token waits behind besides the waiting queue."""
+        now, by_level = time.monotonic(), {}
+        for r in self.running:
+            todo = r.num_prompt_tokens - r.num_computed_tokens
+            if todo > 0:
+                level = self.policy.level(r, now)
+                by_level[level] = by_level.get(level, 0) + todo
+        return by_level

@@ -1,10 +1,15 @@
-"""What a step costs on this machine, now: step time ~ fixed + per_token x tokens, fitted online by exponentially
-weighted least squares from the engine's own measured steps. Plain Python.
+"""What a step costs on this machine, now: step time ~ fixed + per_token x tokens + per_pair x attention pairs,
+fitted online by exponentially weighted least squares from the engine's own measured steps. Plain Python.
 
-The scheduler asks it how many tokens a step may carry within an inter-token latency target; the speculator asks
-it whether a draft token pays for itself. A step of R decode tokens yields R tokens in
-fixed + per_token R seconds; k drafts per request add per_token R k seconds (and a proposer's own time d per draft
-position) and yield accepted tokens at the acceptance rate alpha. Speculating raises tokens/s exactly when
+A chunk of n new tokens after c computed ones attends over n c + n (n + 1) / 2 (query, key) pairs: the linear layers
+cost the same per token wherever it sits, attention costs more the deeper into its context a token is. Without the
+pair term a chunk deep into a 4,000-token prompt was predicted ~40% too cheap (BENCHMARKS.md, SLO section), so steps
+sized to an ITL target overran it.
+
+The scheduler asks it how many tokens a chunk may have within an inter-token latency target; the speculator asks
+whether a draft token pays for itself. A step of R decode tokens yields R tokens in fixed + per_token R seconds
+(pairs aside); k drafts per request add per_token R k seconds (and a proposer's own time d per draft position) and
+yield accepted tokens at the acceptance rate alpha. Speculating raises tokens/s exactly when
     alpha > (per_token R + d) / (fixed + per_token R),
 the share of the step that grows with its tokens. A small batch is mostly fixed cost (weights read once, Python,
 kernel launches), so even poor drafts pay; a compute-bound batch needs drafts that are nearly always right.
@@ -13,61 +18,138 @@ kernel launches), so even poor drafts pay; a compute-bound batch needs drafts th
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 DECAY = 0.98  # each step weighs 2% less than the next: the fit follows the last ~50 steps
 MIN_STEPS = 8
+KILO = 1e-3  # pairs are fitted in thousands, so the normal equations stay well scaled
+
+
+def attention_pairs(num_new: int, num_computed: int) -> int:
+    """(query, key) pairs a chunk of `num_new` tokens after `num_computed` cached ones attends over (causal)."""
+    return num_new * num_computed + num_new * (num_new + 1) // 2
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A fitted step cost: seconds = fixed + per_token tokens + per_pair attention pairs."""
+
+    fixed: float
+    per_token: float
+    per_pair: float = 0.0
+
+    def seconds(self, tokens: int, pairs: int = 0) -> float:
+        return self.fixed + self.per_token * tokens + self.per_pair * pairs
+
+    def chunk_seconds(self, num_new: int, num_computed: int) -> float:
+        """What one request's chunk adds to a step (the fixed cost aside)."""
+        return self.per_token * num_new + self.per_pair * attention_pairs(num_new, num_computed)
+
+    def max_chunk_within(self, seconds: float, num_computed: int) -> int:
+        """The most tokens a chunk starting after `num_computed` tokens can have and add at most `seconds`."""
+        if seconds <= 0:
+            return 0
+        if math.isinf(seconds):
+            return 1 << 30
+        a, b = self.per_pair / 2, self.per_token + self.per_pair * (num_computed + 0.5)
+        if a <= 0:
+            return int(seconds / b + 1e-9) if b > 0 else 1 << 30
+        return max(int((-b + math.sqrt(b * b + 4 * a * seconds)) / (2 * a) + 1e-9), 0)
 
 
 class StepCostModel:
     def __init__(self) -> None:
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        # weighted sums of 1, tokens x, kilo-pairs p, seconds y and their products
+        self._s = dict.fromkeys(("w", "x", "p", "y", "xx", "xp", "pp", "xy", "py"), 0.0)
         self._steps = 0
-        self._fit: tuple[float, float] | None = None
+        self._fit: StepCost | None = None
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        d, x = DECAY, float(num_tokens)
-        self._w, self._x, self._y = d * self._w + 1, d * self._x + x, d * self._y + seconds
-        self._xx, self._xy = d * self._xx + x * x, d * self._xy + x * seconds
+    def observe(self, num_tokens: int, seconds: float, pairs: int = 0) -> None:
+        x, p, y = float(num_tokens), pairs * KILO, seconds
+        new = {"w": 1.0, "x": x, "p": p, "y": y, "xx": x * x, "xp": x * p, "pp": p * p, "xy": x * y, "py": p * y}
+        s = self._s
+        for k, v in new.items():
+            s[k] = DECAY * s[k] + v
         self._steps += 1
-        var = self._w * self._xx - self._x * self._x
-        if self._steps >= MIN_STEPS and var > 1e-6 * self._w * self._xx:  # token counts varied enough to fit
-            per_token = max((self._w * self._xy - self._x * self._y) / var, 0.0)
-            fixed = max((self._y - per_token * self._x) / self._w, 0.0)
-            self._fit = (fixed, per_token)
+        if self._steps >= MIN_STEPS:
+            self._fit = self._fit_with_pairs() or self._fit_tokens_only() or self._fit
+
+    def _fit_tokens_only(self) -> StepCost | None:
+        s = self._s
+        var = s["w"] * s["xx"] - s["x"] * s["x"]
+        if var <= 1e-6 * s["w"] * s["xx"]:  # token counts did not vary enough to fit a slope
+            return None
+        per_token = max((s["w"] * s["xy"] - s["x"] * s["y"]) / var, 0.0)
+        return StepCost(max((s["y"] - per_token * s["x"]) / s["w"], 0.0), per_token)
+
+    def _fit_with_pairs(self) -> StepCost | None:
+        """The three-term fit, when tokens and pairs varied independently enough and every term came out >= 0."""
+        s = self._s
+        a = [[s["w"], s["x"], s["p"]], [s["x"], s["xx"], s["xp"]], [s["p"], s["xp"], s["pp"]]]
+        det = _det3(a)
+        if s["pp"] <= 0 or det <= 1e-6 * s["w"] * s["xx"] * s["pp"]:
+            return None
+        rhs = [s["y"], s["xy"], s["py"]]
+        coef = []
+        for col in range(3):  # Cramer's rule
+            m = [row[:] for row in a]
+            for r in range(3):
+                m[r][col] = rhs[r]
+            coef.append(_det3(m) / det)
+        fixed, per_token, per_kilo_pair = coef
+        if min(coef) < 0:
+            return None
+        return StepCost(fixed, per_token, per_kilo_pair * KILO)
 
     @property
-    def fit(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per token), or None before enough varied steps were seen."""
+    def fit(self) -> StepCost | None:
+        """The fitted cost, or None before enough varied steps were seen."""
         return self._fit
 
     def max_tokens_within(self, seconds: float) -> int | None:
-        """The most tokens a step can carry and still take at most `seconds` (None: unknown, or no per-token cost)."""
-        if self._fit is None or self._fit[1] <= 0:
+        """The most tokens a step can carry and still take at most `seconds`, pairs aside (None: unknown, or no
+        per-token cost)."""
+        if self._fit is None or self._fit.per_token <= 0:
             return None
-        fixed, per_token = self._fit
-        return max(int((seconds - fixed) / per_token + 1e-6), 0)
-
-    def predict_ttft(self, prompt_tokens: int, tokens_ahead: int, running: int, budget: int) -> float | None:
-        """See predict_ttft; None before a fit."""
-        return predict_ttft(prompt_tokens, tokens_ahead, running, self._fit, budget)
+        return max(int((seconds - self._fit.fixed) / self._fit.per_token + 1e-6), 0)
 
     def break_even_acceptance(self, num_tokens: int, proposer_seconds: float = 0.0) -> float:
         """The acceptance rate above which a draft token raises tokens/s in a step of `num_tokens` decode tokens
         (0 while nothing is known: speculate, and learn)."""
         if self._fit is None:
             return 0.0
-        fixed, per_token = self._fit
-        step = fixed + per_token * num_tokens
-        return (per_token * num_tokens + proposer_seconds) / step if step > 0 else 0.0
+        step = self._fit.seconds(num_tokens)
+        return (self._fit.per_token * num_tokens + proposer_seconds) / step if step > 0 else 0.0
 
 
-def predict_ttft(prompt_tokens: int, tokens_ahead: int, running: int, fit: tuple[float, float] | None,
-                 budget: int) -> float | None:
-    """Seconds until a new prompt's first token: the prompt tokens queued ahead of it and its own go through steps
-    of `budget` tokens, of which the running requests' decodes take one each; a step costs what the fit says."""
-    if fit is None:
+def _det3(m: list[list[float]]) -> float:
+    return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+
+
+def predict_ttft(prompt_tokens: int, ahead: list[int], running: int, running_context: int, cost: StepCost | None,
+                 step_seconds: float | None, max_tokens: int) -> float | None:
+    """Seconds until a new prompt's first token. The prompts ahead of it (`ahead`: the tokens each still has to
+    compute) and then its own fill steps in order; each step also carries the running requests' decodes (one token
+    each, `running_context` tokens of context between them) and at most `max_tokens` tokens, or under an ITL target
+    what fits in `step_seconds`. A step costs what the fit says; None before a fit."""
+    if cost is None:
         return None
-    fixed, per_token = fit
-    total = tokens_ahead + prompt_tokens
-    steps = math.ceil(total / max(budget - running, 1))
-    return steps * (fixed + per_token * min(budget, total + running))
+    decodes = cost.seconds(running, running_context)
+    room = (max_tokens - running, step_seconds - decodes if step_seconds is not None else math.inf)
+    total, (tokens_left, seconds_left) = 0.0, room
+    fresh = True  # the current step carries nothing besides the decodes yet
+    for todo in [*ahead, prompt_tokens]:
+        done = 0
+        while done < todo:
+            n = min(todo - done, tokens_left, cost.max_chunk_within(seconds_left, done))
+            if n <= 0 and fresh:
+                n = 1  # a step always moves the queue
+            if n <= 0:  # this step is full: the next one
+                total += decodes
+                (tokens_left, seconds_left), fresh = room, True
+                continue
+            chunk = cost.chunk_seconds(n, done)
+            total += chunk
+            tokens_left, seconds_left, fresh, done = tokens_left - n, seconds_left - chunk, False, done + n
+    return total + decodes  # the step that computes the prompt's last chunk
