@@ -90,3 +90,16 @@ def fitted_with_pairs(fixed: float, per_token: float, per_pair: float) -> StepCo
         n, ctx = rng.randint(1, 400), rng.randint(0, 4000)
         model.observe(n, fixed + per_token * n + per_pair * attention_pairs(n, ctx), attention_pairs(n, ctx))
     return model
+
+
+def test_the_overrun_is_how_much_longer_than_the_fit_recent_sized_steps_took():
+    model = fitted(0.010, 0.001)
+    assert model.fit.overrun == 1.0  # steps took exactly what the fit says
+    rng = random.Random(2)
+    for _ in range(200):  # a quarter of the sized steps take 1.5x their cost, the rest 0.95x: the fit follows the bulk
+        n = rng.randint(20, 300)
+        model.observe(n, (0.010 + 0.001 * n) * (1.5 if rng.random() < 0.25 else 0.95))
+    assert 1.2 < model.fit.overrun <= 1.6
+    for _ in range(200):
+        model.observe(1, 0.0101)  # steps of the fixed cost alone do not count
+    assert model.fit.overrun > 1.2

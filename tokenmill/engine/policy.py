@@ -181,7 +181,8 @@ def step_budget(running: list[Request], tokens: int, policy: FcfsPolicy, prefill
                 cost: StepCost | None) -> StepBudget:
     """The step's budget under the caps that keep decodes' inter-token latency: a fixed number of prompt tokens
     besides them (--max-prefill-tokens-while-decoding), and the measured step cost within ITL_STEP_SHARE of the
-    smallest ITL target of the requests decoding. The decodes it protects (policy.protects) always fit."""
+    smallest ITL target of the requests decoding, less the cost's recent overrun. The decodes it protects
+    (policy.protects) always fit."""
     decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
     if not decoding:
         return StepBudget(tokens)
@@ -190,5 +191,6 @@ def step_budget(running: list[Request], tokens: int, policy: FcfsPolicy, prefill
     target = min((r.itl_target for r in decoding if r.itl_target), default=None)
     if target is None or cost is None:
         return StepBudget(tokens)
-    return StepBudget(tokens, target * ITL_STEP_SHARE, cost, [r for r in decoding if policy.protects(r)])
+    return StepBudget(tokens, target * ITL_STEP_SHARE / cost.overrun, cost,
+                      [r for r in decoding if policy.protects(r)])
 

@@ -18,11 +18,14 @@ kernel launches), so even poor drafts pay; a compute-bound batch needs drafts th
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, replace
 
 DECAY = 0.98  # each step weighs 2% less than the next: the fit follows the last ~50 steps
 MIN_STEPS = 8
 KILO = 1e-3  # pairs are fitted in thousands, so the normal equations stay well scaled
+OVERRUN_WINDOW = 128  # the last this many sized steps calibrate the overrun
+OVERRUN_QUANTILE = 0.9
 
 
 def attention_pairs(num_new: int, num_computed: int) -> int:
@@ -32,11 +35,15 @@ def attention_pairs(num_new: int, num_computed: int) -> int:
 
 @dataclass(frozen=True)
 class StepCost:
-    """A fitted step cost: seconds = fixed + per_token tokens + per_pair attention pairs."""
+    """A fitted step cost: seconds = fixed + per_token tokens + per_pair attention pairs. `overrun` is how much
+    longer than that a sized step took at the OVERRUN_QUANTILE of recent ones (>= 1): steps vary around the fit
+    (measured: actual / predicted p90 1.2 on steps mixing decodes with a long prompt's chunks), so a step sized to
+    stay within a latency target divides the target by it."""
 
     fixed: float
     per_token: float
     per_pair: float = 0.0
+    overrun: float = 1.0
 
     def seconds(self, tokens: int, pairs: int = 0) -> float:
         return self.fixed + self.per_token * tokens + self.per_pair * pairs
@@ -63,8 +70,13 @@ class StepCostModel:
         self._s = dict.fromkeys(("w", "x", "p", "y", "xx", "xp", "pp", "xy", "py"), 0.0)
         self._steps = 0
         self._fit: StepCost | None = None
+        self._ratios: deque[float] = deque(maxlen=OVERRUN_WINDOW)  # actual / predicted of recent sized steps
 
     def observe(self, num_tokens: int, seconds: float, pairs: int = 0) -> None:
+        if self._fit is not None:
+            predicted = self._fit.seconds(num_tokens, pairs)
+            if predicted > 2 * self._fit.fixed:  # a step whose size mattered, not one of the fixed cost alone
+                self._ratios.append(seconds / predicted)
         x, p, y = float(num_tokens), pairs * KILO, seconds
         new = {"w": 1.0, "x": x, "p": p, "y": y, "xx": x * x, "xp": x * p, "pp": p * p, "xy": x * y, "py": p * y}
         s = self._s
@@ -72,7 +84,14 @@ class StepCostModel:
             s[k] = DECAY * s[k] + v
         self._steps += 1
         if self._steps >= MIN_STEPS:
-            self._fit = self._fit_with_pairs() or self._fit_tokens_only() or self._fit
+            fit = self._fit_with_pairs() or self._fit_tokens_only() or self._fit
+            self._fit = replace(fit, overrun=self._overrun()) if fit is not None else None
+
+    def _overrun(self) -> float:
+        if len(self._ratios) < 16:
+            return 1.0
+        ratios = sorted(self._ratios)
+        return max(1.0, ratios[int(OVERRUN_QUANTILE * (len(ratios) - 1))])
 
     def _fit_tokens_only(self) -> StepCost | None:
         s = self._s
