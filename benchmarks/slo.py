@@ -62,8 +62,8 @@ def server_view(url: str) -> str:
     total = sum(s.value for s in err if s.name.endswith("_sum"))
     at_most_0 = sum(s.value for s in err if s.name.endswith("_bucket") and s.labels["le"] == "0.0")
     late = (count - at_most_0) / count if count else math.nan
-    return (f"preemptions {causes}; TTFT prediction error mean {total / max(count, 1):+.2f} s, "
-            f"{late:.0%} later than predicted")
+    return (f"preemptions {causes}; TTFT prediction error (actual - predicted) mean {total / max(count, 1) * 1e3:+.0f} ms"
+            f", {late:.0%} later than predicted")
 
 
 async def mixed_load(url: str, model: str, interactive, batch, rate_i: float, rate_b: float, seed: int):

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from tokenmill.errors import InvalidRequest
+from tokenmill.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_N = 64
@@ -40,6 +41,8 @@ class SamplingParams:
     priority: int = 0
     slo_ttft_ms: float | None = None  # time to first token target
     slo_itl_ms: float | None = None  # inter-token latency target
+    # the output follows a JSON schema, regex, choice or grammar (structured/params.py); a dict of its fields works
+    structured_outputs: StructuredOutputsParams | dict | None = None
     stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -79,6 +82,10 @@ class SamplingParams:
             if value is not None:
                 self._check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
                             and value > 0, name, "must be a positive number of milliseconds")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        self._check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+                    "structured_outputs", "must be StructuredOutputsParams or a dict of its fields")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self._check(all(isinstance(s, str) and s for s in stops), "stop", "must be non-empty strings")
         self.stop_list = stops

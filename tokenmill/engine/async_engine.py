@@ -31,11 +31,13 @@ from tokenmill.engine.step_cost import predict_ttft
 from tokenmill.errors import InvalidRequest, ServerOverloaded, TokenmillError
 from tokenmill.model.paths import resolve_model_path
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.backend import GrammarCache
 from tokenmill.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenmill")
 
 HEALTH_STALE_S = 10.0  # a heartbeat older than this (the loop is stuck) makes /health 503
+GRAMMAR_CHECK_TIMEOUT_S = 10.0  # a structured output constraint not checked by then is refused (400)
 SLO_ADMISSION = ("off", "reject", "degrade")  # --slo-admission: what a request predicted to miss its TTFT target gets
 
 
@@ -124,6 +126,7 @@ class AsyncEngine:
         self._unstarted_tokens = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._last_heartbeat = 0.0
+        self.grammars = GrammarCache()  # structured output's constraints, checked once each (no torch here)
 
     @property
     def observer(self) -> MetricsObserver | None:
@@ -236,8 +239,21 @@ class AsyncEngine:
                                  f"prompts or a smaller n", param="prompt")
 
     # ---- requests ----------------------------------------------------------------------------------------------
+    async def check_grammar(self, params: SamplingParams) -> str | None:
+        """The grammar text of a request's structured output constraint, checked off the event loop under a time
+        limit (InvalidRequest naming the field for one that is wrong or too slow); None without one."""
+        spec = params.structured_outputs
+        if spec is None:
+            return None
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(self.grammars.check, spec), GRAMMAR_CHECK_TIMEOUT_S)
+        except TimeoutError:
+            raise InvalidRequest(f"{spec.param}: the constraint did not compile within {GRAMMAR_CHECK_TIMEOUT_S:g} s"
+                                 "; simplify it", param=spec.param) from None
+
     def add_requests(self, request_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
-                     arrival_time: float | None = None, cache_salt: str | None = None) -> OutputStream:
+                     arrival_time: float | None = None, cache_salt: str | None = None,
+                     grammar: str | None = None) -> OutputStream:
         """Queue one request per prompt (each with params.n samples); ids `request_id-i`. Checks everything
         first; raises InvalidRequest / ContextTooLong / ServerOverloaded / EngineDeadError with nothing queued."""
         if self.dead is not None:
@@ -256,7 +272,7 @@ class AsyncEngine:
             states = []
             for i, ((text, ids), mt) in enumerate(zip(prompts, max_tokens)):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                state, msgs = self.processor.add_request(rid, text, ids, params, mt, arrival, cache_salt)
+                state, msgs = self.processor.add_request(rid, text, ids, params, mt, arrival, cache_salt, grammar)
                 state.predicted_ttft = predicted
                 states.append(state)
                 sequences += msgs

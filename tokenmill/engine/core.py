@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from tokenmill.quant.methods import checkpoint_quantization, resolve_quantizatio
 from tokenmill.request import Request, RequestStatus
 from tokenmill.spec.speculator import Speculator, build_speculator
 from tokenmill.spec.stats import SpecDecodeStats
+
+if TYPE_CHECKING:
+    from tokenmill.structured.manager import StructuredOutputs
 
 log = logging.getLogger("tokenmill")
 
@@ -96,22 +100,38 @@ class EngineCore:
             self.scheduler.spec_stats = SpecDecodeStats()
             self.scheduler.lookahead = self.cache_info.reserved_tokens = self.speculator.lookahead
         self._unstarted: set[str] = set()  # added, never scheduled yet: reported in `started` when first scheduled
+        self.structured: StructuredOutputs | None = None  # made at the first constrained request
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, msg: AddRequest) -> None:
         """Queue one sequence; it passed admission (engine/admission.py) at the edge, so it fits."""
         p, sc = msg.params, self.config.scheduler
         ttft, itl = p.slo_ttft_ms or sc.slo_ttft_ms, p.slo_itl_ms or sc.slo_itl_ms
-        self.scheduler.add_request(Request(msg.request_id, msg.prompt_token_ids, p, msg.max_tokens,
-                                           msg.eos_token_ids, arrival_time=msg.arrival_time,
-                                           cache_salt=msg.cache_salt, priority=p.priority,
-                                           ttft_target=ttft / 1e3 if ttft else None,
-                                           itl_target=itl / 1e3 if itl else None))
+        request = Request(msg.request_id, msg.prompt_token_ids, p, msg.max_tokens, msg.eos_token_ids,
+                          arrival_time=msg.arrival_time, cache_salt=msg.cache_salt, priority=p.priority,
+                          ttft_target=ttft / 1e3 if ttft else None, itl_target=itl / 1e3 if itl else None)
+        if p.structured_outputs is not None:  # scheduled once its matcher is built (structured/manager.py)
+            self._structured().submit(request, msg.grammar)
+        else:
+            self.scheduler.add_request(request)
         self._unstarted.add(msg.request_id)
+
+    def _structured(self) -> StructuredOutputs:
+        if self.structured is None:
+            from tokenmill.structured.manager import StructuredOutputs
+            from tokenmill.tokenizer import Tokenizer
+
+            path = self.config.tokenizer or self.model_path
+            self.structured = StructuredOutputs(self.model_config.vocab_size,
+                                                lambda: Tokenizer.load(path).hf_tokenizer)
+            self.runner.structured = self.structured
+        return self.structured
 
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._unstarted.discard(rid)
+            if self.structured is not None:
+                self.structured.discard(rid)
             if self.scheduler.abort(rid) is not None:
                 self._release(rid)
 
@@ -130,14 +150,15 @@ class EngineCore:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or (self.structured is not None and self.structured.num_pending > 0)
 
     # ---- one step ------------------------------------------------------------------------------------------
     def step(self) -> EngineOutputs:
         """Schedule and run one step: the tokens it sampled, and the sequences it scheduled for the first time."""
+        outputs = self._admit_constrained()
         sched = self.scheduler.schedule()
         if sched.empty:
-            return EngineOutputs()
+            return EngineOutputs(outputs)
         started = {}
         for s in sched.scheduled:
             req = s.request
@@ -148,7 +169,6 @@ class EngineCore:
         start = time.perf_counter()
         result = self._execute(sched)
         self.step_cost.observe(sched.num_tokens, time.perf_counter() - start, pairs)
-        outputs = []
         for rid, why in result.failed.items():
             log.error("request %s failed: %s", rid, why)
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
@@ -157,6 +177,8 @@ class EngineCore:
         verified = [(s.request.request_id, s.num_spec_tokens, len(result.sampled[s.request.request_id].token_ids) - 1)
                     for s in sched.scheduled if s.num_spec_tokens and s.request.request_id in result.sampled]
         finished = self.scheduler.update(sched, result.sampled)
+        if self.structured is not None and len(self.structured):
+            finished += self._advance_grammars(sched, result)
         for s in sched.scheduled:
             req = s.request
             prompt_lps = result.prompt_logprobs.get(req.request_id)
@@ -181,9 +203,40 @@ class EngineCore:
             self.speculator.propose(self.scheduler.running)
         return EngineOutputs(outputs, started)
 
+    def _admit_constrained(self) -> list[EngineCoreOutput]:
+        """Constrained requests whose matcher is built join the scheduler; those whose grammar failed end with an
+        error. With nothing else to run, waits a little for a build rather than spin."""
+        if self.structured is None or not self.structured.num_pending:
+            return []
+        ok, failed = self.structured.ready(0.0 if self.scheduler.has_unfinished else 0.005)
+        for request in ok:
+            self.scheduler.add_request(request)
+        for request, why in failed:
+            self._unstarted.discard(request.request_id)
+            log.warning("request %s failed: %s", request.request_id, why)
+        return [EngineCoreOutput(r.request_id, [], None, "error", None, why) for r, why in failed]
+
+    def _advance_grammars(self, sched: SchedulerOutput, result: StepResult) -> list[Request]:
+        """Constrained requests' matchers consume the tokens kept. A grammar that has ended lets only EOS through,
+        which ends the request as usual; with ignore_eos it ends here, on that EOS (as a stop, the EOS's text
+        hidden); a refused token ends it too."""
+        ended = []
+        for s in sched.scheduled:
+            req, got = s.request, result.sampled.get(s.request.request_id)
+            if got is None or req.request_id not in self.structured or req.status.finished:
+                continue
+            state = self.structured.advance(req.request_id, got.token_ids)
+            if state == "error" or (state == "stopped" and got.token_ids[-1:] and
+                                    got.token_ids[-1] in req.eos_token_ids):
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+                ended.append(req)
+        return ended
+
     def _release(self, request_id: str) -> None:
         """A request ended (any way): drop its per-request state outside the scheduler."""
         self.runner.release(request_id)
+        if self.structured is not None:
+            self.structured.release(request_id)
         if self.speculator is not None:
             self.speculator.forget(request_id)
 
@@ -203,5 +256,6 @@ class EngineCore:
 
     def check_idle_invariants(self) -> None:
         """With nothing in flight every block must be free: a leak is a bug."""
-        assert not self.scheduler.has_unfinished and not self._unstarted
+        assert not self.has_unfinished and not self._unstarted
+        assert self.structured is None or not len(self.structured)
         self.kv.check_idle()

@@ -12,6 +12,7 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.errors import InvalidRequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.backend import GrammarCache
 from tokenmill.tokenizer import Tokenizer
 
 
@@ -25,6 +26,7 @@ class LLMEngine:
         self.limits = ContextLimits(self.core.max_model_len, self.core.model_config.vocab_size,
                                     self.core.cache_info.token_capacity)
         self._ids = itertools.count()
+        self.grammars = GrammarCache()  # structured output's constraints, checked once each
 
     @property
     def max_model_len(self) -> int:
@@ -49,7 +51,9 @@ class LLMEngine:
         text, ids = self.tokenize_prompt(prompt)
         salt = validate_cache_salt(prompt.get("cache_salt") if isinstance(prompt, dict) else None)
         max_tokens = admit(ids, params.max_tokens, self.limits)
-        _, sequences = self.processor.add_request(request_id, text, ids, params, max_tokens, cache_salt=salt)
+        grammar = self.grammars.check(params.structured_outputs) if params.structured_outputs is not None else None
+        _, sequences = self.processor.add_request(request_id, text, ids, params, max_tokens, cache_salt=salt,
+                                                  grammar=grammar)
         for msg in sequences:
             self.core.add_request(msg)
 

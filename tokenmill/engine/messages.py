@@ -27,6 +27,7 @@ class AddRequest:
     eos_token_ids: frozenset[int]
     arrival_time: float
     cache_salt: str | None = None
+    grammar: str | None = None  # params.structured_outputs as checked grammar text (structured/backend.py)
 
 
 @dataclass

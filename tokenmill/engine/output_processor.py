@@ -148,8 +148,8 @@ class OutputProcessor:
         return bool(self.requests)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                    max_tokens: int, arrival_time: float | None = None,
-                    cache_salt: str | None = None) -> tuple[RequestState, list[AddRequest]]:
+                    max_tokens: int, arrival_time: float | None = None, cache_salt: str | None = None,
+                    grammar: str | None = None) -> tuple[RequestState, list[AddRequest]]:
         """Track a request that passed admission; returns it and its n sequences for the core (ids `request_id`,
         or `request_id#i` for n > 1; seeded samples get seed + i). The n sequences share the prompt's KV blocks
         through the prefix cache."""
@@ -168,7 +168,7 @@ class OutputProcessor:
             if i > 0 and params.prompt_logprobs is not None:  # computed once, by the first sample
                 sample_params = replace(sample_params, prompt_logprobs=None)
             msgs.append(AddRequest(core_id, prompt_token_ids, sample_params, max_tokens, self.eos_token_ids, now,
-                                   cache_salt))
+                                   cache_salt, grammar))
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop_list,
                                            params.include_stop_str_in_output, params.skip_special_tokens)
             sample = SampleState(i, core_id, detok, logprobs=[] if with_logprobs else None,

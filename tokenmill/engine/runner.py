@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from tokenmill.model.loader import allocate_parameters
 from tokenmill.model.registry import model_class
 from tokenmill.quant.methods import linear_method
 from tokenmill.spec.rejection import rejection_sample
+
+if TYPE_CHECKING:
+    from tokenmill.structured.manager import StructuredOutputs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Prompt logprobs are computed this many rows at a time: the logits of a 2k-token prompt over a 49k vocabulary
@@ -105,6 +109,7 @@ class ModelRunner:
         self.base_seeds: dict[str, int] = {}  # unseeded requests: a base seed drawn from the engine's seed
         # a draft model's distributions q [drafts, V] for the drafts it drew (spec/draft_model.py), by request
         self.draft_probs: dict[str, torch.Tensor] = {}
+        self.structured: StructuredOutputs | None = None  # constrained requests' masks (engine/core.py sets it)
         self._seed_rng = random.Random(seed)
 
     def weight_format(self) -> str:
@@ -171,6 +176,12 @@ class ModelRunner:
         if not sampling:
             return StepResult(prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[self._long(last_rows)])
+        if self.structured is not None and len(self.structured):  # constrained requests: their rows' masks
+            masks = self.structured.bitmask([(s.request.request_id, s.request.spec_token_ids[:s.num_spec_tokens])
+                                             for s in sampling])
+            if masks is not None:
+                logits = logits.float()
+                self.structured.apply(logits, *masks)
         rows = [r for s in sampling for r in self._sampling_rows(s)]
         try:
             results = self.sampler(logits, rows)

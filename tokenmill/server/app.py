@@ -107,8 +107,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         model = check_model(req.model)
         params = req.to_params(info.vocab_size)
         prompts = await encoder.prompts(req.prompts())
+        grammar = await engine.check_grammar(params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = engine.add_requests(request_id, prompts, params, arrival, req.cache_salt)
+        stream = engine.add_requests(request_id, prompts, params, arrival, req.cache_salt, grammar)
         echo = [text if text is not None else tok.decode(ids, skip_special_tokens=False) for text, ids in prompts] \
             if req.echo else None
         writer = CompletionWriter(request_id, model, params.n, req.logprobs, echo, token_text, req.prompt_logprobs)
@@ -127,8 +128,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         model = check_model(req.model)
         params = req.to_params(info.vocab_size)
         text, ids = await encoder.render_chat(req.template_messages(), req.add_generation_prompt)
+        grammar = await engine.check_grammar(params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = engine.add_requests(request_id, [(text, ids)], params, arrival, req.cache_salt)
+        stream = engine.add_requests(request_id, [(text, ids)], params, arrival, req.cache_salt, grammar)
         writer = ChatWriter(request_id, model, params.n, (req.top_logprobs or 0) if req.logprobs else None,
                             token_text, req.prompt_logprobs)
         if req.stream:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tokenmill.errors import InvalidRequest
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
 from tokenmill.server.errors import BadRequest
+from tokenmill.structured.params import StructuredOutputsParams
 
 # Below this a temperature is greedy (as vLLM does): dividing float32 logits by less overflows to inf.
 MIN_TEMPERATURE = 1e-5
@@ -64,6 +65,13 @@ class _Sampling(_Body):
     priority: int = 0  # vLLM's extra: lower runs first under --scheduling-policy priority
     slo_ttft_ms: float | None = None  # tokenmill's extras: this request's latency targets (else the server's)
     slo_itl_ms: float | None = None
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_prompt_logprobs(self) -> None:
         """Checked here, not only in SamplingParams: completions may compute more for echo, hiding a bad value."""
@@ -113,7 +121,27 @@ class _Sampling(_Body):
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             speculate=self.speculate, priority=self.priority, slo_ttft_ms=self.slo_ttft_ms,
-            slo_itl_ms=self.slo_itl_ms)
+            slo_itl_ms=self.slo_itl_ms, structured_outputs=self.structured())
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The one output constraint the body asks for (400 naming the fields when it asks for two)."""
+        given = {name: value for name, value in (
+            ("response_format", _response_format(self.response_format)),
+            ("structured_outputs", self.structured_outputs),
+            ("guided_json", {"json": self.guided_json} if self.guided_json is not None else None),
+            ("guided_regex", {"regex": self.guided_regex} if self.guided_regex is not None else None),
+            ("guided_choice", {"choice": self.guided_choice} if self.guided_choice is not None else None),
+            ("guided_grammar", {"grammar": self.guided_grammar} if self.guided_grammar is not None else None),
+        ) if value is not None}
+        if len(given) > 1:
+            first, second = list(given)[:2]
+            raise InvalidRequest(f"{second}: only one output constraint per request ({first} is given too)",
+                                 param=second)
+        if not given:
+            return None
+        (name, fields), = given.items()
+        param = "response_format.json_schema.schema" if name == "response_format" and "json" in fields else name
+        return StructuredOutputsParams.from_dict(fields, param)
 
     @property
     def include_usage(self) -> bool:
@@ -203,7 +231,6 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
 
@@ -215,8 +242,6 @@ class ChatCompletionRequest(_Sampling):
                 raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         if self.tools:
             raise InvalidRequest("tools are not supported", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidRequest("response_format: only {'type': 'text'} is supported", param="response_format")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         self.check_prompt_logprobs()
@@ -240,6 +265,25 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int] = Field(default_factory=list)
+
+
+def _response_format(fmt: dict[str, Any] | None) -> dict[str, Any] | None:
+    """OpenAI's response_format as structured_outputs fields (None for plain text)."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise InvalidRequest("response_format.json_schema must be an object with a 'schema' (and a 'name')",
+                                 param="response_format.json_schema")
+        return {"json": spec["schema"]}
+    raise InvalidRequest(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                         param="response_format.type")
 
 
 # ---- parsing ----------------------------------------------------------------------------------------------------

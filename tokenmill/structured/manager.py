@@ -1,0 +1,146 @@
+"""The engine's side of structured output: each constrained request's matcher, the bitmask of a step's sampling
+rows, and the matchers' advance on the tokens a step kept. Requests without a constraint cost nothing: a step with
+none of them never builds a mask.
+
+With speculative decoding a request samples 1 + k rows: row j is masked as the grammar stands after the first j
+drafts (the matcher consumes the valid ones, fills, then rolls back). A draft the grammar forbids ends the masked
+rows there: the target's masked token at that row cannot be the forbidden draft, so verification rejects it and
+the rows after it are never used.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tokenmill.structured.backend import GrammarCache, MatcherFactory
+
+log = logging.getLogger(__name__)
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+BUILD_TIMEOUT_S = 10.0  # a matcher not built by then fails its request (llguidance's limits make this rare)
+
+
+class StructuredOutputs:
+    """A constrained request first waits here, outside the scheduler, while a worker thread builds its matcher (the
+    grammar checked by the API process, or here when it came in-process without one); `ready` hands it to the
+    scheduler, or fails it, so a slow grammar never holds a step."""
+
+    def __init__(self, vocab_size: int, load_tokenizer: Callable[[], Any], timeout_s: float = BUILD_TIMEOUT_S):
+        self.vocab_size = vocab_size
+        self.timeout_s = timeout_s
+        self._load_tokenizer = load_tokenizer
+        self._factory: MatcherFactory | None = None
+        self._grammars = GrammarCache()
+        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._pending: dict[str, tuple[Any, cf.Future, float]] = {}  # id -> (request, its matcher, since)
+        self._matchers: dict[str, Any] = {}  # request id -> llguidance.LLMatcher
+
+    # ---- waiting for a matcher -------------------------------------------------------------------------------
+    def submit(self, request: Any, grammar: str | None) -> None:
+        """Build `request`'s matcher off the step loop: from `grammar` text, or its params' constraint."""
+        spec = request.params.structured_outputs
+        self._pending[request.request_id] = (request, self._pool.submit(self._build, spec, grammar),
+                                             time.monotonic())
+
+    def _build(self, spec: Any, grammar: str | None) -> Any:
+        if self._factory is None:
+            self._factory = MatcherFactory(self._load_tokenizer(), self.vocab_size)
+        return self._factory.matcher(grammar if grammar is not None else self._grammars.check(spec))
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def ready(self, wait_s: float = 0.0) -> tuple[list[Any], list[tuple[Any, str]]]:
+        """Requests whose matcher is built (now constrained here: schedule them) and those that failed, with
+        why; waits up to `wait_s` for the first to finish when none has."""
+        if wait_s > 0 and self._pending and not any(f.done() for _, f, _ in self._pending.values()):
+            cf.wait([f for _, f, _ in self._pending.values()], timeout=wait_s, return_when=cf.FIRST_COMPLETED)
+        ok, failed, now = [], [], time.monotonic()
+        for rid, (request, future, since) in list(self._pending.items()):
+            if not future.done():
+                if now - since > self.timeout_s:
+                    del self._pending[rid]
+                    failed.append((request, f"the grammar did not build within {self.timeout_s:g} s"))
+                continue
+            del self._pending[rid]
+            try:
+                self._matchers[rid] = future.result()
+                ok.append(request)
+            except Exception as e:  # noqa: BLE001 - whatever building raised, the request's constraint caused it
+                failed.append((request, f"structured output: {e}"))
+        return ok, failed
+
+    def discard(self, request_id: str) -> bool:
+        """Forget a request (aborted, finished); True if it was still waiting for its matcher."""
+        self._matchers.pop(request_id, None)
+        return self._pending.pop(request_id, None) is not None
+
+    def release(self, request_id: str) -> None:
+        self.discard(request_id)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def bitmask(self, spans: list[tuple[str, list[int]]]) -> tuple[torch.Tensor, list[int]] | None:
+        """The allowed-token bitmask ([rows, vocab / 32] int32, bit set = allowed) of a step's sampling rows and
+        the rows it constrains (None: none is). `spans`: per sampled request in row order, its id and the drafts
+        this step verifies."""
+        if not self._matchers or not any(rid in self._matchers for rid, _ in spans):
+            return None
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.full((sum(1 + len(d) for _, d in spans), words), -1, dtype=torch.int32)
+        rows, row = [], 0
+        for rid, drafts in spans:
+            m = self._matchers.get(rid)
+            if m is not None:
+                valid = m.validate_tokens(drafts) if drafts else 0
+                for j in range(valid + 1):
+                    m.unsafe_compute_mask_ptr(bitmask[row + j].data_ptr(), words * 4)
+                    rows.append(row + j)
+                    if j < valid:
+                        m.consume_token(drafts[j])
+                if valid:
+                    m.rollback(valid)
+            row += 1 + len(drafts)
+        return bitmask, rows
+
+    def advance(self, request_id: str, tokens: list[int]) -> str | None:
+        """Walk the request's matcher over the tokens a step kept: None while its grammar goes on, "stopped" once
+        it has ended (the next mask allows only EOS, so the request ends the usual way), "error" if it refused a
+        token (only allowed tokens are sampled: a bug, not the client's)."""
+        m = self._matchers.get(request_id)
+        if m is None:
+            return None
+        for t in tokens:
+            if not m.consume_token(t):
+                log.warning("request %s: the grammar refused token %d it had allowed (%s); ending the request",
+                            request_id, t, m.get_error())
+                return "error"
+        return "stopped" if m.is_stopped() else None
+
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    @staticmethod
+    def apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        apply_bitmask(logits, bitmask, rows)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """-inf, in place, on the tokens each listed row's bitmask forbids (logits [R, V], float)."""
+    idx = torch.tensor(rows, dtype=torch.long)
+    words = bitmask[idx]
+    allowed = ((words.unsqueeze(-1) >> _SHIFTS) & 1).view(len(rows), -1)[:, :logits.shape[1]].bool()
+    dev_idx = idx.to(logits.device)
+    logits[dev_idx] = logits[dev_idx].masked_fill(~allowed.to(logits.device), float("-inf"))
