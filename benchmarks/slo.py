@@ -58,12 +58,19 @@ def server_view(url: str) -> str:
     causes = {s.labels["cause"]: int(s.value) for s in families["tokenmill_num_preemptions_by_cause"].samples
               if s.name.endswith("_total")}
     err = families["tokenmill_ttft_prediction_error_seconds"].samples
-    count = sum(s.value for s in err if s.name.endswith("_count"))
-    total = sum(s.value for s in err if s.name.endswith("_sum"))
-    at_most_0 = sum(s.value for s in err if s.name.endswith("_bucket") and s.labels["le"] == "0.0")
+    buckets = sorted((float(s.labels["le"]), s.value) for s in err if s.name.endswith("_bucket"))
+    count = buckets[-1][1] if buckets else 0
+    at_most_0 = next((n for le, n in buckets if le == 0.0), 0)
+    # a histogram with negative buckets exposes no _sum: the median's bucket instead
+    lo, median_bucket = -math.inf, "n/a"
+    for le, n in buckets:
+        if count and n >= count / 2:
+            median_bucket = f"({lo:g}, {le:g}] s"
+            break
+        lo = le
     late = (count - at_most_0) / count if count else math.nan
-    return (f"preemptions {causes}; TTFT prediction error (actual - predicted) mean {total / max(count, 1) * 1e3:+.0f} ms"
-            f", {late:.0%} later than predicted")
+    return (f"preemptions {causes}; TTFT prediction error (actual - predicted): median in {median_bucket}, "
+            f"{late:.0%} later than predicted")
 
 
 async def mixed_load(url: str, model: str, interactive, batch, rate_i: float, rate_b: float, seed: int):
