@@ -86,12 +86,20 @@ class Tokenizer:
 
     # -- chat ------------------------------------------------------------------------------------------
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text the model's chat template makes of `messages`."""
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text the model's chat template makes of `messages` (and `tools`, for a template that takes
+        them: `template_takes_tools`)."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template, so chat messages cannot be turned into a "
                              "prompt; send a plain text prompt (the completions API) instead")
-        return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                            tools=tools or None)
+
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list itself (else tools go in the system message)."""
+        return self.has_chat_template and "tools" in (self._hf.chat_template or "")
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered chat; the template writes any BOS itself, so none is added."""

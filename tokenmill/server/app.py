@@ -36,6 +36,7 @@ from tokenmill.server.responses import ChatWriter, CompletionWriter
 from tokenmill.server.settings import ServerSettings
 from tokenmill.server.streaming import collect, sse
 from tokenmill.server.token_text import TokenText
+from tokenmill.server.tools import template_messages
 
 __all__ = ["ServerSettings", "create_app"]
 
@@ -127,12 +128,16 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         req: ChatCompletionRequest = await read(request, ChatCompletionRequest)
         model = check_model(req.model)
         params = req.to_params(info.vocab_size)
-        text, ids = await encoder.render_chat(req.template_messages(), req.add_generation_prompt)
+        tools = req.tool_choice_spec()
+        takes_tools = tok.template_takes_tools
+        messages = template_messages(req.template_messages(), tools, takes_tools)
+        text, ids = await encoder.render_chat(messages, req.add_generation_prompt,
+                                              [t.as_openai() for t in tools.offered] if tools and takes_tools else None)
         grammar = await engine.check_grammar(params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = engine.add_requests(request_id, [(text, ids)], params, arrival, req.cache_salt, grammar)
         writer = ChatWriter(request_id, model, params.n, (req.top_logprobs or 0) if req.logprobs else None,
-                            token_text, req.prompt_logprobs)
+                            token_text, req.prompt_logprobs, tools.offered if tools and tools.parses else None)
         if req.stream:
             return sse(stream, writer.chunks(stream, len(ids) if req.include_usage else None))
         choices = await collect(request, stream, params.n)

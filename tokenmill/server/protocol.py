@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tokenmill.errors import InvalidRequest
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
 from tokenmill.server.errors import BadRequest
+from tokenmill.server.tools import ToolChoice
 from tokenmill.structured.params import StructuredOutputsParams
 
 # Below this a temperature is greedy (as vLLM does): dividing float32 logits by less overflows to inf.
@@ -192,6 +194,7 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (OpenAI's shape)
 
     def to_template(self, index: int) -> dict[str, Any]:
         """{"role", "content": str} for the chat template; list content keeps its text parts, joined by newlines."""
@@ -200,6 +203,9 @@ class ChatMessage(BaseModel):
             raise InvalidRequest(f"{param}.role: unknown role {self.role!r}; expected one of {', '.join(CHAT_ROLES)}",
                                  param=f"{param}.role")
         content = self.content
+        if self.tool_calls is not None and self.role != "assistant":
+            raise InvalidRequest(f"{param}.tool_calls: only assistant messages carry tool calls",
+                                 param=f"{param}.tool_calls")
         if content is None:
             if self.role != "assistant":
                 raise InvalidRequest(f"{param}.content is required for role {self.role!r}", param=f"{param}.content")
@@ -221,6 +227,8 @@ class ChatMessage(BaseModel):
             out["name"] = self.name
         if self.tool_call_id:
             out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [_checked_call(c, f"{param}.tool_calls.{j}") for j, c in enumerate(self.tool_calls)]
         return out
 
 
@@ -233,6 +241,10 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
+
+    def tool_choice_spec(self) -> ToolChoice | None:
+        return ToolChoice.parse(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def to_params(self, vocab_size: int) -> SamplingParams:
         if self.top_logprobs is not None:
@@ -240,12 +252,19 @@ class ChatCompletionRequest(_Sampling):
                 raise InvalidRequest(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]", param="top_logprobs")
             if self.top_logprobs and not self.logprobs:
                 raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
-        if self.tools:
-            raise InvalidRequest("tools are not supported", param="tools")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         self.check_prompt_logprobs()
-        return self.sampling_params(max_tokens, logprobs, vocab_size, self.prompt_logprobs)
+        params = self.sampling_params(max_tokens, logprobs, vocab_size, self.prompt_logprobs)
+        tools = self.tool_choice_spec()
+        calls = tools.constraint() if tools is not None else None
+        if calls is not None:  # tool_choice required or a named function: the output is calls
+            if params.structured_outputs is not None:
+                raise InvalidRequest(f"tool_choice {self.tool_choice!r} constrains the output to tool calls; it "
+                                     f"cannot be combined with {params.structured_outputs.param}",
+                                     param="tool_choice")
+            params = replace(params, structured_outputs=calls)
+        return params
 
     def template_messages(self) -> list[dict[str, Any]]:
         if not self.messages:
@@ -265,6 +284,17 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int] = Field(default_factory=list)
+
+
+def _checked_call(call: Any, where: str) -> dict[str, Any]:
+    """An assistant message's tool call in OpenAI's shape: {"id", "type": "function", "function": {"name",
+    "arguments": JSON text}}."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments", ""), str):
+        raise InvalidRequest(f"{where} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments': "
+                             "JSON text}}}}", param=where)
+    return {"id": call.get("id") or "", "type": "function",
+            "function": {"name": fn["name"], "arguments": fn.get("arguments") or "{}"}}
 
 
 def _response_format(fmt: dict[str, Any] | None) -> dict[str, Any] | None:

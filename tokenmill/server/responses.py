@@ -10,6 +10,7 @@ from tokenmill.engine.async_engine import OutputStream
 from tokenmill.engine.output_processor import RequestState
 from tokenmill.server.streaming import Choice
 from tokenmill.server.token_text import TokenText
+from tokenmill.server.tools import CallStream, Tool, parse_calls
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, stream: OutputStream) -> dict:
@@ -165,10 +166,21 @@ class ChatWriter(_Writer):
     chunk_object = "chat.completion.chunk"
 
     def __init__(self, request_id: str, model: str, n: int, top_logprobs: int | None, token_text: TokenText,
-                 prompt_logprobs: int | None = None):
+                 prompt_logprobs: int | None = None, tools: tuple[Tool, ...] | None = None):
         self.id, self.model, self.n, self.top, self.tt = request_id, model, n, top_logprobs, token_text
         self.prompt_logprobs = prompt_logprobs  # vLLM's `prompt_logprobs` list in each choice (not streamed)
+        self.tools = tools  # offered tools whose calls are parsed out of the text (server/tools.py); None: no parsing
         self.created = int(time.time())
+
+    def _message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """The assistant message of a whole choice, tool calls parsed out, and its finish_reason."""
+        if not self.tools:
+            return {"role": "assistant", "content": text}, finish_reason
+        content, calls = parse_calls(text, self.tools)
+        if not calls:
+            return {"role": "assistant", "content": text}, finish_reason
+        return ({"role": "assistant", "content": content, "tool_calls": calls},
+                "tool_calls" if finish_reason == "stop" else finish_reason)
 
     def _logprobs(self, token_ids: list[int], lps: list[dict[int, float]]) -> dict:
         content = []
@@ -180,10 +192,12 @@ class ChatWriter(_Writer):
         return {"content": content}
 
     def response(self, choices: list[Choice], prompt_tokens: int, stream: OutputStream) -> dict:
-        body = [{"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
-                 "logprobs": self._logprobs(c.token_ids, c.logprobs) if self.top is not None else None,
-                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                for i, c in enumerate(choices)]
+        body = []
+        for i, c in enumerate(choices):
+            message, finish_reason = self._message("".join(c.text), c.finish_reason)
+            body.append({"index": i, "message": message,
+                         "logprobs": self._logprobs(c.token_ids, c.logprobs) if self.top is not None else None,
+                         "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         if self.prompt_logprobs is not None:
             for choice in body:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(stream.requests[0], self.prompt_logprobs, self.tt)
@@ -194,19 +208,35 @@ class ChatWriter(_Writer):
         yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None} for i in range(self.n)])
         completion_tokens = 0
+        calls = {i: CallStream(self.tools) for i in range(self.n)} if self.tools else None
         async for update in stream:
             content, finished = [], []
             for d in update.samples:
                 completion_tokens += len(d.token_ids)
                 lps = self._logprobs(d.token_ids, d.logprobs or []) if self.top is not None and d.token_ids else None
-                if d.text or lps:
-                    content.append({"index": d.index, "delta": {"content": d.text}, "logprobs": lps,
+                deltas = [{"content": d.text}] if d.text else []
+                if calls is not None:  # tool calls split out of the text as their blocks close
+                    deltas = calls[d.index].feed(d.text) + (calls[d.index].finish() if d.finish_reason else [])
+                for j, delta in enumerate(deltas or ([{"content": ""}] if lps else [])):
+                    content.append({"index": d.index, "delta": delta, "logprobs": lps if j == 0 else None,
                                     "finish_reason": None})
                 if d.finish_reason is not None:
+                    called = calls is not None and calls[d.index].num_calls and d.finish_reason == "stop"
+                    reason = "tool_calls" if called else d.finish_reason
                     finished.append({"index": d.index, "delta": {}, "logprobs": None,
-                                     "finish_reason": d.finish_reason, "stop_reason": d.stop_reason})
-            for choices in (content, finished):  # one entry per choice in a chunk: content first, then the end
-                if choices:
-                    yield self._chunk(choices)
+                                     "finish_reason": reason, "stop_reason": d.stop_reason})
+            for choices in (content, finished):  # content first, then the end
+                for chunk in _one_per_choice(choices):
+                    yield self._chunk(chunk)
         if usage_prompt is not None:
             yield self._usage_chunk(usage_prompt, completion_tokens, stream)
+
+
+def _one_per_choice(entries: list[dict]) -> list[list[dict]]:
+    """Choice entries as chunks holding at most one entry per choice, in order (a chunk's choices are distinct)."""
+    chunks: list[list[dict]] = []
+    for entry in entries:
+        if not chunks or any(e["index"] == entry["index"] for e in chunks[-1]):
+            chunks.append([])
+        chunks[-1].append(entry)
+    return chunks
