@@ -253,3 +253,49 @@ def test_fewer_preemptions_with_headroom_on_a_load_that_outgrows_the_pool():
         sched.kv.check_idle()
         counts[ratio] = sched.num_preemptions
     assert counts[0.7] < counts[0.0]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from tests.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("priority"), num_heads=4, num_kv_heads=2)
+
+
+def test_requests_preempted_for_priority_resume_with_unchanged_output(tiny_dir):
+    """Engine level: high-priority requests arriving while low ones run take their seats (preempted by priority),
+    and every request's greedy output is what it is alone."""
+    from tokenmill.config import CacheConfig, EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    prompts = {f"low-{i}": {"prompt_token_ids": list(range(10 + i, 30 + i))} for i in range(3)}
+    prompts |= {f"high-{i}": {"prompt_token_ids": list(range(50 + i, 62 + i))} for i in range(2)}
+
+    def engine(policy: str) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=str(tiny_dir), dtype="float32", num_threads=1,
+                                      cache=CacheConfig(num_blocks=64, block_size=4),
+                                      scheduler=SchedulerConfig(policy=policy, max_num_seqs=2)))
+
+    def run(eng: LLMEngine, names: list[str], later: list[str] = ()) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for name in names:
+            eng.add_request(name, prompts[name], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                                priority=1 if name.startswith("low") else 0))
+        steps = 0
+        while eng.has_unfinished_requests():
+            if steps == 4:
+                for name in later:
+                    eng.add_request(name, prompts[name], SamplingParams(temperature=0, max_tokens=12,
+                                                                        ignore_eos=True, priority=0))
+            for o in eng.step():
+                if o.finished:
+                    out[o.request_id] = o.outputs[0].token_ids
+            steps += 1
+        eng.core.check_idle_invariants()
+        return out
+
+    alone = {name: run(engine("continuous"), [name])[name] for name in prompts}
+    eng = engine("priority")
+    mixed = run(eng, [n for n in prompts if n.startswith("low")], [n for n in prompts if n.startswith("high")])
+    assert eng.core.scheduler.preemptions_by_cause["priority"] > 0
+    assert mixed == alone
