@@ -134,6 +134,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def cmd_router(args: argparse.Namespace) -> int:
+    from tokenmill.router.app import run_router
+    from tokenmill.router.backends import BackendPool
+
+    if not args.backend:
+        print("error: --backend URL is required (repeat it for each replica)", file=sys.stderr)
+        return 2
+    try:
+        for url in args.backend:
+            BackendPool.normalize(url)
+    except ValueError as e:
+        print(f"error: --backend: {e}", file=sys.stderr)
+        return 2
+    return run_router(args.backend, args.policy, args.host, args.port, args.api_key, args.backend_api_key,
+                      args.health_interval, args.max_attempts)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from tokenmill.plan import run_plan
 
@@ -161,6 +178,24 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(p)
     add_sampling_args(p, max_tokens=512)
     p.set_defaults(func=cmd_chat)
+
+    from tokenmill.router.policies import POLICIES
+
+    p = sub.add_parser("router", help="the OpenAI API in front of many replicas: cache-aware, failing over")
+    p.add_argument("--backend", action="append", default=[], metavar="URL",
+                   help="a replica's root URL (repeat for each), e.g. http://10.0.0.2:8000")
+    p.add_argument("--policy", choices=POLICIES, default="prefix",
+                   help="prefix: the replica sent the longest prefix of the prompt (least load when imbalanced); "
+                        "least_load; round_robin (default prefix)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080, help="0: a free port (the ready line says which)")
+    p.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
+                   help="require Authorization: Bearer KEY on /v1/* and /admin/* (default $TOKENMILL_API_KEY)")
+    p.add_argument("--backend-api-key", default=None, help="the key the router sends to the replicas")
+    p.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
+    p.add_argument("--max-attempts", type=int, default=3,
+                   help="replicas a request may be tried on before it fails (only before its response began)")
+    p.set_defaults(func=cmd_router)
 
     from tokenmill.bench.cli import add_bench_parser
 

@@ -1,0 +1,258 @@
+"""`tokenmill router`: the OpenAI API in front of many replicas (tokenmill, vLLM, llama.cpp's server: anything that
+speaks it). Each request goes to the replica the policy picks (router/policies.py); bodies and streams pass through
+byte for byte.
+
+- A replica that cannot be reached, or answers 502/503 (gone, shutting down) or 429 (its queue is full), before
+  the response has begun, is skipped and the request goes to the next one (up to --max-attempts replicas); a
+  replica that fails a request is taken out until its health check passes again.
+- A stream whose replica fails midway ends with an error event and `[DONE]`, never a hang; a client that goes away
+  closes the upstream request, so the replica aborts it and frees its blocks.
+- `--api-key` guards /v1/* and /admin/* (Bearer); `--backend-api-key` is what the router sends to the replicas.
+- /health: 200 while a replica is healthy. /metrics: requests by replica and outcome, retries, replicas' health,
+  load and in-flight counts. /admin/backends: GET lists, POST {"url"} adds, DELETE {"url"} removes, at run time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from tokenmill.router.backends import Backend, BackendPool
+
+log = logging.getLogger("tokenmill.router")
+RETRY_STATUS = (429, 502, 503)
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
+                        status_code=status)
+
+
+def prompt_text(body: bytes) -> str:
+    """The text a request's KV cache would be keyed by, for the prefix policy: the prompt, or the messages as
+    JSON (a shared system prompt is then a shared prefix). '' when there is none to read."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return ""
+    if not isinstance(data, dict):
+        return ""
+    prompt = data.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        return first if isinstance(first, str) else json.dumps(first if isinstance(first, list) else prompt)
+    messages = data.get("messages")
+    return json.dumps(messages, ensure_ascii=False) if isinstance(messages, list) else ""
+
+
+class _PoolCollector:
+    """The replicas' state, read at scrape time."""
+
+    def __init__(self, pool: BackendPool):
+        self.pool = pool
+
+    def collect(self):
+        healthy = GaugeMetricFamily("tokenmill_router_backend_healthy", "1 while the replica is in rotation",
+                                    labels=["backend"])
+        in_flight = GaugeMetricFamily("tokenmill_router_backend_in_flight", "Requests the router has in flight "
+                                      "there", labels=["backend"])
+        load = GaugeMetricFamily("tokenmill_router_backend_load", "In flight plus the replica's own waiting queue",
+                                 labels=["backend"])
+        for b in self.pool.backends.values():
+            healthy.add_metric([b.url], 1.0 if b.healthy else 0.0)
+            in_flight.add_metric([b.url], b.in_flight)
+            load.add_metric([b.url], b.load)
+        yield from (healthy, in_flight, load)
+
+
+def build_router_app(pool: BackendPool, policy: Any, api_key: str | None = None, backend_api_key: str | None = None,
+                     max_attempts: int = 3) -> FastAPI:
+    registry = CollectorRegistry()
+    requests_total = Counter("tokenmill_router_requests", "Requests forwarded, by replica and outcome (ok: the "
+                             "response began; error: unreachable or failed midway; retried: skipped for another)",
+                             ["backend", "outcome"], registry=registry)
+    unrouted = Counter("tokenmill_router_unrouted", "Requests no replica could take (503)", registry=registry)
+    registry.register(_PoolCollector(pool))
+    state: dict[str, httpx.AsyncClient] = {}
+    index = getattr(policy, "index", None)
+    if index is not None:
+        pool.on_removed = index.forget
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        headers = {"Authorization": f"Bearer {backend_api_key}"} if backend_api_key else {}
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        state["client"] = httpx.AsyncClient(headers=headers, limits=limits,
+                                            timeout=httpx.Timeout(None, connect=5.0))
+        pool.start()
+        try:
+            yield
+        finally:
+            await pool.stop()
+            await state["client"].aclose()
+
+    app = FastAPI(title="tokenmill router", lifespan=lifespan)
+
+    def authorized(request: Request) -> bool:
+        return not api_key or request.headers.get("authorization", "") == f"Bearer {api_key}"
+
+    async def relay(upstream: httpx.Response, backend: Backend) -> AsyncIterator[bytes]:
+        sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as e:
+            requests_total.labels(backend.url, "error").inc()
+            pool.mark_failed(backend, f"failed midway: {type(e).__name__}")
+            if sse:
+                error = {"error": {"message": f"the replica serving this stream failed ({type(e).__name__}); "
+                                              "retry the request", "type": "server_error", "param": None,
+                                   "code": None}}
+                yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            backend.in_flight -= 1
+            await upstream.aclose()
+
+    async def forward(request: Request, path: str) -> Response:
+        if not authorized(request):
+            return _error(401, "invalid or missing API key (Authorization: Bearer ...)", "authentication_error")
+        body = await request.body()
+        text = prompt_text(body)
+        headers = {"content-type": request.headers.get("content-type", "application/json")}
+        tried: set[str] = set()
+        last: Response | None = None
+        for _ in range(max_attempts):
+            candidates = pool.healthy(tried)
+            if not candidates:
+                break
+            backend = policy.choose(candidates, text)
+            tried.add(backend.url)
+            backend.in_flight += 1
+            backend.requests += 1
+            client = state["client"]
+            try:
+                upstream = await client.send(client.build_request("POST", backend.url + path, content=body,
+                                                                  headers=headers), stream=True)
+            except httpx.HTTPError as e:
+                backend.in_flight -= 1
+                requests_total.labels(backend.url, "error").inc()
+                pool.mark_failed(backend, f"{type(e).__name__}: {e}")
+                continue
+            if upstream.status_code in RETRY_STATUS:  # not begun: another replica may take it
+                content = await upstream.aread()
+                await upstream.aclose()
+                backend.in_flight -= 1
+                requests_total.labels(backend.url, "retried").inc()
+                if upstream.status_code != 429:
+                    pool.mark_failed(backend, f"HTTP {upstream.status_code}")
+                last = Response(content, upstream.status_code, media_type=upstream.headers.get("content-type"))
+                continue
+            requests_total.labels(backend.url, "ok").inc()
+            passed = {k: v for k, v in upstream.headers.items() if k.lower() in ("content-type", "retry-after")}
+            return StreamingResponse(relay(upstream, backend), status_code=upstream.status_code,
+                                     headers={**passed, "x-tokenmill-backend": backend.url})
+        if last is not None:
+            return last
+        unrouted.inc()
+        return _error(503, "no healthy replica could take the request; retry later", "server_error")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await forward(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await forward(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        if not authorized(request):
+            return _error(401, "invalid or missing API key (Authorization: Bearer ...)", "authentication_error")
+        for backend in pool.healthy():
+            try:
+                resp = await state["client"].get(backend.url + "/v1/models", timeout=10.0)
+            except httpx.HTTPError:
+                continue
+            if resp.status_code == 200:
+                return JSONResponse(resp.json())
+        return _error(503, "no healthy replica answered", "server_error")
+
+    @app.get("/health")
+    async def health():
+        n = len(pool.healthy())
+        return JSONResponse({"healthy_backends": n, "backends": len(pool.backends)}, status_code=200 if n else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
+
+    @app.get("/admin/backends")
+    async def list_backends(request: Request):
+        if not authorized(request):
+            return _error(401, "invalid or missing API key", "authentication_error")
+        return {"backends": [{"url": b.url, "healthy": b.healthy, "in_flight": b.in_flight, "load": b.load,
+                              "requests": b.requests, "errors": b.errors} for b in pool.backends.values()]}
+
+    async def backend_url(request: Request) -> str | JSONResponse:
+        if not authorized(request):
+            return _error(401, "invalid or missing API key", "authentication_error")
+        try:
+            url = (await request.json())["url"]
+            return pool.normalize(url)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            return _error(400, f"the body must be {{\"url\": \"http://host:port\"}}: {e}", param="url")
+
+    @app.post("/admin/backends")
+    async def add_backend(request: Request):
+        url = await backend_url(request)
+        if isinstance(url, JSONResponse):
+            return url
+        pool.add(url)
+        return {"added": url}
+
+    @app.delete("/admin/backends")
+    async def remove_backend(request: Request):
+        url = await backend_url(request)
+        if isinstance(url, JSONResponse):
+            return url
+        if not pool.remove(url):
+            return _error(404, f"no backend {url}", param="url")
+        return {"removed": url}
+
+    return app
+
+
+class RouterServer(uvicorn.Server):
+    """Prints one ready line, with the port it really bound."""
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            port = self.config.port
+            for srv in self.servers:
+                for sock in srv.sockets:
+                    port = sock.getsockname()[1]
+            print(f"tokenmill router at http://{self.config.host}:{port}", flush=True)
+
+
+def run_router(backends: list[str], policy: str, host: str, port: int, api_key: str | None,
+               backend_api_key: str | None, health_interval_s: float, max_attempts: int) -> int:
+    from tokenmill.router.policies import make_policy
+
+    pool = BackendPool(backends, backend_api_key, health_interval_s)
+    app = build_router_app(pool, make_policy(policy), api_key, backend_api_key, max_attempts)
+    server = RouterServer(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+    server.run()
+    return 0

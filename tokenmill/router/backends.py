@@ -1,0 +1,128 @@
+"""The replicas behind the router: their health, their load, and a pool that can change at run time.
+
+A replica is healthy while its `/health` answers 200; HEALTH_FAILURES failed checks in a row, or a request that
+could not reach it, take it out, and one good check puts it back. Load is the router's own count of requests in
+flight there, plus what a tokenmill replica's `/metrics` says is waiting (other servers: in-flight only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+log = logging.getLogger("tokenmill.router")
+
+HEALTH_FAILURES = 2
+
+
+@dataclass
+class Backend:
+    url: str
+    healthy: bool = True
+    in_flight: int = 0
+    waiting: int = 0  # the replica's own queue (tokenmill_num_requests_waiting), when it publishes one
+    kv_usage: float = 0.0
+    failures: int = 0  # failed health checks in a row
+    requests: int = 0
+    errors: int = 0
+    checked_at: float = field(default=0.0)
+
+    @property
+    def load(self) -> int:
+        return self.in_flight + self.waiting
+
+
+class BackendPool:
+    def __init__(self, urls: list[str], api_key: str | None = None, health_interval_s: float = 2.0):
+        self.backends: dict[str, Backend] = {}
+        for url in urls:
+            self.add(url)
+        self.api_key = api_key
+        self.health_interval_s = health_interval_s
+        self._task: asyncio.Task | None = None
+        self.on_removed = None  # callback(url): the prefix index forgets it
+
+    @staticmethod
+    def normalize(url: str) -> str:
+        url = url.strip().rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"a backend is an http(s) URL, got {url!r}")
+        return url
+
+    def add(self, url: str) -> Backend:
+        url = self.normalize(url)
+        return self.backends.setdefault(url, Backend(url))
+
+    def remove(self, url: str) -> bool:
+        url = self.normalize(url)
+        gone = self.backends.pop(url, None) is not None
+        if gone and self.on_removed is not None:
+            self.on_removed(url)
+        return gone
+
+    def healthy(self, exclude: set[str] = frozenset()) -> list[Backend]:
+        return [b for b in self.backends.values() if b.healthy and b.url not in exclude]
+
+    def mark_failed(self, backend: Backend, why: str) -> None:
+        """A request could not reach it: out until a health check passes."""
+        if backend.healthy:
+            log.warning("backend %s taken out: %s", backend.url, why)
+        backend.healthy = False
+        backend.errors += 1
+
+    # ---- health ---------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def _health_loop(self) -> None:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        async with httpx.AsyncClient(timeout=httpx.Timeout(5.0), headers=headers) as client:
+            while True:
+                await asyncio.gather(*(self.check(client, b) for b in list(self.backends.values())))
+                await asyncio.sleep(self.health_interval_s)
+
+    async def check(self, client: httpx.AsyncClient, backend: Backend) -> None:
+        try:
+            ok = (await client.get(backend.url + "/health")).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        backend.checked_at = time.monotonic()
+        if ok:
+            if not backend.healthy:
+                log.warning("backend %s is back", backend.url)
+            backend.healthy, backend.failures = True, 0
+            await self._scrape(client, backend)
+        else:
+            backend.failures += 1
+            if backend.failures >= HEALTH_FAILURES and backend.healthy:
+                log.warning("backend %s taken out: %d failed health checks", backend.url, backend.failures)
+                backend.healthy = False
+
+    @staticmethod
+    async def _scrape(client: httpx.AsyncClient, backend: Backend) -> None:
+        """A tokenmill replica's queue and KV usage from its /metrics (skipped quietly for other servers)."""
+        try:
+            resp = await client.get(backend.url + "/metrics")
+        except httpx.HTTPError:
+            return
+        if resp.status_code != 200:
+            return
+        for line in resp.text.splitlines():
+            if line.startswith(("tokenmill_num_requests_waiting{", "tokenmill_num_requests_waiting ")):
+                backend.waiting = int(float(line.rsplit(" ", 1)[1]))
+            elif line.startswith("tokenmill_kv_cache_usage_ratio"):
+                backend.kv_usage = float(line.rsplit(" ", 1)[1])
