@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 API_KEY = "test-key"
@@ -78,6 +79,17 @@ def start_server(*extra: str, api_key: str | None = API_KEY, timeout: float = 30
         assert time.monotonic() < deadline and proc.poll() is None, server.stderr()
         time.sleep(0.2)
     return server
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

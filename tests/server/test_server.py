@@ -16,23 +16,12 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import API_KEY, start_server
+from tests.server.conftest import start_server
 
 pytestmark = pytest.mark.slow
 
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name three colours."}]
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as c:
-        yield c
 
 
 def metrics(http) -> dict[str, float]:

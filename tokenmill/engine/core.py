@@ -226,8 +226,10 @@ class EngineCore:
             if got is None or req.request_id not in self.structured or req.status.finished:
                 continue
             state = self.structured.advance(req.request_id, got.token_ids)
-            if state == "error" or (state == "stopped" and got.token_ids[-1:] and
-                                    got.token_ids[-1] in req.eos_token_ids):
+            if state == "error":
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
+                ended.append(req)
+            elif state == "stopped" and got.token_ids[-1:] and got.token_ids[-1] in req.eos_token_ids:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
                 ended.append(req)
         return ended

@@ -16,6 +16,7 @@ This module imports torch only for the bitmask tensors (engine side); `grammar_t
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -45,11 +46,15 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
     return llguidance.LLMatcher.grammar_from_lark(_as_lark(spec.grammar))
 
 
+_GBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w-]*\s*::=", re.MULTILINE)
+
+
 def _as_lark(grammar: str) -> str:
-    """EBNF in the GBNF style (`root ::= ...`, as vLLM's and llama.cpp's users write it) or Lark (`start: ...`)."""
+    """EBNF in the GBNF style (rules `name ::= ...`, as vLLM's and llama.cpp's users write it) or Lark (`start: ...`;
+    a `::=` inside a Lark string literal does not make it GBNF)."""
     from llguidance.gbnf_to_lark import gbnf_to_lark
 
-    return gbnf_to_lark(grammar) if "::=" in grammar else grammar
+    return gbnf_to_lark(grammar) if _GBNF_RULE.search(grammar) else grammar
 
 
 class GrammarCache:
@@ -82,8 +87,8 @@ class GrammarCache:
 def _checked(spec: StructuredOutputsParams) -> tuple[str | None, str | None]:
     try:
         grammar = grammar_text(spec)
-    except (ValueError, TypeError) as e:
-        return None, _first_line(str(e))
+    except Exception as e:  # noqa: BLE001 - the converters raise bare Exceptions for the client's grammar
+        return None, _first_line(str(e) or type(e).__name__)
     error = llguidance.LLMatcher.validate_grammar(grammar)
     return (None, _first_line(error)) if error else (grammar, None)
 

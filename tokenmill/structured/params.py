@@ -76,7 +76,30 @@ class StructuredOutputsParams:
         """What the compiled grammar depends on: the compile cache's key."""
         kind = self.kind
         value = getattr(self, kind)
-        return kind, "\x00".join(value) if kind == "choice" else str(value)
+        return kind, json.dumps(list(value)) if kind == "choice" else str(value)
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_DATA_KEYS = ("const", "enum", "default", "examples")  # values, not schemas
+
+
+def close_objects(schema: Any) -> Any:
+    """The schema with every object that names its properties but says nothing of others closed
+    (`additionalProperties: false`), as vLLM's default (xgrammar's strict mode) reads schemas: a small model left
+    free to add keys often never stops adding them (pydantic's schemas leave objects open)."""
+    if isinstance(schema, list):
+        return [close_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):  # names -> schemas: a property may be named anything
+            out[key] = {name: close_objects(s) for name, s in value.items()}
+        else:
+            out[key] = value if key in _DATA_KEYS else close_objects(value)
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _schema_text(schema: Any, param: str) -> str:
@@ -88,7 +111,7 @@ def _schema_text(schema: Any, param: str) -> str:
             raise InvalidRequest(f"{param}: the JSON schema is not valid JSON: {e}", param=param) from None
     if not isinstance(schema, (dict, bool)):
         raise InvalidRequest(f"{param}: a JSON schema must be an object, got {type(schema).__name__}", param=param)
-    text = json.dumps(schema, separators=(",", ":"))  # key order kept: properties are written in it
+    text = json.dumps(close_objects(schema), separators=(",", ":"))  # key order kept: properties are written in it
     if len(text) > MAX_SPEC_CHARS:
         raise InvalidRequest(f"{param}: the JSON schema is longer than {MAX_SPEC_CHARS} characters", param=param)
     return text

@@ -1,0 +1,270 @@
+"""The engine side of structured output (tokenmill/structured/manager.py) on SmolLM2's tokenizer: matchers built
+off the step loop (submit / ready / discard, failures and time-outs), the bitmask of a step's sampling rows (only
+constrained rows, drafts up to the first the grammar forbids, the matcher rolled back), `advance` and
+`apply_bitmask`."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.models.tiny import EOS_ID, SMOLLM2_VOCAB, smollm2_tokenizer
+from tokenmill.structured.manager import StructuredOutputs, apply_bitmask
+from tokenmill.structured.params import StructuredOutputsParams
+
+WORDS = (SMOLLM2_VOCAB + 31) // 32
+ALL = -1  # an int32 word with every bit set
+# digit, letter, digit: each position allows a different set, so a row's mask tells where the grammar stands
+DLD = r"[0-9][a-z][0-9]"
+
+
+def tid(text: str) -> int:
+    """The single token id of `text` in SmolLM2's vocabulary."""
+    ids = smollm2_tokenizer().encode(text, add_special_tokens=False)
+    assert len(ids) == 1, (text, ids)
+    return ids[0]
+
+
+def request(rid: str, **constraint) -> SimpleNamespace:
+    """What the manager reads of a request: its id and params.structured_outputs."""
+    return SimpleNamespace(request_id=rid, params=SimpleNamespace(structured_outputs=StructuredOutputsParams(
+        **constraint)))
+
+
+def allowed(bitmask: torch.Tensor, row: int) -> set[int]:
+    """Token ids whose bit is set in `row`."""
+    words = bitmask[row].to(torch.int64) & 0xFFFFFFFF
+    bits = (words.unsqueeze(-1) >> torch.arange(32)) & 1
+    return set(torch.nonzero(bits.flatten()).flatten().tolist())
+
+
+def ready_all(so: StructuredOutputs, n: int) -> tuple[list, list]:
+    """Wait until n requests left the pending set."""
+    ok, failed = [], []
+    deadline = time.monotonic() + 30
+    while len(ok) + len(failed) < n:
+        assert time.monotonic() < deadline, "matchers not built"
+        a, b = so.ready(0.5)
+        ok += a
+        failed += b
+    return ok, failed
+
+
+@pytest.fixture
+def so():
+    manager = StructuredOutputs(SMOLLM2_VOCAB, smollm2_tokenizer)
+    yield manager
+    manager.close()
+
+
+def constrained(so: StructuredOutputs, *requests: SimpleNamespace) -> None:
+    for r in requests:
+        so.submit(r, None)
+    ok, failed = ready_all(so, len(requests))
+    assert not failed
+    assert {r.request_id for r in ok} == {r.request_id for r in requests}
+
+
+# ---- waiting for a matcher ---------------------------------------------------------------------------------------
+
+
+def test_ready_hands_over_built_matchers(so: StructuredOutputs) -> None:
+    r = request("a", regex=DLD)
+    so.submit(r, None)
+    assert so.num_pending == 1 and "a" not in so and len(so) == 0
+    ok, failed = ready_all(so, 1)
+    assert ok == [r] and not failed
+    assert so.num_pending == 0 and "a" in so and len(so) == 1
+    so.release("a")
+    assert "a" not in so and len(so) == 0
+
+
+def test_a_request_failing_to_build_is_reported(so: StructuredOutputs) -> None:
+    so.submit(request("bad", regex="(ab"), None)  # checked here: it came in-process without grammar text
+    so.submit(request("good", choice=["x"]), None)
+    ok, failed = ready_all(so, 2)
+    assert [r.request_id for r in ok] == ["good"]
+    (r, why), = failed
+    assert r.request_id == "bad"
+    assert why.startswith("structured output: ") and "regex" in why
+    assert "bad" not in so and so.num_pending == 0
+
+
+def test_a_failing_grammar_text_is_reported(so: StructuredOutputs) -> None:
+    so.submit(request("x", regex="a"), "start: nowhere")
+    _, failed = ready_all(so, 1)
+    assert failed[0][0].request_id == "x" and "nowhere" in failed[0][1]
+
+
+def test_discard_of_a_waiting_request_leaves_nothing(so: StructuredOutputs, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = threading.Event()
+    real = StructuredOutputs._build
+
+    def slow(self, spec, grammar):
+        gate.wait(10)
+        return real(self, spec, grammar)
+
+    monkeypatch.setattr(StructuredOutputs, "_build", slow)
+    so.submit(request("gone", regex=DLD), None)
+    assert so.discard("gone") is True
+    assert so.num_pending == 0
+    gate.set()
+    time.sleep(0.2)
+    assert so.ready(0.2) == ([], [])
+    assert "gone" not in so and len(so) == 0
+    assert so.discard("gone") is False
+
+
+def test_a_build_past_the_time_limit_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = threading.Event()
+    so = StructuredOutputs(SMOLLM2_VOCAB, smollm2_tokenizer, timeout_s=0.05)
+    monkeypatch.setattr(StructuredOutputs, "_build", lambda self, spec, grammar: gate.wait(10))
+    try:
+        so.submit(request("slow", regex=DLD), None)
+        time.sleep(0.1)
+        ok, failed = so.ready()
+        assert not ok
+        assert [(r.request_id, why) for r, why in failed] == [("slow", "the grammar did not build within 0.05 s")]
+        assert so.num_pending == 0 and "slow" not in so
+    finally:
+        gate.set()
+        so.close()
+
+
+# ---- the bitmask ---------------------------------------------------------------------------------------------
+
+
+def test_no_mask_without_constrained_rows(so: StructuredOutputs) -> None:
+    assert so.bitmask([("free", []), ("other", [5, 6])]) is None
+    constrained(so, request("c", regex=DLD))
+    assert so.bitmask([("free", []), ("other", [5, 6])]) is None  # c is not in this step
+
+
+def test_only_constrained_rows_are_masked(so: StructuredOutputs) -> None:
+    constrained(so, request("c", regex=DLD))
+    bitmask, rows = so.bitmask([("free", []), ("c", []), ("free2", [])])
+    assert bitmask.shape == (3, WORDS) and bitmask.dtype == torch.int32
+    assert rows == [1]
+    assert (bitmask[0] == ALL).all() and (bitmask[2] == ALL).all()
+    digits = {tid(str(d)) for d in range(10)}
+    assert allowed(bitmask, 1) == digits  # SmolLM2 writes one digit per token
+    assert EOS_ID not in allowed(bitmask, 1)
+
+
+def test_drafts_mask_each_row_as_the_grammar_stands(so: StructuredOutputs) -> None:
+    constrained(so, request("c", regex=DLD))
+    d, x = tid("7"), tid("x")
+    bitmask, rows = so.bitmask([("free", [d, d]), ("c", [d, x, d])])
+    assert bitmask.shape == (3 + 4, WORDS)
+    assert rows == [3, 4, 5, 6]
+    assert (bitmask[:3] == ALL).all()  # the unconstrained request's rows, drafts included
+    assert d in allowed(bitmask, 3) and x not in allowed(bitmask, 3)  # a digit
+    assert x in allowed(bitmask, 4) and d not in allowed(bitmask, 4)  # then a letter
+    assert d in allowed(bitmask, 5) and x not in allowed(bitmask, 5)  # a digit
+    assert allowed(bitmask, 6) == {EOS_ID}  # then the end
+
+
+def test_rows_after_the_first_forbidden_draft_are_not_masked(so: StructuredOutputs) -> None:
+    constrained(so, request("c", regex=DLD))
+    d, x = tid("7"), tid("x")
+    bitmask, rows = so.bitmask([("c", [d, d, x])])  # the second draft is forbidden (a letter is due)
+    assert rows == [0, 1]
+    assert x in allowed(bitmask, 1) and d not in allowed(bitmask, 1)  # row 1 cannot pick the forbidden draft
+    assert (bitmask[2] == ALL).all() and (bitmask[3] == ALL).all()
+    bitmask, rows = so.bitmask([("c", [x, d])])  # the first draft is forbidden: only the first row
+    assert rows == [0]
+    assert (bitmask[1:] == ALL).all()
+
+
+def test_bitmask_leaves_the_matcher_where_it_was(so: StructuredOutputs) -> None:
+    """Drafts are consumed to fill their rows, then rolled back: the matcher stands at the committed tokens."""
+    constrained(so, request("c", regex=DLD))
+    d, x = tid("7"), tid("x")
+    before, _ = so.bitmask([("c", [])])
+    so.bitmask([("c", [d, x, d])])
+    so.bitmask([("c", [d, d])])
+    after, _ = so.bitmask([("c", [])])
+    assert torch.equal(before, after)
+    assert so.advance("c", [d]) is None  # the first token is still due: a digit is accepted...
+    mask, _ = so.bitmask([("c", [])])
+    assert x in allowed(mask, 0) and d not in allowed(mask, 0)  # ...and then a letter
+
+
+def test_unconstrained_rows_stay_all_ones_with_two_constrained_requests(so: StructuredOutputs) -> None:
+    constrained(so, request("a", regex=DLD), request("b", choice=["yes", "no"]))
+    bitmask, rows = so.bitmask([("a", []), ("free", [tid("7")]), ("b", [])])
+    assert rows == [0, 3]
+    assert (bitmask[1:3] == ALL).all()
+    yes_no = {smollm2_tokenizer().encode(w, add_special_tokens=False)[0] for w in ("yes", "no")}
+    assert yes_no <= allowed(bitmask, 3)
+    assert tid("7") not in allowed(bitmask, 3)
+
+
+# ---- advance -----------------------------------------------------------------------------------------------------
+
+
+def test_advance_goes_on_then_stops(so: StructuredOutputs) -> None:
+    constrained(so, request("c", regex=DLD))
+    d, x = tid("7"), tid("x")
+    assert so.advance("c", [d]) is None
+    assert so.advance("c", [x, d]) == "stopped"  # several tokens a step (accepted drafts)
+    mask, _ = so.bitmask([("c", [])])
+    assert allowed(mask, 0) == {EOS_ID}
+
+
+def test_advance_refused_token_is_an_error(so: StructuredOutputs) -> None:
+    constrained(so, request("c", regex=DLD))
+    assert so.advance("c", [tid("x")]) == "error"
+
+
+def test_advance_of_an_unconstrained_request_is_none(so: StructuredOutputs) -> None:
+    assert so.advance("free", [tid("x")]) is None
+
+
+def test_open_ended_grammar_is_not_stopped_while_it_may_go_on(so: StructuredOutputs) -> None:
+    constrained(so, request("c", regex="[0-9]+"))
+    assert so.advance("c", [tid("7")]) is None
+    mask, _ = so.bitmask([("c", [])])
+    assert {EOS_ID, tid("7")} <= allowed(mask, 0)
+
+
+# ---- apply_bitmask ---------------------------------------------------------------------------------------------
+
+
+def test_apply_bitmask_sets_exactly_the_forbidden_tokens_to_minus_infinity() -> None:
+    vocab = 70  # not a multiple of 32: the last word's high bits are past the vocabulary
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, vocab, generator=gen)
+    original = logits.clone()
+    bitmask = torch.full((3, 3), ALL, dtype=torch.int32)
+    allowed_rows = {0: {0, 5, 31, 32, 63, 64, 69}, 2: {31}}  # 31 and 63: the sign bit of a word
+    for row, ids in allowed_rows.items():
+        bitmask[row] = 0
+        for t in ids:
+            word, bit = divmod(t, 32)
+            value = int(bitmask[row, word]) & 0xFFFFFFFF | (1 << bit)
+            bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+    bitmask[1] = 0  # row 1 forbids everything but is not listed: left alone
+    apply_bitmask(logits, bitmask, [0, 2])
+    for row in range(3):
+        for t in range(vocab):
+            if row in allowed_rows and t not in allowed_rows[row]:
+                assert logits[row, t] == float("-inf"), (row, t)
+            else:
+                assert logits[row, t] == original[row, t], (row, t)
+
+
+def test_apply_bitmask_with_a_manager_mask_keeps_greedy_inside_the_grammar(so: StructuredOutputs) -> None:
+    constrained(so, request("c", regex=DLD))
+    logits = torch.randn(2, SMOLLM2_VOCAB, generator=torch.Generator().manual_seed(1))
+    logits[:, tid("x")] = 100.0  # the unconstrained choice
+    bitmask, rows = so.bitmask([("c", []), ("free", [])])
+    StructuredOutputs.apply(logits, bitmask, rows)
+    assert int(logits[0].argmax()) in {tid(str(d)) for d in range(10)}
+    assert int(logits[1].argmax()) == tid("x")
+    assert torch.isfinite(logits[1]).all()
+    assert int(torch.isfinite(logits[0]).sum()) == 10
