@@ -2,10 +2,11 @@
 
     python benchmarks/router.py --runs 1
 
-- policies: two SmolLM2 replicas (one compute thread each: this machine has two cores) behind `tokenmill router`,
-  the shared-system-prompt workload (8 prompts of 1,000 tokens, 64 questions, 32 output tokens, Poisson), once per
-  policy with fresh replicas (empty caches): TTFT p50/p99 and the prompt tokens the replicas computed (not found in
-  their prefix caches), prefix vs round robin vs least load;
+- policies: two SmolLM2 replicas (one compute thread each: this machine has two cores; a KV cache of 128 MiB each,
+  ~5,800 tokens: room for half the shared prompts) behind `tokenmill router`, the shared-system-prompt workload (8
+  prompts of 1,000 tokens, 64 questions in a shuffled order, 32 output tokens, Poisson), once per policy with fresh
+  replicas (empty caches): TTFT p50/p99 and the prompt tokens the replicas computed (not found in their prefix
+  caches), prefix vs round robin vs least load;
 - overhead: the latency the router adds per request (one-token completions, one at a time, direct vs routed, same
   replica), and the requests/s one router process carries in front of a stub replica that answers at once.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -77,6 +79,7 @@ def pct(values: list[float], q: float) -> float:
 def policies(args) -> None:
     tok = Tokenizer.load(default_model_path()).hf_tokenizer
     work = prefix_sharing_requests(tok, 8, 1000, 64, 24, 32, seed=args.seed)
+    random.Random(args.seed).shuffle(work)  # groups in no fixed turn: round robin must not line up with them
     print(f"\n## Router policies: 2 replicas x 1 thread, 8 shared prompts x 1,000 tokens, 64 requests, "
           f"{args.rate:g} req/s (CPU {cpu_isa()})")
     print("| policy | TTFT p50 | TTFT p99 | prompt tokens computed | requests per replica | output tok/s |")
@@ -84,7 +87,8 @@ def policies(args) -> None:
     for policy in ("prefix", "round_robin", "least_load"):
         rows = []
         for run in range(args.runs):
-            replicas = [start_tokenmill(["--threads", "1", "--kv-cache-memory", "256MiB"]) for _ in range(2)]
+            # each replica's cache holds ~5,800 tokens: half the groups' prefixes, not all eight
+            replicas = [start_tokenmill(["--threads", "1", "--kv-cache-memory", args.kv]) for _ in range(2)]
             router, url = start_router([u for _, u in replicas], policy)
             try:
                 cfg = LoadConfig(base_url=url, model=first_model(url), request_rate=args.rate, seed=args.seed + run,
@@ -165,6 +169,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--rate", type=float, default=2.0, help="requests/s of the policies part")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv", default="128MiB", help="each replica's --kv-cache-memory in the policies part")
     args = ap.parse_args()
     if "policies" in args.parts:
         policies(args)
