@@ -42,7 +42,7 @@ def test_bad_tools_or_tool_choice_name_the_field(tools, choice, param):
 
 
 def test_tool_choice_modes():
-    assert ToolChoice.parse(None, None, True) is None
+    assert ToolChoice.parse(None, None, True) is None and ToolChoice.parse([], None, True) is None
     auto = ToolChoice.parse([WEATHER, TIME], None, True)
     assert auto.mode == "auto" and auto.constraint() is None and len(auto.offered) == 2 and auto.parses
     none = ToolChoice.parse([WEATHER], "none", True)

@@ -31,6 +31,7 @@ from tokenmill.router.backends import Backend, BackendPool
 
 log = logging.getLogger("tokenmill.router")
 RETRY_STATUS = (429, 502, 503)
+MAX_BODY_BYTES = 16 << 20  # a larger body is refused here (413) rather than held in memory and sent on
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
@@ -129,6 +130,8 @@ def build_router_app(pool: BackendPool, policy: Any, api_key: str | None = None,
         if not authorized(request):
             return _error(401, "invalid or missing API key (Authorization: Bearer ...)", "authentication_error")
         body = await request.body()
+        if len(body) > MAX_BODY_BYTES:
+            return _error(413, f"the body is larger than {MAX_BODY_BYTES >> 20} MiB")
         text = prompt_text(body)
         headers = {"content-type": request.headers.get("content-type", "application/json")}
         tried: set[str] = set()

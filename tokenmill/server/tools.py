@@ -54,7 +54,7 @@ class ToolChoice:
     @classmethod
     def parse(cls, tools: Any, tool_choice: Any, parallel: bool) -> ToolChoice | None:
         """The request's tools, checked (400 naming the field); None when it offers none."""
-        if tools is None and tool_choice is None:
+        if not tools and tool_choice is None:  # no tools (an empty list too): plain chat
             return None
         parsed = tuple(_tool(t, i) for i, t in enumerate(tools or []))
         names = [t.name for t in parsed]
