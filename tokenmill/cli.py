@@ -135,11 +135,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    from tokenmill.router.app import run_router
+    from tokenmill.router.app import CascadeConfig, run_router
     from tokenmill.router.backends import BackendPool
+    from tokenmill.router.cascade import parse_tiers
 
-    if not args.backend:
-        print("error: --backend URL is required (repeat it for each replica)", file=sys.stderr)
+    cascade = None
+    if args.cascade:
+        if args.backend:
+            print("error: --cascade and --backend do not mix: a cascade's tiers are its replicas", file=sys.stderr)
+            return 2
+        try:
+            cascade = CascadeConfig(parse_tiers(args.cascade, args.tier_price), args.escalate_below,
+                                    args.cascade_first_tokens)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    elif not args.backend:
+        print("error: --backend URL is required (repeat it for each replica), or --cascade NAME=URL tiers",
+              file=sys.stderr)
         return 2
     try:
         for url in args.backend:
@@ -148,7 +161,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         print(f"error: --backend: {e}", file=sys.stderr)
         return 2
     return run_router(args.backend, args.policy, args.host, args.port, args.api_key, args.backend_api_key,
-                      args.health_interval, args.max_attempts)
+                      args.health_interval, args.max_attempts, cascade)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -195,6 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
     p.add_argument("--max-attempts", type=int, default=3,
                    help="replicas a request may be tried on before it fails (only before its response began)")
+    p.add_argument("--cascade", action="append", default=[], metavar="NAME=URL",
+                   help="a cascade tier, cheapest first (repeat: at least two); replaces --backend")
+    p.add_argument("--tier-price", action="append", default=[], metavar="NAME=IN,OUT",
+                   help="a tier's $ per million prompt and completion tokens, for usage.cost_usd and /metrics")
+    p.add_argument("--escalate-below", type=float, default=-1.0,
+                   help="a tier's answer whose mean token logprob is below this goes to the next tier")
+    p.add_argument("--cascade-first-tokens", type=int, default=8,
+                   help="a stream is judged on this many tokens, held back until then")
     p.set_defaults(func=cmd_router)
 
     from tokenmill.bench.cli import add_bench_parser

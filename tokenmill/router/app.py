@@ -18,6 +18,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -28,6 +29,15 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from tokenmill.router.backends import Backend, BackendPool
+from tokenmill.router.cascade import (
+    Tier,
+    ask_logprobs,
+    event,
+    mean_logprob,
+    sse_events,
+    strip_logprobs,
+    token_logprobs,
+)
 
 log = logging.getLogger("tokenmill.router")
 RETRY_STATUS = (429, 502, 503)
@@ -78,13 +88,28 @@ class _PoolCollector:
         yield from (healthy, in_flight, load)
 
 
+@dataclass
+class CascadeConfig:
+    tiers: list[Tier]
+    escalate_below: float = -1.0  # mean token logprob under which a tier's answer climbs to the next tier
+    first_tokens: int = 8  # a stream is judged on this many tokens
+
+
 def build_router_app(pool: BackendPool, policy: Any, api_key: str | None = None, backend_api_key: str | None = None,
-                     max_attempts: int = 3) -> FastAPI:
+                     max_attempts: int = 3, cascade: CascadeConfig | None = None) -> FastAPI:
     registry = CollectorRegistry()
     requests_total = Counter("tokenmill_router_requests", "Requests forwarded, by replica and outcome (ok: the "
                              "response began; error: unreachable or failed midway; retried: skipped for another)",
                              ["backend", "outcome"], registry=registry)
     unrouted = Counter("tokenmill_router_unrouted", "Requests no replica could take (503)", registry=registry)
+    answered = Counter("tokenmill_router_cascade_answers", "Requests answered, by cascade tier", ["tier"],
+                       registry=registry)
+    escalated = Counter("tokenmill_router_cascade_escalations", "Answers judged unsure, by the tier that gave them",
+                        ["tier"], registry=registry)
+    spent = Counter("tokenmill_router_cost_usd", "What the answered requests cost, every tier they touched",
+                    registry=registry)
+    if_largest = Counter("tokenmill_router_cost_if_last_tier_usd", "What they would have cost sent to the last "
+                         "tier alone (its prices, the answering tier's token counts)", registry=registry)
     registry.register(_PoolCollector(pool))
     state: dict[str, httpx.AsyncClient] = {}
     index = getattr(policy, "index", None)
@@ -171,12 +196,145 @@ def build_router_app(pool: BackendPool, policy: Any, api_key: str | None = None,
         unrouted.inc()
         return _error(503, "no healthy replica could take the request; retry later", "server_error")
 
+    def account(tier: Tier, usage: dict, cost: float) -> None:
+        answered.labels(tier.name).inc()
+        spent.inc(cost)
+        if_largest.inc(cascade.tiers[-1].cost(usage))
+
+    async def climb(request: Request, path: str, chat: bool) -> Response:
+        """The cascade: each tier in turn until one is sure (or the last)."""
+        if not authorized(request):
+            return _error(401, "invalid or missing API key (Authorization: Bearer ...)", "authentication_error")
+        try:
+            data = json.loads(await request.body())
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            return _error(400, "the body must be a JSON object")
+        if data.get("stream"):
+            return await climb_stream(data, path, chat)
+        client, cost = state["client"], 0.0
+        sent, asked = ask_logprobs(data, chat)
+        for i, tier in enumerate(cascade.tiers):
+            last = i == len(cascade.tiers) - 1
+            try:
+                resp = await client.post(tier.url + path, json=data if last else sent)
+            except httpx.HTTPError as e:
+                if last:
+                    return _error(503, f"the last cascade tier ({tier.name}) failed: {type(e).__name__}",
+                                  "server_error")
+                escalated.labels(tier.name).inc()
+                continue
+            if resp.status_code != 200:
+                if last or resp.status_code < 500:
+                    return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"))
+                escalated.labels(tier.name).inc()
+                continue
+            out = resp.json()
+            usage = out.get("usage") or {}
+            cost += tier.cost(usage)
+            choices = out.get("choices") or []
+            sure = min((mean_logprob(token_logprobs(c, chat)) for c in choices), default=0.0)
+            if not last and sure < cascade.escalate_below:
+                escalated.labels(tier.name).inc()
+                continue
+            if not last and not asked:
+                strip_logprobs(out)
+            out["tier"] = tier.name
+            out["usage"] = {**usage, "cost_usd": cost}
+            account(tier, usage, cost)
+            return JSONResponse(out, headers={"x-tokenmill-tier": tier.name})
+        return _error(503, "no cascade tier answered", "server_error")
+
+    async def climb_stream(data: dict, path: str, chat: bool) -> Response:
+        """A stream is judged on its first tokens, held back meanwhile; an unsure one is closed for the next tier."""
+        client = state["client"]
+        usage_asked = bool((data.get("stream_options") or {}).get("include_usage"))
+        base = {**data, "stream_options": {**(data.get("stream_options") or {}), "include_usage": True}}
+        sent, asked = ask_logprobs(base, chat)
+        cost = 0.0
+        for i, tier in enumerate(cascade.tiers):
+            last = i == len(cascade.tiers) - 1
+            try:
+                upstream = await client.send(client.build_request("POST", tier.url + path,
+                                                                  json=base if last else sent), stream=True)
+            except httpx.HTTPError as e:
+                if last:
+                    return _error(503, f"the last cascade tier ({tier.name}) failed: {type(e).__name__}",
+                                  "server_error")
+                continue
+            if upstream.status_code != 200:
+                content = await upstream.aread()
+                await upstream.aclose()
+                if last or upstream.status_code < 500:
+                    return Response(content, upstream.status_code, media_type=upstream.headers.get("content-type"))
+                continue
+            held, logprobs, buffer, done = [], [], b"", False
+            chunks = upstream.aiter_raw()
+            while not last and not done and len(logprobs) < cascade.first_tokens:
+                try:
+                    raw = await chunks.__anext__()
+                except (StopAsyncIteration, httpx.HTTPError):
+                    done = True
+                    break
+                events, buffer = sse_events(buffer + raw)
+                for e in events:
+                    held.append(e)
+                    if e != b"[DONE]":
+                        for c in json.loads(e).get("choices") or []:
+                            logprobs += token_logprobs(c, chat)
+            if not last and mean_logprob(logprobs) < cascade.escalate_below:
+                await upstream.aclose()
+                escalated.labels(tier.name).inc()
+                cost += tier.price_out * len(logprobs) / 1e6  # what it wrote before it was cut off
+                continue
+            return StreamingResponse(relay_tier(tier, upstream, chunks, held, buffer, cost, asked or last,
+                                                usage_asked),
+                                     media_type="text/event-stream", headers={"x-tokenmill-tier": tier.name})
+        return _error(503, "no cascade tier answered", "server_error")
+
+    async def relay_tier(tier: Tier, upstream: httpx.Response, chunks, held: list[bytes], buffer: bytes, cost: float,
+                         keep_logprobs: bool, usage_asked: bool) -> AsyncIterator[bytes]:
+        """The chosen tier's stream: the held events, then the rest, each re-emitted with the router's logprobs
+        stripped, the usage chunk given the tier and cost (and dropped if the client did not ask for usage)."""
+        def out(e: bytes) -> bytes:
+            if e == b"[DONE]":
+                return event("[DONE]")
+            payload = json.loads(e)
+            if not keep_logprobs:
+                strip_logprobs(payload)
+            if payload.get("usage") and not payload.get("choices"):
+                total = cost + tier.cost(payload["usage"])
+                account(tier, payload["usage"], total)
+                if not usage_asked:
+                    return b""
+                payload["usage"]["cost_usd"], payload["tier"] = total, tier.name
+            return event(payload)
+
+        try:
+            for e in held:
+                yield out(e)
+            async for raw in chunks:
+                events, buffer = sse_events(buffer + raw)
+                for e in events:
+                    yield out(e)
+        except httpx.HTTPError as e:
+            error = {"error": {"message": f"the {tier.name} tier failed midway ({type(e).__name__}); retry",
+                               "type": "server_error", "param": None, "code": None}}
+            yield event(error) + event("[DONE]")
+        finally:
+            await upstream.aclose()
+
     @app.post("/v1/completions")
     async def completions(request: Request):
+        if cascade is not None:
+            return await climb(request, "/v1/completions", chat=False)
         return await forward(request, "/v1/completions")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
+        if cascade is not None:
+            return await climb(request, "/v1/chat/completions", chat=True)
         return await forward(request, "/v1/chat/completions")
 
     @app.get("/v1/models")
@@ -251,11 +409,12 @@ class RouterServer(uvicorn.Server):
 
 
 def run_router(backends: list[str], policy: str, host: str, port: int, api_key: str | None,
-               backend_api_key: str | None, health_interval_s: float, max_attempts: int) -> int:
+               backend_api_key: str | None, health_interval_s: float, max_attempts: int,
+               cascade: CascadeConfig | None = None) -> int:
     from tokenmill.router.policies import make_policy
 
-    pool = BackendPool(backends, backend_api_key, health_interval_s)
-    app = build_router_app(pool, make_policy(policy), api_key, backend_api_key, max_attempts)
+    pool = BackendPool(backends or [t.url for t in cascade.tiers], backend_api_key, health_interval_s)
+    app = build_router_app(pool, make_policy(policy), api_key, backend_api_key, max_attempts, cascade)
     server = RouterServer(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
     server.run()
     return 0
