@@ -198,3 +198,27 @@ def test_killing_a_replica_under_load_loses_no_request_that_had_not_begun(tmp_pa
         stop(proc)
         for s in servers:
             s.stop()
+
+
+@pytest.mark.slow
+def test_a_stream_whose_replica_dies_midway_ends_with_an_error_event(tmp_path_factory):
+    from tests.models.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path_factory.mktemp("router-stream"), num_heads=4, num_kv_heads=2)
+    server = start_server("--model", str(model), "--kv-cache-memory", "32MiB", "--threads", "1", api_key=None)
+    proc, url = start_router([server.url], "--policy", "round_robin")
+    try:
+        body = {"prompt": "Tell me a long story", "max_tokens": 2000, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, headers=H, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 5:
+                        server.proc.kill()
+        assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
+        assert len(events) < 2000
+    finally:
+        stop(proc)
+        server.stop()
