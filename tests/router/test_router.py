@@ -222,3 +222,28 @@ def test_a_stream_whose_replica_dies_midway_ends_with_an_error_event(tmp_path_fa
     finally:
         stop(proc)
         server.stop()
+
+
+@pytest.mark.slow
+def test_a_hung_replica_is_taken_out_and_its_waiting_request_goes_elsewhere(replicas):
+    """A replica that accepts connections and never answers (a hung process): its health checks time out, the
+    router takes it out, and the request waiting on it is sent to a live replica instead of hanging."""
+    import socket
+    import threading
+
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(64)
+    accepted = []
+    threading.Thread(target=lambda: [accepted.append(hung.accept()) for _ in range(64)], daemon=True).start()
+    dead_url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+    proc, url = start_router([dead_url, replicas[2].url], "--policy", "round_robin")
+    try:
+        # the router starts with both in rotation: round robin sends one of these to the hung replica first
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(lambda i: complete(url, f"hung {i}"), range(2)))
+        assert [r.status_code for r in results] == [200, 200]
+        assert {r.headers["x-tokenmill-backend"] for r in results} == {replicas[2].url}
+    finally:
+        stop(proc)
+        hung.close()

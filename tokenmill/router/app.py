@@ -14,6 +14,7 @@ byte for byte.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -136,10 +137,11 @@ def build_router_app(pool: BackendPool, policy: Any, api_key: str | None = None,
 
     async def relay(upstream: httpx.Response, backend: Backend) -> AsyncIterator[bytes]:
         sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        backend.relaying.add(upstream)
         try:
             async for chunk in upstream.aiter_raw():
                 yield chunk
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, httpx.StreamClosed) as e:
             requests_total.labels(backend.url, "error").inc()
             pool.mark_failed(backend, f"failed midway: {type(e).__name__}")
             if sse:
@@ -149,6 +151,7 @@ def build_router_app(pool: BackendPool, policy: Any, api_key: str | None = None,
                 yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
         finally:
             backend.in_flight -= 1
+            backend.relaying.discard(upstream)
             await upstream.aclose()
 
     async def forward(request: Request, path: str) -> Response:
@@ -170,14 +173,20 @@ def build_router_app(pool: BackendPool, policy: Any, api_key: str | None = None,
             backend.in_flight += 1
             backend.requests += 1
             client = state["client"]
+            sending = asyncio.ensure_future(client.send(client.build_request(
+                "POST", backend.url + path, content=body, headers=headers), stream=True))
+            backend.pending.add(sending)
             try:
-                upstream = await client.send(client.build_request("POST", backend.url + path, content=body,
-                                                                  headers=headers), stream=True)
-            except httpx.HTTPError as e:
+                upstream = await sending
+            except (httpx.HTTPError, asyncio.CancelledError) as e:
+                if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
+                    raise  # this handler itself is cancelled (the client left), not the replica taken out
                 backend.in_flight -= 1
                 requests_total.labels(backend.url, "error").inc()
                 pool.mark_failed(backend, f"{type(e).__name__}: {e}")
                 continue
+            finally:
+                backend.pending.discard(sending)
             if upstream.status_code in RETRY_STATUS:  # not begun: another replica may take it
                 content = await upstream.aread()
                 await upstream.aclose()

@@ -30,6 +30,10 @@ class Backend:
     requests: int = 0
     errors: int = 0
     checked_at: float = field(default=0.0)
+    # what is under way there: requests waiting for their response to begin (tasks) and responses being relayed;
+    # taking the replica out cancels the first (they go to another replica) and closes the second (error event)
+    pending: set = field(default_factory=set)
+    relaying: set = field(default_factory=set)
 
     @property
     def load(self) -> int:
@@ -74,6 +78,16 @@ class BackendPool:
         backend.healthy = False
         backend.errors += 1
 
+    @staticmethod
+    async def take_out(backend: Backend) -> None:
+        """A replica that stopped answering its health checks (hung, not just slow to refuse): what waits on it
+        goes elsewhere, what streams from it ends."""
+        backend.healthy = False
+        for task in list(backend.pending):
+            task.cancel()
+        for upstream in list(backend.relaying):
+            await upstream.aclose()
+
     # ---- health ---------------------------------------------------------------------------------------------
     def start(self) -> None:
         if self._task is None:
@@ -110,7 +124,7 @@ class BackendPool:
             backend.failures += 1
             if backend.failures >= HEALTH_FAILURES and backend.healthy:
                 log.warning("backend %s taken out: %d failed health checks", backend.url, backend.failures)
-                backend.healthy = False
+                await self.take_out(backend)
 
     @staticmethod
     async def _scrape(client: httpx.AsyncClient, backend: Backend) -> None:
