@@ -7,6 +7,10 @@
   prompts of 1,000 tokens, 64 questions in a shuffled order, 32 output tokens, Poisson), once per policy with fresh
   replicas (empty caches): TTFT p50/p99 and the prompt tokens the replicas computed (not found in their prefix
   caches), prefix vs round robin vs least load;
+- cascade: SmolLM2 in INT4 (`--quantization int4`, the cheap tier) then SmolLM2 in bfloat16 (`--quantization none`,
+  the dear one) behind `--cascade`, 64 ShareGPT prompts (64 output tokens, greedy), at several `--escalate-below`
+  thresholds: the share the cheap tier answered, the cost against sending everything to the dear tier, and how
+  many answers are word for word what the dear tier alone writes (a quality proxy);
 - overhead: the latency the router adds per request (one-token completions, one at a time, direct vs routed, same
   replica), and the requests/s one router process carries in front of a stub replica that answers at once.
 """
@@ -110,6 +114,54 @@ def policies(args) -> None:
               f"{' / '.join(str(x) for x in rows[-1][3])} | {med[3]:.1f} |", flush=True)
 
 
+def cascade(args) -> None:
+    from tokenmill.bench.datasets import load_sharegpt
+
+    tok = Tokenizer.load(default_model_path()).hf_tokenizer
+    work = load_sharegpt(tok, 64, seed=args.seed, max_prompt_len=256, fixed_output_len=64)
+    cheap, cheap_url = start_tokenmill(["--threads", "1", "--quantization", "int4", "--kv-cache-memory", "256MiB"])
+    dear, dear_url = start_tokenmill(["--threads", "1", "--quantization", "none", "--kv-cache-memory", "256MiB"])
+    prices = {"cheap": (0.02, 0.04), "dear": (0.50, 1.00)}
+    try:
+        with httpx.Client(timeout=300) as c:
+            alone = [c.post(dear_url + "/v1/completions", json={"prompt": r.prompt, "max_tokens": 64,
+                                                                 "temperature": 0}).json()["choices"][0]["text"]
+                     for r in work]
+        print(f"\n## Cascade: SmolLM2 INT4 ($0.02/$0.04 per M tokens) then bfloat16 ($0.50/$1.00), 64 ShareGPT "
+              f"prompts, 64 tokens (CPU {cpu_isa()})")
+        print("| --escalate-below | answered by the cheap tier | cost | cost if all dear | saved | same answer as "
+              "the dear tier alone |\n|---|---|---|---|---|---|")
+        for threshold in args.thresholds:
+            router = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "router", "--port", "0",
+                                       "--cascade", f"cheap={cheap_url}", "--cascade", f"dear={dear_url}",
+                                       "--tier-price", "cheap=0.02,0.04", "--tier-price", "dear=0.5,1.0",
+                                       "--escalate-below", str(threshold)], stdout=subprocess.PIPE, text=True)
+            line = ""
+            while "tokenmill router at" not in line:
+                line = router.stdout.readline()
+            url = line.rsplit(" at ", 1)[1].strip()
+            try:
+                while httpx.get(url + "/health").status_code != 200:
+                    time.sleep(0.2)
+                outs = []
+                with httpx.Client(timeout=300) as c:
+                    for r in work:
+                        outs.append(c.post(url + "/v1/completions", json={"prompt": r.prompt, "max_tokens": 64,
+                                                                           "temperature": 0}).json())
+                cost = sum(o["usage"]["cost_usd"] for o in outs)
+                all_dear = sum((o["usage"]["prompt_tokens"] * prices["dear"][0]
+                                + o["usage"]["completion_tokens"] * prices["dear"][1]) / 1e6 for o in outs)
+                cheap_share = sum(o["tier"] == "cheap" for o in outs) / len(outs)
+                same = sum(o["choices"][0]["text"] == a for o, a in zip(outs, alone))
+                print(f"| {threshold:g} | {cheap_share:.0%} | ${cost:.5f} | ${all_dear:.5f} | "
+                      f"{1 - cost / all_dear:.0%} | {same}/{len(outs)} |", flush=True)
+            finally:
+                router.terminate()
+    finally:
+        for p in (cheap, dear):
+            p.terminate()
+
+
 def overhead(args) -> None:
     replica, direct = start_tokenmill(["--threads", "1", "--kv-cache-memory", "128MiB"])
     router, routed = start_router([direct], "least_load")
@@ -170,9 +222,13 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=2.0, help="requests/s of the policies part")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv", default="128MiB", help="each replica's --kv-cache-memory in the policies part")
+    ap.add_argument("--thresholds", type=float, nargs="+", default=[-0.5, -1.0, -2.0],
+                    help="--escalate-below values of the cascade part")
     args = ap.parse_args()
     if "policies" in args.parts:
         policies(args)
+    if "cascade" in args.parts:
+        cascade(args)
     if "overhead" in args.parts:
         overhead(args)
 
