@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-fast run serve bench clean
+.PHONY: setup browser test test-fast run serve bench clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -19,7 +19,11 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 	-$(BIN)/python -m tokenmill.model.cpu_kernels
 
-test: setup
+# The playground's tests drive a real headless Chromium (Debian's, through Playwright's Python package).
+browser:
+	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
+
+test: setup browser
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 # The quick loop: everything but the tests marked slow (real servers, the real model, the fuzzer). `make test` runs all.

@@ -105,7 +105,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port, printed when ready)")
     g.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and /ui/stats "
                         "(default: $TOKENMILL_API_KEY, else no key)")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) the API answers to (default: the --model argument, or the default model's "
@@ -126,6 +126,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="seconds requests in flight get to finish on SIGTERM; then they end with HTTP 503 (or a "
                         "stream's error event)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    g.add_argument("--no-ui", action="store_true", help="no web playground and dashboard at /")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -37,6 +37,7 @@ from tokenmill.server.settings import ServerSettings
 from tokenmill.server.streaming import collect, sse
 from tokenmill.server.token_text import TokenText
 from tokenmill.server.tools import template_messages
+from tokenmill.server.ui import add_ui_routes
 
 __all__ = ["ServerSettings", "create_app"]
 
@@ -72,6 +73,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
             return name or names[0]
         raise ModelNotFound(f"the model {name!r} does not exist; this server serves {', '.join(map(repr, names))}",
                             param="model")
+
+    if settings.ui:
+        add_ui_routes(app, engine, metrics, settings.model_name)
 
     @app.get("/health")
     async def health():

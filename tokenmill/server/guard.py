@@ -13,7 +13,7 @@ from tokenmill.server.settings import ServerSettings
 
 log = logging.getLogger("tokenmill")
 
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/ui/stats")
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 

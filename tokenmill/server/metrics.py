@@ -4,6 +4,9 @@ thread-safe); /metrics renders the registry."""
 
 from __future__ import annotations
 
+import time
+from collections import deque
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -27,6 +30,11 @@ class ServerMetrics:
         self._slo_defaults = (slo_ttft_ms, slo_itl_ms)  # the server's targets for requests that give none
         labels = ["model_name"]
         self._model = model_name
+        # the latest latencies, (when, seconds), for the dashboard's percentiles over the last minutes (server/ui.py)
+        self.recent_ttft: deque[tuple[float, float]] = deque(maxlen=20_000)
+        self.recent_itl: deque[tuple[float, float]] = deque(maxlen=50_000)
+        self.rejected_total = 0
+        self.prompt_tokens_total = self.generation_tokens_total = 0
         self.requests = Counter("tokenmill_requests", "Finished requests (each of n samples counts) by outcome: "
                                 "stop, length, abort, error", ["model_name", "outcome"], registry=r)
         self.rejected = Counter("tokenmill_requests_rejected", "Requests refused before reaching the engine, "
@@ -127,17 +135,20 @@ class ServerMetrics:
     # ---- hooks ----------------------------------------------------------------------------------------------
     def on_added(self, prompt_tokens: int) -> None:
         self._prompt.inc(prompt_tokens)
+        self.prompt_tokens_total += prompt_tokens
 
     def on_started(self, queue_time: float) -> None:
         self._queue.observe(max(queue_time, 0.0))
 
     def on_first_token(self, ttft: float, request) -> None:
+        self.recent_ttft.append((time.monotonic(), ttft))
         self._ttft.observe(ttft)
         self.ttft_by_priority.labels(self._model, str(request.params.priority)).observe(ttft)
         if request.predicted_ttft is not None:
             self.ttft_prediction_error.labels(self._model).observe(ttft - request.predicted_ttft)
 
     def on_inter_token(self, itl: float, request) -> None:
+        self.recent_itl.append((time.monotonic(), itl))
         self._itl.observe(itl)
         self.itl_by_priority.labels(self._model, str(request.params.priority)).observe(itl)
 
@@ -174,6 +185,7 @@ class ServerMetrics:
         self._aborts.inc(count)
 
     def on_rejected(self, status: int) -> None:
+        self.rejected_total += 1
         self.rejected.labels(self._model, str(status)).inc()
 
     def on_engine_dead(self, failed: int) -> None:
@@ -184,6 +196,7 @@ class ServerMetrics:
     def on_stats(self, stats, generated_tokens: int) -> None:
         if generated_tokens:
             self._gen.inc(generated_tokens)
+            self.generation_tokens_total += generated_tokens
         self._running.set(stats.num_running)
         self._waiting.set(stats.num_waiting)
         self._waiting_tokens.set(stats.num_waiting_tokens)

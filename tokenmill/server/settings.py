@@ -12,6 +12,7 @@ class ServerSettings:
     model_path: str = ""
     api_key: str | None = None
     max_request_bytes: int = 16 << 20  # as --max-request-bytes' default
+    ui: bool = True  # the playground and dashboard at / (--no-ui: off)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
