@@ -89,8 +89,11 @@ def mixed(args) -> None:
     batch = random_requests(tok, n_b, 1024, 256, seed=args.seed)
     rows = {}
     configs = {"continuous": ["--scheduling-policy", "continuous"], "priority": ["--scheduling-policy", "priority"],
-               "priority + --slo-admission reject": ["--scheduling-policy", "priority", "--slo-admission", "reject"]}
-    short = {"continuous": "continuous", "priority": "priority", "reject": "priority + --slo-admission reject"}
+               "priority + --slo-admission reject": ["--scheduling-policy", "priority", "--slo-admission", "reject"],
+               "priority, no KV headroom (--new-token-ratio 0)": ["--scheduling-policy", "priority",
+                                                                  "--new-token-ratio", "0"]}
+    short = {"continuous": "continuous", "priority": "priority", "reject": "priority + --slo-admission reject",
+             "noheadroom": "priority, no KV headroom (--new-token-ratio 0)"}
     configs = {short[k]: configs[short[k]] for k in args.policies.split(",")}
     for policy, flags in configs.items():
         runs = []
@@ -189,7 +192,7 @@ def main() -> None:
     ap.add_argument("--rate-batch", type=float, default=0.5)
     ap.add_argument("--policies", default="continuous,priority,reject",
                     help="mixed part: configurations to run (continuous, priority, reject: priority with "
-                         "--slo-admission reject)")
+                         "--slo-admission reject, noheadroom: priority with --new-token-ratio 0)")
     ap.add_argument("--gap", type=float, default=6.0, help="seconds between long prompts in the itl part")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
