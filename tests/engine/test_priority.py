@@ -299,3 +299,17 @@ def test_requests_preempted_for_priority_resume_with_unchanged_output(tiny_dir):
     mixed = run(eng, [n for n in prompts if n.startswith("low")], [n for n in prompts if n.startswith("high")])
     assert eng.core.scheduler.preemptions_by_cause["priority"] > 0
     assert mixed == alone
+
+
+def test_prompts_still_move_when_an_itl_target_leaves_them_no_time():
+    sched = scheduler(num_blocks=256, policy="continuous")
+    sched.step_cost = fitted(0.030, 0.001)  # the fixed cost alone is over the 20 ms target
+    for i in range(3):
+        sched.add_request(request(f"d{i}", prompt_len=4, max_tokens=200, itl=0.020))
+    step(sched)
+    sched.add_request(request("late", prompt_len=100, max_tokens=2))
+    late = sched.requests["late"]
+    for _ in range(10):
+        out = step(sched)
+        assert sum(s.num_new_tokens for s in out.scheduled if s.request.request_id != "late") == 3  # decodes run
+    assert late.num_computed_tokens >= 100 or late.output_token_ids  # crawled through at least 16 a step

@@ -24,6 +24,9 @@ LPM_MAX_SKIPS = 16  # a waiting request overtaken this many times is tried first
 # of an ITL target, the share a step's model pass may take: the rest goes to scheduling, sampling's host side, the
 # output's trip to the API process and the stream (measured at 150 ms: without this margin TPOT p50 came to 165 ms)
 ITL_STEP_SHARE = 0.8
+# when an ITL target leaves no time at all for prompts (its decodes alone overrun it), a step still gives this many
+# prompt tokens, so prefills crawl on instead of waiting for every decode with a target to end
+MIN_PROGRESS_TOKENS = 16
 
 
 def aged_level(priority: int, arrival_time: float, now: float, aging_s: float) -> int:
@@ -149,6 +152,7 @@ class StepBudget:
         self.cost = cost
         self.seconds = seconds if cost is not None else None
         self._reserved: set[str] = set()
+        self._moved = False  # a chunk besides the reserved decodes has been given tokens this step
         if self.seconds is not None:
             self.seconds -= cost.fixed
             for r in reserved:
@@ -165,7 +169,10 @@ class StepBudget:
         n = min(n, self.tokens)
         if self.seconds is None or (request.request_id in self._reserved and start == request.num_computed_tokens):
             return max(n, 0)
-        return min(n, self.cost.max_chunk_within(self.seconds, start))
+        fits = self.cost.max_chunk_within(self.seconds, start)
+        if fits <= 0 and not self._moved:
+            fits = MIN_PROGRESS_TOKENS
+        return max(min(n, fits), 0)
 
     def take(self, request: Request, n: int, start: int) -> None:
         self.tokens -= n
@@ -175,6 +182,7 @@ class StepBudget:
             self._reserved.discard(request.request_id)  # paid for up front
         else:
             self.seconds -= self.cost.chunk_seconds(n, start)
+            self._moved = self._moved or n > 0
 
 
 def step_budget(running: list[Request], tokens: int, policy: FcfsPolicy, prefill_cap: int | None,
