@@ -131,3 +131,23 @@ def test_streams_are_judged_on_their_first_tokens(tiers):
             assert chunks[-1]["tier"] == expect and usage["cost_usd"] >= cost(expect, usage)
         finally:
             stop(proc)
+
+
+@pytest.mark.slow
+def test_a_hung_tier_is_skipped_once_its_health_checks_fail(tiers):
+    """A first tier that accepts and never answers: taken out by its health checks, the request climbs."""
+    import socket
+    import threading
+
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(16)
+    threading.Thread(target=lambda: [hung.accept() for _ in range(16)], daemon=True).start()
+    proc, url = start_router([], "--cascade", f"hung=http://127.0.0.1:{hung.getsockname()[1]}",
+                             "--cascade", f"sure={tiers['sure'].url}")
+    try:
+        r = httpx.post(url + "/v1/completions", json=BODY, headers=H, timeout=60)
+        assert r.status_code == 200 and r.json()["tier"] == "sure"
+    finally:
+        stop(proc)
+        hung.close()

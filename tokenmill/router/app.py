@@ -210,6 +210,22 @@ def build_router_app(pool: BackendPool, policy: Any, api_key: str | None = None,
         spent.inc(cost)
         if_largest.inc(cascade.tiers[-1].cost(usage))
 
+    async def watched(tier: Tier, call):
+        """Await a request to a tier as one its replica's take-out can cancel (a hung tier must not hold it)."""
+        backend = pool.backends.get(tier.url)
+        task = asyncio.ensure_future(call)
+        if backend is not None:
+            backend.pending.add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise  # the client left
+            raise httpx.ReadError("the tier was taken out (failed health checks)") from None
+        finally:
+            if backend is not None:
+                backend.pending.discard(task)
+
     async def climb(request: Request, path: str, chat: bool) -> Response:
         """The cascade: each tier in turn until one is sure (or the last)."""
         if not authorized(request):
@@ -227,7 +243,7 @@ def build_router_app(pool: BackendPool, policy: Any, api_key: str | None = None,
         for i, tier in enumerate(cascade.tiers):
             last = i == len(cascade.tiers) - 1
             try:
-                resp = await client.post(tier.url + path, json=data if last else sent)
+                resp = await watched(tier, client.post(tier.url + path, json=data if last else sent))
             except httpx.HTTPError as e:
                 if last:
                     return _error(503, f"the last cascade tier ({tier.name}) failed: {type(e).__name__}",
@@ -265,8 +281,8 @@ def build_router_app(pool: BackendPool, policy: Any, api_key: str | None = None,
         for i, tier in enumerate(cascade.tiers):
             last = i == len(cascade.tiers) - 1
             try:
-                upstream = await client.send(client.build_request("POST", tier.url + path,
-                                                                  json=base if last else sent), stream=True)
+                upstream = await watched(tier, client.send(client.build_request(
+                    "POST", tier.url + path, json=base if last else sent), stream=True))
             except httpx.HTTPError as e:
                 if last:
                     return _error(503, f"the last cascade tier ({tier.name}) failed: {type(e).__name__}",
