@@ -312,3 +312,26 @@ def test_the_ttft_prediction_counts_aged_waiting_requests_and_prefills_under_way
         assert engine.predicted_ttft(20, priority=0) == pytest.approx(0.010 + 0.160)
 
     asyncio.run(main())
+
+
+def test_the_ttft_prediction_learns_its_bias_from_first_tokens():
+    async def main():
+        client = FakeClient()
+        engine = AsyncEngine(EngineConfig(), client=client, max_waiting_tokens=10**6)
+        engine.start()
+        engine.attach(asyncio.get_running_loop())
+        client.play(outputs(stats=fitted_stats()))
+        await asyncio.sleep(0)
+        base = engine.predicted_ttft(20)
+        assert base == pytest.approx(0.030) and engine.ttft_bias == 0.0  # 10 ms + 20 ms, nothing learnt yet
+        engine.add_requests("r", [(None, [1] * 20)], SamplingParams(max_tokens=2))
+        await asyncio.sleep(0.3)  # the engine answers ten times later than predicted
+        core_id = client.of_type(AddRequest)[0].request_id
+        client.play(outputs(EngineCoreOutput(core_id, [5]), stats=fitted_stats(),
+                            started={core_id: (time.monotonic(), 0)}))
+        client.play(outputs(EngineCoreOutput(core_id, [6]), stats=fitted_stats()))  # learnt once per request
+        error = 0.3 - 0.030
+        assert 0.1 * error <= engine.ttft_bias < 0.1 * (error + 0.2)
+        assert engine.predicted_ttft(20) == pytest.approx(base + engine.ttft_bias)
+
+    asyncio.run(main())

@@ -104,6 +104,7 @@ class RequestState:
     # only the first sample's core sequence computes them
     prompt_logprobs: list[dict[int, float] | None] | None = None
     predicted_ttft: float | None = None  # seconds, as the server's admission predicted it (async_engine.py)
+    ttft_learned: bool = False  # its first token has corrected the prediction's bias (async_engine.py)
 
     @property
     def finished(self) -> bool:
