@@ -323,7 +323,7 @@ def test_the_ttft_prediction_learns_its_bias_from_first_tokens():
         client.play(outputs(stats=fitted_stats()))
         await asyncio.sleep(0)
         base = engine.predicted_ttft(20)
-        assert base == pytest.approx(0.030) and engine.ttft_bias == 0.0  # 10 ms + 20 ms, nothing learnt yet
+        assert base == pytest.approx(0.030) and engine.ttft_bias == {}  # 10 ms + 20 ms, nothing learnt yet
         engine.add_requests("r", [(None, [1] * 20)], SamplingParams(max_tokens=2))
         await asyncio.sleep(0.3)  # the engine answers ten times later than predicted
         core_id = client.of_type(AddRequest)[0].request_id
@@ -331,7 +331,14 @@ def test_the_ttft_prediction_learns_its_bias_from_first_tokens():
                             started={core_id: (time.monotonic(), 0)}))
         client.play(outputs(EngineCoreOutput(core_id, [6]), stats=fitted_stats()))  # learnt once per request
         error = 0.3 - 0.030
-        assert 0.1 * error <= engine.ttft_bias < 0.1 * (error + 0.2)
-        assert engine.predicted_ttft(20) == pytest.approx(base + engine.ttft_bias)
+        assert 0.1 * error <= engine.ttft_bias[0] < 0.1 * (error + 0.2)
+        assert engine.predicted_ttft(20) == pytest.approx(base + engine.ttft_bias[0])
+        assert engine.predicted_ttft(20, priority=1) == pytest.approx(base)  # learnt per priority
+        engine.add_requests("slow", [(None, [1] * 20)], SamplingParams(max_tokens=2, priority=1))
+        await asyncio.sleep(1.0)  # a passed-over low-priority request: its error counts at most 0.5 s
+        core_id = client.of_type(AddRequest)[1].request_id
+        client.play(outputs(EngineCoreOutput(core_id, [5]), stats=fitted_stats(),
+                            started={core_id: (time.monotonic(), 0)}))
+        assert engine.ttft_bias[1] == pytest.approx(0.1 * 0.5)
 
     asyncio.run(main())

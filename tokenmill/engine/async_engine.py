@@ -38,8 +38,10 @@ log = logging.getLogger("tokenmill")
 
 HEALTH_STALE_S = 10.0  # a heartbeat older than this (the loop is stuck) makes /health 503
 # the TTFT prediction's bias (what the engine's step cost does not see: tokenizing, the trip between the processes,
-# the output's way back) is learnt from each first token, this much of the latest error at a time
+# the output's way back) is learnt per priority from each first token, this much of the latest error at a time, the
+# error clipped (a low-priority request passed over for a minute says nothing about the next one's tokenizing)
 TTFT_BIAS_RATE = 0.1
+TTFT_BIAS_CLIP_S = 0.5
 GRAMMAR_CHECK_TIMEOUT_S = 10.0  # a structured output constraint not checked by then is refused (400)
 SLO_ADMISSION = ("off", "reject", "degrade")  # --slo-admission: what a request predicted to miss its TTFT target gets
 
@@ -130,7 +132,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._last_heartbeat = 0.0
         self.grammars = GrammarCache()  # structured output's constraints, checked once each (no torch here)
-        self.ttft_bias = 0.0  # seconds the step-cost prediction of TTFT misses by, learnt (TTFT_BIAS_RATE)
+        self.ttft_bias: dict[int, float] = {}  # priority -> seconds the step-cost prediction misses by, learnt
 
     @property
     def observer(self) -> MetricsObserver | None:
@@ -207,7 +209,7 @@ class AsyncEngine:
         step cost: the prompt tokens ahead of it (waiting, and the rest of prefills under way; under policy
         priority only those of requests at its level or better, aging counted) and the running decodes, in steps
         no bigger than an ITL target lets them be (the request's, else the server's), plus the bias learnt from
-        earlier first tokens (`ttft_bias`: what the engine's step cost does not see); None until the engine has
+        earlier first tokens at its priority (`ttft_bias`: what the step cost does not see); None until the engine has
         measured its steps."""
         sc, stats, now = self.config.scheduler, self.stats, time.monotonic()
         by_rank = sc.policy == "priority"
@@ -218,7 +220,7 @@ class AsyncEngine:
         model = predict_ttft(new_tokens, [under_way, *ahead], stats.num_running, stats.running_context_tokens,
                              stats.step_cost, ITL_STEP_SHARE * itl_ms / 1e3 if itl_ms else None,
                              sc.max_num_batched_tokens)
-        return None if model is None else max(model + self.ttft_bias, 0.0)
+        return None if model is None else max(model + self.ttft_bias.get(priority, 0.0), 0.0)
 
     def _learn_ttft(self, state: RequestState) -> None:
         """A request's first token came: move the prediction's bias toward the error it made."""
@@ -226,7 +228,10 @@ class AsyncEngine:
         if state.predicted_ttft is None or state.ttft_learned or m.first_token_time is None:
             return
         state.ttft_learned = True
-        self.ttft_bias += TTFT_BIAS_RATE * (m.first_token_time - m.arrival_time - state.predicted_ttft)
+        error = m.first_token_time - m.arrival_time - state.predicted_ttft
+        p = state.params.priority
+        self.ttft_bias[p] = self.ttft_bias.get(p, 0.0) + TTFT_BIAS_RATE * max(-TTFT_BIAS_CLIP_S,
+                                                                              min(error, TTFT_BIAS_CLIP_S))
 
     def _admit_by_slo(self, params: SamplingParams, predicted: float | None) -> SamplingParams:
         """--slo-admission: a request whose predicted TTFT is past its target is refused now (reject: 429 with a
