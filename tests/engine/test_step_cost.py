@@ -52,10 +52,9 @@ def test_pairs_that_only_follow_tokens_fall_back_to_the_token_fit():
 
 
 def test_tokens_within_a_target_follow_the_fit():
-    assert StepCostModel().max_tokens_within(0.05) is None
-    model = fitted(0.010, 0.001)
-    assert model.max_tokens_within(0.050) == 40
-    assert model.max_tokens_within(0.005) == 0  # below the fixed cost: nothing besides what must run
+    cost = fitted(0.010, 0.001).fit
+    assert cost.max_chunk_within(0.050 - cost.fixed, 0) == 40
+    assert cost.max_chunk_within(0.005 - cost.fixed, 0) == 0  # below the fixed cost: nothing besides what must run
 
 
 def test_a_chunk_deep_into_its_context_fits_fewer_tokens():

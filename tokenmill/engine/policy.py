@@ -57,7 +57,6 @@ def ttft_slack(request: Request, now: float, cost: StepCost | None) -> float:
 class FcfsPolicy:
     """First come, first served (`--scheduling-policy continuous`)."""
 
-    name = "continuous"
     admits_while_running = True  # continuous batching: waiting requests join running ones every step
     ranked = False
 
@@ -94,14 +93,12 @@ class FcfsPolicy:
 class StaticPolicy(FcfsPolicy):
     """Static batching (`--scheduling-policy static`), kept so its cost can be measured."""
 
-    name = "static"
     admits_while_running = False
 
 
 class PriorityPolicy(FcfsPolicy):
     """Lower `priority` first, aging bounding waits (`--scheduling-policy priority`)."""
 
-    name = "priority"
     ranked = True
 
     def __init__(self, aging_s: float):

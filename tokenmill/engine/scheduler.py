@@ -244,12 +244,15 @@ class Scheduler:
         return (max(request.num_prompt_tokens - request.num_computed_tokens, 0)
                 + int(self.new_token_ratio * (request.max_tokens - request.num_output_tokens)))
 
-    def _has_headroom(self, request: Request, todo: int, now: float) -> bool:
+    def _has_headroom(self, request: Request, todo: int, now: float, growth: list[tuple[int, int]]) -> bool:
         """Whether admitting `request` (`todo` tokens to compute) leaves the pool room for the expected growth of
-        the running requests it could not displace and its own (always, with nothing running or the ratio 0)."""
-        if not self.running or not self.config.new_token_ratio:
+        the running requests it could not displace (those at its priority level or better) and its own; always
+        with nothing running or the ratio 0. `growth`: (level, expected growth) of each running request, made once
+        per admission pass."""
+        if not growth:
             return True
-        kept = sum(self._expected_growth(r) for r in self.running if not self.policy.displaces(request, r, now))
+        level = self.policy.level(request, now)
+        kept = sum(g for lv, g in growth if lv <= level)
         own = todo + int(self.new_token_ratio * (request.max_tokens - request.num_output_tokens))
         return self.kv.num_free_blocks * self.kv.block_size - kept >= own
 
@@ -264,6 +267,8 @@ class Scheduler:
                       if self.kv.prefix_caching else [])
         passed_over = False
         cached_len = self.kv.cached_prefix_len if self.kv.prefix_caching else None
+        headroom = bool(self.config.new_token_ratio)
+        growth = [(self.policy.level(r, now), self._expected_growth(r)) for r in self.running] if headroom else []
         cost = self.step_cost.fit if self.step_cost is not None else None
         for _, req in self.policy.admission_order(self.waiting, now, cached_len, cost):
             if not budget.left or len(self.running) >= self.config.max_num_seqs:
@@ -278,12 +283,15 @@ class Scheduler:
                 passed_over = True
                 continue
             n = budget.fit(req, min(todo, threshold) if long else todo, cached)
-            if n <= 0 or not self._has_headroom(req, todo, now) or not self.kv.admit(req, match, n, self.lookahead):
+            if (n <= 0 or not self._has_headroom(req, todo, now, growth)
+                    or not self.kv.admit(req, match, n, self.lookahead)):
                 break
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             req.first_scheduled_time = req.first_scheduled_time or now
             self.running.append(req)
+            if headroom:
+                growth.append((self.policy.level(req, now), self._expected_growth(req)))
             out.scheduled.append(ScheduledRequest(req, n))
             budget.take(req, n, cached)
             if long:

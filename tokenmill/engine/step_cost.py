@@ -125,13 +125,6 @@ class StepCostModel:
         """The fitted cost, or None before enough varied steps were seen."""
         return self._fit
 
-    def max_tokens_within(self, seconds: float) -> int | None:
-        """The most tokens a step can carry and still take at most `seconds`, pairs aside (None: unknown, or no
-        per-token cost)."""
-        if self._fit is None or self._fit.per_token <= 0:
-            return None
-        return max(int((seconds - self._fit.fixed) / self._fit.per_token + 1e-6), 0)
-
     def break_even_acceptance(self, num_tokens: int, proposer_seconds: float = 0.0) -> float:
         """The acceptance rate above which a draft token raises tokens/s in a step of `num_tokens` decode tokens
         (0 while nothing is known: speculate, and learn)."""

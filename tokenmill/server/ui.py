@@ -33,7 +33,7 @@ def stats(engine, metrics, model: str) -> dict:
         "model": model, "time": time.time(), "healthy": engine.healthy,
         "running": s.num_running, "waiting": s.num_waiting, "waiting_tokens": s.num_waiting_tokens,
         "kv_usage": s.kv_usage, "preemptions_total": s.num_preemptions_total,
-        "prefix_cache_hit_rate": (s.prefix_cache.hits / s.prefix_cache.queries) if s.prefix_cache.queries else None,
+        "prefix_cache_hit_rate": s.prefix_cache.hit_rate if s.prefix_cache.queries else None,
         "prompt_tokens_total": metrics.prompt_tokens_total,
         "generation_tokens_total": metrics.generation_tokens_total,
         "rejected_total": metrics.rejected_total,
