@@ -205,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8080, help="0: a free port (the ready line says which)")
     p.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
                    help="require Authorization: Bearer KEY on /v1/* and /admin/* (default $TOKENMILL_API_KEY)")
-    p.add_argument("--backend-api-key", default=None, help="the key the router sends to the replicas")
+    p.add_argument("--backend-api-key", default=os.environ.get("TOKENMILL_BACKEND_API_KEY"),
+                   help="the key the router sends to the replicas (default $TOKENMILL_BACKEND_API_KEY)")
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
     p.add_argument("--max-attempts", type=int, default=3,
                    help="replicas a request may be tried on before it fails (only before its response began)")
