@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from tokenmill.cli import build_parser
-from tokenmill.config import SpeculativeConfig
+from tokenmill.config import KVTransferConfig, SpeculativeConfig
 from tokenmill.engine_args import EngineArgs
 from tokenmill.errors import ConfigError
 
@@ -20,9 +20,12 @@ CHANGED = {"model": ("m.gguf", "m.gguf"), "tokenizer": ("tok", "tok"), "dtype": 
            "quantization": ("int8", "int8"), "max_prefill_tokens_while_decoding": ("64", 64),
            "speculative_config": ('{"num_speculative_tokens": 3}', '{"num_speculative_tokens": 3}'),
            "priority_aging_s": ("5", 5.0), "new_token_ratio": ("0.5", 0.5), "slo_ttft_ms": ("800", 800.0),
-           "slo_itl_ms": ("150", 150.0)}
+           "slo_itl_ms": ("150", 150.0),
+           "kv_transfer_config": ('{"kv_connector": "shm", "kv_role": "kv_consumer"}',
+                                  '{"kv_connector": "shm", "kv_role": "kv_consumer"}')}
 # where the config holds the field parsed: what it should hold
-PARSED = {"speculative_config": SpeculativeConfig(method="ngram", num_speculative_tokens=3)}
+PARSED = {"speculative_config": SpeculativeConfig(method="ngram", num_speculative_tokens=3),
+          "kv_transfer_config": KVTransferConfig(kv_connector="shm", kv_role="kv_consumer")}
 
 
 def config_value(config, field: dataclasses.Field):
@@ -58,7 +61,9 @@ def test_each_flag_reaches_its_config_entry(name):
 @pytest.mark.parametrize("kw,flag", [({"max_num_seqs": 0}, "--max-num-seqs"), ({"block_size": 0}, "--block-size"),
                                      ({"num_threads": 0}, "--threads"), ({"dtype": "int3"}, "--dtype"),
                                      ({"quantization": "int3"}, "--quantization"),
-                                     ({"long_prefill_token_threshold": 0}, "--long-prefill-token-threshold")])
+                                     ({"long_prefill_token_threshold": 0}, "--long-prefill-token-threshold"),
+                                     ({"kv_transfer_config": '{"kv_role": "both"}'}, "--kv-transfer-config"),
+                                     ({"kv_transfer_config": "{"}, "--kv-transfer-config")])
 def test_invalid_values_name_the_flag(kw, flag):
     with pytest.raises(ConfigError, match=flag):
         EngineArgs(**kw).create_engine_config()

@@ -141,6 +141,15 @@ def cmd_router(args: argparse.Namespace) -> int:
     from tokenmill.router.cascade import parse_tiers
 
     cascade = None
+    if bool(args.prefill) != bool(args.decode):
+        print("error: --prefill and --decode go together: at least one prefill and one decode instance",
+              file=sys.stderr)
+        return 2
+    if args.prefill:
+        if args.backend or args.cascade:
+            print("error: --prefill/--decode do not mix with --backend or --cascade", file=sys.stderr)
+            return 2
+        args.backend = args.decode
     if args.cascade:
         if args.backend:
             print("error: --cascade and --backend do not mix: a cascade's tiers are its replicas", file=sys.stderr)
@@ -156,13 +165,13 @@ def cmd_router(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        for url in args.backend:
+        for url in args.backend + args.prefill:
             BackendPool.normalize(url)
     except ValueError as e:
-        print(f"error: --backend: {e}", file=sys.stderr)
+        print(f"error: {'--decode' if args.prefill else '--backend'}/--prefill: {e}", file=sys.stderr)
         return 2
     return run_router(args.backend, args.policy, args.host, args.port, args.api_key, args.backend_api_key,
-                      args.health_interval, args.max_attempts, cascade)
+                      args.health_interval, args.max_attempts, cascade, args.prefill)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -198,6 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("router", help="the OpenAI API in front of many replicas: cache-aware, failing over")
     p.add_argument("--backend", action="append", default=[], metavar="URL",
                    help="a replica's root URL (repeat for each), e.g. http://10.0.0.2:8000")
+    p.add_argument("--prefill", action="append", default=[], metavar="URL",
+                   help="a prefill instance (--kv-transfer-config kv_producer; repeat for each): with --decode, "
+                        "each request's prompt runs here and its KV is shipped to the decode instance")
+    p.add_argument("--decode", action="append", default=[], metavar="URL",
+                   help="a decode instance (--kv-transfer-config kv_consumer; repeat for each): takes the KV and "
+                        "streams the answer")
     p.add_argument("--policy", choices=POLICIES, default="prefix",
                    help="prefix: the replica sent the longest prefix of the prompt (least load when imbalanced); "
                         "least_load; round_robin (default prefix)")

@@ -214,22 +214,7 @@ class SpeculativeConfig:
         """From the flag's JSON text, a dict (LLM(speculative_config=...)) or None; one clear ConfigError."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            import json
-
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"--speculative-config is not valid JSON ({e.msg} at {e.pos}); e.g. "
-                                  '\'{"method": "ngram", "num_speculative_tokens": 4}\'') from None
-        if not isinstance(value, dict):
-            raise ConfigError("--speculative-config must be a JSON object, e.g. "
-                              '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
-        unknown = sorted(set(value) - set(cls.KEYS))
-        if unknown:
-            raise ConfigError(f"--speculative-config: unknown key(s) {', '.join(unknown)}; known: "
-                              f"{', '.join(cls.KEYS)}")
-        kw = dict(value)
+        kw = json_flag(value, "--speculative-config", cls.KEYS, '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
         if "method" not in kw:
             kw["method"] = "draft_model" if kw.get("model") else "ngram"
         return cls(**kw)
@@ -257,6 +242,79 @@ class SpeculativeConfig:
             raise ConfigError("--speculative-config: disable_by_batch_size must be an integer >= 1")
 
 
+KV_CONNECTORS = {"shm": "shm", "sharedmemoryconnector": "shm", "tcp": "tcp", "tcpconnector": "tcp"}
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass
+class KVTransferConfig:
+    """--kv-transfer-config, the JSON of vLLM's flag: `{"kv_connector": "tcp", "kv_role": "kv_consumer", "kv_port":
+    14579}`. A producer computes prompts and ships their KV (tokenmill/disagg/); a consumer takes it into its own
+    block pool and decodes. Connectors: `shm` (shared memory, one host: files under `shm_dir`) and `tcp` (across
+    hosts: a consumer listens on `kv_ip:kv_port`, a producer connects to the address each request names)."""
+
+    kv_connector: str = "tcp"
+    kv_role: str = "kv_both"
+    kv_ip: str = "127.0.0.1"  # where a consumer's tcp receiver listens (0.0.0.0: every interface)
+    kv_port: int = 14579  # its port (0: any free one, reported at /v1/kv_transfer)
+    kv_buffer_size: int = 1 << 30  # bytes of received KV a consumer holds until its requests claim them
+    shm_dir: str = "/dev/shm/tokenmill-kv"  # the shm connector's files (a tmpfs: memory, not disk)
+    ttl_s: float = 120.0  # received KV no request claims within this is dropped
+
+    KEYS = ("kv_connector", "kv_role", "kv_ip", "kv_port", "kv_buffer_size", "shm_dir", "ttl_s")
+
+    @classmethod
+    def parse(cls, value: KVTransferConfig | dict[str, Any] | str | None) -> KVTransferConfig | None:
+        if value is None or isinstance(value, KVTransferConfig):
+            return value
+        kw = json_flag(value, "--kv-transfer-config", cls.KEYS, '\'{"kv_connector": "tcp", "kv_role": "kv_consumer"}\'')
+        return cls(**kw)
+
+    def __post_init__(self) -> None:
+        name = KV_CONNECTORS.get(str(self.kv_connector).lower())
+        if name is None:
+            raise ConfigError(f"--kv-transfer-config: unknown kv_connector {self.kv_connector!r}; known: shm (one "
+                              "host), tcp (across hosts)")
+        self.kv_connector = name
+        if self.kv_role not in KV_ROLES:
+            raise ConfigError(f"--kv-transfer-config: kv_role must be one of {', '.join(KV_ROLES)}, "
+                              f"got {self.kv_role!r}")
+        if not isinstance(self.kv_port, int) or isinstance(self.kv_port, bool) or not 0 <= self.kv_port < 65536:
+            raise ConfigError(f"--kv-transfer-config: kv_port must be a port number (0: any free one), "
+                              f"got {self.kv_port!r}")
+        if not isinstance(self.kv_buffer_size, (int, float)) or self.kv_buffer_size < 1 << 20:
+            raise ConfigError(f"--kv-transfer-config: kv_buffer_size must be at least 1 MiB (bytes), "
+                              f"got {self.kv_buffer_size!r}")
+        self.kv_buffer_size = int(self.kv_buffer_size)
+        if not isinstance(self.ttl_s, (int, float)) or self.ttl_s <= 0:
+            raise ConfigError(f"--kv-transfer-config: ttl_s must be > 0 seconds, got {self.ttl_s!r}")
+
+    @property
+    def produces(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def consumes(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+
+def json_flag(value: dict[str, Any] | str, flag: str, keys: tuple[str, ...], example: str) -> dict[str, Any]:
+    """A JSON-object flag's value (its text, or a dict from LLM(...)) with only known keys; one clear ConfigError."""
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{flag} is not valid JSON ({e.msg} at {e.pos}); e.g. {example}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag} must be a JSON object, e.g. {example}")
+    unknown = sorted(set(value) - set(keys))
+    if unknown:
+        raise ConfigError(f"{flag}: unknown key(s) {', '.join(unknown)}; known: {', '.join(keys)}")
+    return dict(value)
+
+
 # tokenmill/quant/methods.py builds each (listed here: the config imports no model stack)
 # the KV cache's element type: the model's (auto), or FP8 e4m3 (fp8 and fp8_e4m3, vLLM's names), values as they are
 # (scale 1, as vLLM without calibrated scales), clamped to +-448
@@ -278,9 +336,12 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # --speculative-config (JSON text, a dict or a SpeculativeConfig; None: no speculation)
     speculative: SpeculativeConfig | None = None
+    # --kv-transfer-config (JSON text, a dict or a KVTransferConfig; None: no disaggregation)
+    kv_transfer: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
         self.speculative = SpeculativeConfig.parse(self.speculative)
+        self.kv_transfer = KVTransferConfig.parse(self.kv_transfer)
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.num_threads}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -119,6 +119,11 @@ class EngineArgs:
               "\"num_speculative_tokens\": 4}' (a draft model with the target's vocabulary; \"quantization\": "
               "\"int4\" makes the target itself an INT4 self-draft). Output is the target's, exactly (lossless)",
         key="speculative")
+    kv_transfer_config: str | None = _opt(
+        None, "disaggregated prefill/decode, as vLLM's flag: '{\"kv_connector\": \"tcp\" | \"shm\", \"kv_role\": "
+              "\"kv_producer\" | \"kv_consumer\" | \"kv_both\", \"kv_port\": 14579}'. A producer computes prompts "
+              "and ships their KV to the consumer a request names (`kv_transfer_params`); a consumer decodes from it "
+              "(tokenmill router --prefill URL --decode URL pairs them)", key="kv_transfer")
 
     # ---- the command line ----------------------------------------------------------------------------------
     @staticmethod

@@ -57,6 +57,11 @@ class Request:
     # speculative decoding: tokens a proposer guessed to follow the output, verified by the next step (tokens to
     # compute = tokens known, drafts included); never part of `num_tokens`, which counts committed tokens only
     spec_token_ids: list[int] = field(default_factory=list)
+    # disaggregated prefill/decode (tokenmill/disagg/): prompt tokens whose KV arrived from a producer, loaded instead
+    # of computed when the request is admitted; `pending_load` is the token range admission gave it to load
+    # [start, end) before its first step (the engine core writes it)
+    num_external_tokens: int = 0
+    pending_load: tuple[int, int] | None = None
     # scheduling: lower priority first (policy priority); latency targets in seconds (None: none)
     priority: int = 0
     ttft_target: float | None = None

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, replace
 
 from tokenmill.config import EngineConfig
+from tokenmill.disagg.transfer import KVTransferParams
 from tokenmill.engine.admission import ContextLimits, admit
 from tokenmill.engine.messages import AbortRequests, EngineOutputs, EngineReady
 from tokenmill.engine.output_processor import MetricsObserver, OutputProcessor, RequestState, SampleDelta
@@ -101,6 +102,8 @@ class EngineInfo:
     pid: int
     weight_format: str = ""
     weight_bytes: int = 0
+    kv_transfer_address: str | None = None  # host:port a tcp KV consumer listens on (tokenmill/disagg/tcp.py)
+    block_size: int = 16
 
 
 class AsyncEngine:
@@ -162,7 +165,7 @@ class AsyncEngine:
         eos = frozenset(tokenizer.eos_token_ids) | frozenset(msg.eos_token_ids)
         capacity = msg.token_capacity or msg.num_blocks * msg.block_size
         self.info = EngineInfo(msg.max_model_len, msg.vocab_size, eos, capacity, msg.startup_summary, msg.pid,
-                               msg.weight_format, msg.weight_bytes)
+                               msg.weight_format, msg.weight_bytes, msg.kv_transfer_address, msg.block_size)
         self.limits = ContextLimits(msg.max_model_len, msg.vocab_size, self.info.token_capacity)
         self.processor = OutputProcessor(tokenizer, eos, self._observer)
         if self.max_waiting_tokens is None:  # as many prompt tokens may wait as the KV cache holds
@@ -272,11 +275,13 @@ class AsyncEngine:
 
     def add_requests(self, request_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
                      arrival_time: float | None = None, cache_salt: str | None = None,
-                     grammar: str | None = None) -> OutputStream:
+                     grammar: str | None = None, kv_transfer: KVTransferParams | None = None) -> OutputStream:
         """Queue one request per prompt (each with params.n samples); ids `request_id-i`. Checks everything
         first; raises InvalidRequest / ContextTooLong / ServerOverloaded / EngineDeadError with nothing queued."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+        if kv_transfer is not None and len(prompts) > 1:
+            raise InvalidRequest("kv_transfer_params takes one prompt per request", param="kv_transfer_params")
         max_tokens = [admit(ids, params.max_tokens, self.limits) for _, ids in prompts]
         new_tokens = sum(len(ids) for _, ids in prompts) * params.n
         self._check_fits_queue(len(prompts), params, new_tokens)
@@ -291,7 +296,8 @@ class AsyncEngine:
             states = []
             for i, ((text, ids), mt) in enumerate(zip(prompts, max_tokens)):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                state, msgs = self.processor.add_request(rid, text, ids, params, mt, arrival, cache_salt, grammar)
+                state, msgs = self.processor.add_request(rid, text, ids, params, mt, arrival, cache_salt, grammar,
+                                                         kv_transfer)
                 state.predicted_ttft = predicted
                 states.append(state)
                 sequences += msgs

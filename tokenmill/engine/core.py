@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill.config import EngineConfig, ModelConfig, default_kv_cache_memory
+from tokenmill.disagg.transfer import KVLayout, KVTransferParams, SendResult
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.messages import AddRequest, EngineCoreOutput, EngineOutputs
 from tokenmill.engine.runner import DTYPES, ModelRunner, StepResult, kv_bytes_per_token
@@ -28,9 +29,27 @@ from tokenmill.spec.speculator import Speculator, build_speculator
 from tokenmill.spec.stats import SpecDecodeStats
 
 if TYPE_CHECKING:
+    from tokenmill.disagg.connector import KVConnector, Received
     from tokenmill.structured.manager import StructuredOutputs
 
 log = logging.getLogger("tokenmill")
+
+
+@dataclass
+class Shipment:
+    """A producer's sequence whose prompt KV is being shipped: prompt tokens handed to the connector so far."""
+
+    transfer_id: str
+    sent: int = 0
+    ended: bool = False  # the whole prompt is handed over; its outcome comes back through the connector
+
+
+@dataclass
+class ExternalKV:
+    """A claimed transfer on the consumer, until every sequence that takes it has loaded it (or ended)."""
+
+    received: Received
+    holders: set[str]
 
 
 @dataclass
@@ -101,6 +120,20 @@ class EngineCore:
             self.scheduler.lookahead = self.cache_info.reserved_tokens = self.speculator.lookahead
         self._unstarted: set[str] = set()  # added, never scheduled yet: reported in `started` when first scheduled
         self.structured: StructuredOutputs | None = None  # made at the first constrained request
+        # disaggregated prefill/decode (tokenmill/disagg/): the connector, a producer's shipments and the finished
+        # outputs held until their transfer's outcome, a consumer's claimed transfers
+        self.connector: KVConnector | None = None
+        self._shipments: dict[str, Shipment] = {}
+        self._held: dict[str, tuple[str, EngineCoreOutput | None]] = {}  # transfer id -> sequence, final output
+        self._outcomes: dict[str, SendResult] = {}  # sequence id -> its transfer's outcome, before it finished
+        self._external: dict[str, ExternalKV] = {}  # transfer id -> claimed KV
+        self._takes: dict[str, str] = {}  # sequence id -> the transfer id it loads from
+        if config.kv_transfer is not None:
+            from tokenmill.disagg import make_connector
+
+            mc = self.model_config
+            self.connector = make_connector(config.kv_transfer, KVLayout(
+                mc.num_layers, mc.num_kv_heads, mc.head_dim, self.cache_info.dtype, self.kv_dtype.itemsize))
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, msg: AddRequest) -> None:
@@ -110,11 +143,133 @@ class EngineCore:
         request = Request(msg.request_id, msg.prompt_token_ids, p, msg.max_tokens, msg.eos_token_ids,
                           arrival_time=msg.arrival_time, cache_salt=msg.cache_salt, priority=p.priority,
                           ttft_target=ttft / 1e3 if ttft else None, itl_target=itl / 1e3 if itl else None)
+        if msg.kv_transfer is not None:
+            self._join_transfer(request, msg.kv_transfer)
         if p.structured_outputs is not None:  # scheduled once its matcher is built (structured/manager.py)
             self._structured().submit(request, msg.grammar)
         else:
             self.scheduler.add_request(request)
         self._unstarted.add(msg.request_id)
+
+    # ---- disaggregated prefill/decode ------------------------------------------------------------------------
+    def _join_transfer(self, request: Request, params: KVTransferParams) -> None:
+        """A producer's sequence begins its shipment; a consumer's takes the KV that arrived under its transfer id
+        (the longest prefix of its prompt the KV covers, less the last token, whose logits it computes), or, if
+        none arrived, computes its prompt as any request does."""
+        conn, cfg = self.connector, self.config.kv_transfer
+        if conn is None or (params.send and not cfg.produces) or (not params.send and not cfg.consumes):
+            raise ConfigError(f"kv_transfer_params: this engine's --kv-transfer-config "
+                              f"({cfg.kv_role if cfg else 'none'}) does not {'ship' if params.send else 'take'} KV")
+        tid, rid = params.transfer_id, request.request_id
+        if params.send:
+            conn.begin(params, request.prompt_token_ids)
+            self._shipments[rid] = Shipment(tid)
+            return
+        if request.wants_prompt_logprobs:
+            return  # every prompt position must run through the model
+        ext = self._external.get(tid)  # the n samples of one request share one transfer
+        if ext is None:
+            try:
+                received = conn.claim(tid)
+            except ValueError as e:
+                log.warning("KV transfer %s unusable, computing the prompt: %s", tid, e)
+                received = None
+            if received is None:
+                conn.count(missed_claims=1)
+                return
+            ext = self._external[tid] = ExternalKV(received, set())
+        shipped, prompt = ext.received.header.token_ids, request.prompt_token_ids
+        usable = 0
+        for a, b in zip(shipped, prompt[:-1]):
+            if a != b:
+                break
+            usable += 1
+        if usable:
+            ext.holders.add(rid)
+            self._takes[rid] = tid
+            request.num_external_tokens = usable
+        elif not ext.holders:
+            del self._external[tid]
+
+    def _forget_shipment(self, request_id: str) -> None:
+        """The client is done with a sequence (aborted, or a stop string ended it): no output waits for its
+        transfer's outcome any more (a shipment not yet ended is aborted by `_release`)."""
+        for tid, (held, _) in list(self._held.items()):
+            if held == request_id:  # the outcome still comes (has_unfinished waits for it), then goes nowhere
+                self._held[tid] = (request_id, None)
+        ship = self._shipments.get(request_id)
+        if ship is not None and ship.ended:
+            del self._shipments[request_id]
+            self._outcomes.pop(request_id, None)
+
+    def _load_external(self, sched: SchedulerOutput) -> None:
+        """Write the KV that admission gave each newly admitted consumer sequence, before the step reads it."""
+        for s in sched.scheduled:
+            req = s.request
+            if req.pending_load is None:
+                continue
+            start, end = req.pending_load
+            req.pending_load = None
+            ext = self._external[self._takes[req.request_id]]
+            self.runner.write_kv(req.block_ids, start, ext.received.data[start:end])
+            self.connector.count(loaded_tokens=end - start)
+            self._untake(req.request_id)
+
+    def _untake(self, request_id: str) -> None:
+        tid = self._takes.pop(request_id, None)
+        if tid is not None:
+            ext = self._external[tid]
+            ext.holders.discard(request_id)
+            if not ext.holders:
+                del self._external[tid]
+
+    def _ship(self, sched: SchedulerOutput, result: StepResult) -> None:
+        """After the forward pass, before anything is freed: hand the prompt tokens this step computed (and a
+        cache hit's, on the first step) to the connector, and end the shipment with the prompt."""
+        for s in sched.scheduled:
+            req = s.request
+            ship = self._shipments.get(req.request_id)
+            if ship is None or ship.ended or req.request_id in result.failed:
+                continue
+            end = min(req.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens)
+            if end > ship.sent:
+                self.connector.send(ship.transfer_id, ship.sent, self.runner.read_kv(req.block_ids, ship.sent, end))
+                ship.sent = end
+            if end == req.num_prompt_tokens:
+                self.connector.end(ship.transfer_id)
+                ship.ended = True
+
+    def _settle_shipments(self, outputs: list[EngineCoreOutput], timeout: float = 0.0) -> list[EngineCoreOutput]:
+        """Hold each shipping sequence's final output until its transfer's outcome is known (the router must not
+        send the decode half before the KV is there), and release those whose outcome came back."""
+        kept = []
+        for out in outputs:
+            ship = self._shipments.get(out.request_id)
+            if ship is None or out.finish_reason is None:
+                kept.append(out)
+            elif out.request_id in self._outcomes:
+                out.kv_transfer = self._outcomes.pop(out.request_id).as_params(self.cache_info.block_size)
+                del self._shipments[out.request_id]
+                kept.append(out)
+            elif ship.ended:
+                self._held[ship.transfer_id] = (out.request_id, out)
+                del self._shipments[out.request_id]
+            else:  # ended before its prompt did (an error): nothing shipped whole
+                self.connector.abort(ship.transfer_id)
+                del self._shipments[out.request_id]
+                kept.append(out)
+        if self.connector is not None and (self._held or self._shipments):
+            for result in self.connector.results(timeout if self._held else 0.0):
+                rid, out = self._held.pop(result.transfer_id, (None, None))
+                if out is not None:
+                    out.kv_transfer = result.as_params(self.cache_info.block_size)
+                    kept.append(out)
+                elif rid is None:  # still decoding: its final output takes the outcome
+                    owner = next((r for r, sh in self._shipments.items() if sh.transfer_id == result.transfer_id),
+                                 None)
+                    if owner is not None:
+                        self._outcomes[owner] = result
+        return kept
 
     def _structured(self) -> StructuredOutputs:
         if self.structured is None:
@@ -130,6 +285,7 @@ class EngineCore:
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._unstarted.discard(rid)
+            self._forget_shipment(rid)
             if self.structured is not None:
                 self.structured.discard(rid)
             if self.scheduler.abort(rid) is not None:
@@ -137,6 +293,7 @@ class EngineCore:
 
     def finish(self, request_id: str, stop_reason: str) -> None:
         """A stop string matched in the detokenizer: end the request now and free its blocks."""
+        self._forget_shipment(request_id)
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, stop_reason)
         self._release(request_id)
 
@@ -150,7 +307,8 @@ class EngineCore:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or (self.structured is not None and self.structured.num_pending > 0)
+        return (self.scheduler.has_unfinished or (self.structured is not None and self.structured.num_pending > 0)
+                or bool(self._held))
 
     # ---- one step ------------------------------------------------------------------------------------------
     def step(self) -> EngineOutputs:
@@ -158,6 +316,8 @@ class EngineCore:
         outputs = self._admit_constrained()
         sched = self.scheduler.schedule()
         if sched.empty:
+            if self._held:  # only transfers under way: wait a little for their outcome rather than spin
+                outputs = self._settle_shipments(outputs, 0.005)
             return EngineOutputs(outputs)
         started = {}
         for s in sched.scheduled:
@@ -166,9 +326,13 @@ class EngineCore:
                 self._unstarted.discard(req.request_id)
                 started[req.request_id] = (req.first_scheduled_time, req.num_cached_tokens or 0)
         pairs = sched.num_attention_pairs
+        if self._takes:
+            self._load_external(sched)
         start = time.perf_counter()
         result = self._execute(sched)
         self.step_cost.observe(sched.num_tokens, time.perf_counter() - start, pairs)
+        if self._shipments:
+            self._ship(sched, result)
         for rid, why in result.failed.items():
             log.error("request %s failed: %s", rid, why)
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
@@ -201,6 +365,8 @@ class EngineCore:
             self._release(req.request_id)
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
+        if self._shipments or self._held:
+            outputs = self._settle_shipments(outputs)
         return EngineOutputs(outputs, started)
 
     def _admit_constrained(self) -> list[EngineCoreOutput]:
@@ -237,6 +403,11 @@ class EngineCore:
     def _release(self, request_id: str) -> None:
         """A request ended (any way): drop its per-request state outside the scheduler."""
         self.runner.release(request_id)
+        self._untake(request_id)
+        ship = self._shipments.get(request_id)
+        if ship is not None and not ship.ended:  # aborted or failed before its prompt was computed
+            self.connector.abort(ship.transfer_id)
+            del self._shipments[request_id]
         if self.structured is not None:
             self.structured.release(request_id)
         if self.speculator is not None:
@@ -260,4 +431,6 @@ class EngineCore:
         """With nothing in flight every block must be free: a leak is a bug."""
         assert not self.has_unfinished and not self._unstarted
         assert self.structured is None or not len(self.structured)
+        assert not (self._shipments or self._held or self._external or self._takes or self._outcomes), \
+            "KV transfer state outlived its requests"
         self.kv.check_idle()

@@ -44,7 +44,8 @@ def run_engine_core(config: EngineConfig, inputs: Any, outputs: Any) -> None:
     info = core.cache_info
     outputs.send(EngineReady(core.max_model_len, core.model_config.vocab_size, list(core.model_config.eos_token_ids),
                              info.num_blocks, info.block_size, core.startup_summary(), os.getpid(),
-                             core.runner.weight_format(), weight_bytes(core.runner.model), info.token_capacity))
+                             core.runner.weight_format(), weight_bytes(core.runner.model), info.token_capacity,
+                             core.connector.address() if core.connector is not None else None))
     serve(core, inputs, outputs)
 
 
@@ -77,6 +78,8 @@ def serve(core: EngineCore, inputs: Any, outputs: Any) -> None:
         now = time.monotonic()
         if step.outputs or step.started or rejected or now - last_sent >= HEARTBEAT_S:
             step.rejected, step.stats = rejected, core.scheduler.stats()
+            if core.connector is not None:
+                step.kv_transfer = core.connector.stats()
             try:
                 outputs.send(step)
             except (EOFError, OSError):

@@ -149,7 +149,8 @@ class KVCacheManager:
         model writes ahead); False (nothing changed) if the pool cannot hold them."""
         hit = match.blocks if match else []
         num_new_tokens += lookahead
-        need = self.blocks_needed(len(hit) * self.block_size + num_new_tokens) - len(hit)
+        loaded = self.num_loaded(request, match)
+        need = self.blocks_needed(len(hit) * self.block_size + loaded + num_new_tokens) - len(hit)
         if need > self.num_free_blocks - (match.num_evictable if match else 0):
             return False
         if self.tree is not None:
@@ -163,9 +164,21 @@ class KVCacheManager:
             request.num_computed_tokens = len(hit) * self.block_size
         if request.num_cached_tokens is None:
             request.num_cached_tokens = len(hit) * self.block_size
+        if loaded:  # KV from a producer fills the tokens past the hit: computed once the engine core writes it
+            start = len(hit) * self.block_size
+            request.pending_load = (start, start + loaded)
+            request.num_computed_tokens = start + loaded
+        request.num_external_tokens = 0
         ok = self.allocate_slots(request, num_new_tokens)
         assert ok, "admit checked the room"
         return True
+
+    def num_loaded(self, request: Request, match: PrefixMatch | None) -> int:
+        """Tokens of a request admitted with `match` that its external KV (disaggregated prefill) fills: those
+        past the cached prefix."""
+        if not request.num_external_tokens:
+            return 0
+        return max(0, request.num_external_tokens - (len(match.blocks) * self.block_size if match else 0))
 
     # ---- allocation ------------------------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:

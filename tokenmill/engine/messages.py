@@ -12,6 +12,7 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass, field
 
+from tokenmill.disagg.transfer import KVTransferParams, KVTransferStats
 from tokenmill.engine.scheduler import SchedulerStats
 from tokenmill.sampling_params import SamplingParams
 
@@ -28,6 +29,7 @@ class AddRequest:
     arrival_time: float
     cache_salt: str | None = None
     grammar: str | None = None  # params.structured_outputs as checked grammar text (structured/backend.py)
+    kv_transfer: KVTransferParams | None = None  # ship this prompt's KV, or take it (tokenmill/disagg/)
 
 
 @dataclass
@@ -60,6 +62,7 @@ class EngineReady:
     weight_format: str = ""  # e.g. "bfloat16", "int8 (bfloat16 compute)": the matmul weights as served
     weight_bytes: int = 0  # bytes the model's weights hold (engine/runner.py weight_bytes)
     token_capacity: int = 0  # tokens one request can hold at most (the pool, less a draft model's lookahead)
+    kv_transfer_address: str | None = None  # host:port a tcp KV consumer listens on (tokenmill/disagg/tcp.py)
 
 
 @dataclass
@@ -90,6 +93,7 @@ class EngineCoreOutput:
     # params.prompt_logprobs: the next prompt tokens' logprobs ({token: logprob}, that token first), continuing
     # where the last output left off; a prefill chunk that samples nothing sends only these
     new_prompt_logprobs: list[dict[int, float]] | None = None
+    kv_transfer: dict | None = None  # a producer's finished sequence: how its KV transfer ended (SendResult)
 
 
 @dataclass
@@ -101,3 +105,4 @@ class EngineOutputs:
     started: dict[str, tuple[float, int]] = field(default_factory=dict)
     rejected: dict[str, BaseException | str] = field(default_factory=dict)  # sequence id -> why the core refused it
     stats: SchedulerStats | None = None  # set by the engine process; None in-process
+    kv_transfer: KVTransferStats | None = None  # the KV connector's counters (engine process, when it has one)

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from tokenmill.disagg.transfer import KVTransferParams, KVTransferStats
 from tokenmill.engine.detokenizer import Decoder, IncrementalDetokenizer
 from tokenmill.engine.messages import AddRequest, EngineCoreOutput, EngineOutputs, FinishRequest
 from tokenmill.engine.scheduler import SchedulerStats
@@ -32,6 +33,7 @@ class MetricsObserver(Protocol):
     def on_aborted(self, count: int) -> None: ...
     def on_outcomes(self, reasons: list[str]) -> None: ...
     def on_stats(self, stats: SchedulerStats, generated_tokens: int) -> None: ...
+    def on_kv_transfer(self, stats: KVTransferStats) -> None: ...
 
 
 @dataclass
@@ -105,6 +107,7 @@ class RequestState:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     predicted_ttft: float | None = None  # seconds, as the server's admission predicted it (async_engine.py)
     ttft_learned: bool = False  # its first token has corrected the prediction's bias (async_engine.py)
+    kv_transfer: dict | None = None  # a producer's request: how its KV transfer ended (tokenmill/disagg/)
 
     @property
     def finished(self) -> bool:
@@ -150,10 +153,12 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                     max_tokens: int, arrival_time: float | None = None, cache_salt: str | None = None,
-                    grammar: str | None = None) -> tuple[RequestState, list[AddRequest]]:
+                    grammar: str | None = None, kv_transfer: KVTransferParams | None = None
+                    ) -> tuple[RequestState, list[AddRequest]]:
         """Track a request that passed admission; returns it and its n sequences for the core (ids `request_id`,
         or `request_id#i` for n > 1; seeded samples get seed + i). The n sequences share the prompt's KV blocks
-        through the prefix cache."""
+        through the prefix cache. A producer's request ships its prompt's KV from the first sample only; every
+        sample of a consumer's takes it."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
         now = time.monotonic() if arrival_time is None else arrival_time
@@ -168,8 +173,9 @@ class OutputProcessor:
                 sample_params = replace(sample_params, seed=params.seed + i)
             if i > 0 and params.prompt_logprobs is not None:  # computed once, by the first sample
                 sample_params = replace(sample_params, prompt_logprobs=None)
+            transfer = kv_transfer if kv_transfer is not None and (i == 0 or not kv_transfer.send) else None
             msgs.append(AddRequest(core_id, prompt_token_ids, sample_params, max_tokens, self.eos_token_ids, now,
-                                   cache_salt, grammar))
+                                   cache_salt, grammar, transfer))
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop_list,
                                            params.include_stop_str_in_output, params.skip_special_tokens)
             sample = SampleState(i, core_id, detok, logprobs=[] if with_logprobs else None,
@@ -229,6 +235,8 @@ class OutputProcessor:
         result.requests = list(touched.values())
         if obs is not None and step.stats is not None:
             obs.on_stats(step.stats, result.num_generated)
+        if obs is not None and step.kv_transfer is not None:
+            obs.on_kv_transfer(step.kv_transfer)
         return result
 
     def abort_request(self, request_id: str) -> list[str]:
@@ -268,6 +276,8 @@ class OutputProcessor:
             new_ids = new_ids[:sample.detok.num_used]
         sample.token_ids.extend(new_ids)
         sample.num_preemptions = out.num_preemptions
+        if out.kv_transfer is not None:
+            state.kv_transfer = out.kv_transfer
         if sample.logprobs is not None and out.new_logprobs:
             for tok, lp in zip(new_ids, out.new_logprobs):
                 sample.logprobs.append(lp)

@@ -136,6 +136,33 @@ class ModelRunner:
         self.base_seeds.pop(request_id, None)
         self.draft_probs.pop(request_id, None)
 
+    # ---- KV in and out (disaggregated prefill/decode: tokenmill/disagg/) ---------------------------------
+    def _token_slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        bs = self.block_size
+        return self._long([block_ids[p // bs] * bs + p % bs for p in range(start, end)])
+
+    @torch.inference_mode()
+    def read_kv(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        """A host copy of tokens [start, end)'s K/V, token-major: [tokens, layers, 2, kv heads, head dim]."""
+        slots = self._token_slots(block_ids, start, end)
+        cfg = self.cfg
+        out = torch.empty((end - start, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim),
+                          dtype=self.kv_caches[0][0].dtype, device=self.device)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            out[:, layer, 0] = k.view(-1, cfg.num_kv_heads, cfg.head_dim).index_select(0, slots)
+            out[:, layer, 1] = v.view(-1, cfg.num_kv_heads, cfg.head_dim).index_select(0, slots)
+        return out.cpu()
+
+    @torch.inference_mode()
+    def write_kv(self, block_ids: list[int], start: int, kv: torch.Tensor) -> None:
+        """Write `kv` ([tokens, layers, 2, kv heads, head dim], as read_kv gives it) at tokens [start, ...)."""
+        slots = self._token_slots(block_ids, start, start + len(kv))
+        kv = kv.to(self.device)
+        cfg = self.cfg
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, slots, kv[:, layer, 0])
+            v.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, slots, kv[:, layer, 1])
+
     # ---- one step ----------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:

@@ -274,8 +274,10 @@ class Scheduler:
             if not budget.left or len(self.running) >= self.config.max_num_seqs:
                 break
             match = self.kv.match(req)
-            cached = len(match.blocks) * self.kv.block_size if match else 0
-            if prefilling and not req.wants_prompt_logprobs and self._computed_by_others(req, cached, prefilling):
+            # cached: the prefix this request will not compute (a cache hit, then KV from a producer)
+            cached = (len(match.blocks) * self.kv.block_size if match else 0) + self.kv.num_loaded(req, match)
+            if (prefilling and not req.wants_prompt_logprobs and not req.num_external_tokens
+                    and self._computed_by_others(req, cached, prefilling)):
                 continue
             todo = req.num_tokens - cached
             long = threshold is not None and todo > threshold
@@ -351,6 +353,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.pending_load = None  # never loaded: recomputed like the rest
         request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from tokenmill.router.backends import Backend, BackendPool
@@ -39,10 +40,12 @@ from tokenmill.router.cascade import (
     strip_logprobs,
     token_logprobs,
 )
+from tokenmill.router.disagg import PDConfig, decode_body, kv_receiver, new_transfer_id, prefill_body
 
 log = logging.getLogger("tokenmill.router")
 RETRY_STATUS = (429, 502, 503)
 MAX_BODY_BYTES = 16 << 20  # a larger body is refused here (413) rather than held in memory and sent on
+_PD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
@@ -70,17 +73,17 @@ def prompt_text(body: bytes) -> str:
 
 
 class _PoolCollector:
-    """The replicas' state, read at scrape time."""
+    """The replicas' state, read at scrape time (`prefix`: a second pool's, e.g. the prefill instances)."""
 
-    def __init__(self, pool: BackendPool):
+    def __init__(self, pool: BackendPool, prefix: str = ""):
         self.pool = pool
+        self.name = "tokenmill_router_" + (prefix + "_" if prefix else "") + "backend_"
 
     def collect(self):
-        healthy = GaugeMetricFamily("tokenmill_router_backend_healthy", "1 while the replica is in rotation",
-                                    labels=["backend"])
-        in_flight = GaugeMetricFamily("tokenmill_router_backend_in_flight", "Requests the router has in flight "
-                                      "there", labels=["backend"])
-        load = GaugeMetricFamily("tokenmill_router_backend_load", "In flight plus the replica's own waiting queue",
+        healthy = GaugeMetricFamily(self.name + "healthy", "1 while the replica is in rotation", labels=["backend"])
+        in_flight = GaugeMetricFamily(self.name + "in_flight", "Requests the router has in flight there",
+                                      labels=["backend"])
+        load = GaugeMetricFamily(self.name + "load", "In flight plus the replica's own waiting queue",
                                  labels=["backend"])
         for b in self.pool.backends.values():
             healthy.add_metric([b.url], 1.0 if b.healthy else 0.0)
@@ -97,7 +100,9 @@ class CascadeConfig:
 
 
 def build_router_app(pool: BackendPool, policy: Any, api_key: str | None = None, backend_api_key: str | None = None,
-                     max_attempts: int = 3, cascade: CascadeConfig | None = None) -> FastAPI:
+                     max_attempts: int = 3, cascade: CascadeConfig | None = None, pd: PDConfig | None = None
+                     ) -> FastAPI:
+    """The router's app over `pool`; with `pd`, `pool` is the decode instances and `pd.prefill` the prefill ones."""
     registry = CollectorRegistry()
     requests_total = Counter("tokenmill_router_requests", "Requests forwarded, by replica and outcome (ok: the "
                              "response began; error: unreachable or failed midway; retried: skipped for another)",
@@ -112,6 +117,20 @@ def build_router_app(pool: BackendPool, policy: Any, api_key: str | None = None,
     if_largest = Counter("tokenmill_router_cost_if_last_tier_usd", "What they would have cost sent to the last "
                          "tier alone (its prices, the answering tier's token counts)", registry=registry)
     registry.register(_PoolCollector(pool))
+    if pd is not None:
+        registry.register(_PoolCollector(pd.prefill, "prefill"))
+    pd_requests = Counter("tokenmill_router_pd_requests", "Prefill/decode requests by how their KV went: sent (the "
+                          "decode instance took it), failed (it computed the prompt itself), prefill_error (no "
+                          "prefill instance answered: the decode instance computed everything)", ["outcome"],
+                          registry=registry)
+    pd_prefill = Histogram("tokenmill_router_pd_prefill_seconds", "The prefill half: request to answer (the prompt "
+                           "computed and its KV shipped)", buckets=_PD_BUCKETS, registry=registry)
+    pd_transfer = Histogram("tokenmill_router_pd_transfer_tail_seconds", "Of the prefill half, the KV transfer after "
+                            "the prompt's last step (the rest overlaps the prefill)", buckets=_PD_BUCKETS,
+                            registry=registry)
+    pd_first_decode = Histogram("tokenmill_router_pd_first_decode_seconds", "The decode half: request to the first "
+                                "byte of its answer", buckets=_PD_BUCKETS, registry=registry)
+    pd_bytes = Counter("tokenmill_router_pd_kv_bytes", "KV bytes prefill instances shipped", registry=registry)
     state: dict[str, httpx.AsyncClient] = {}
     index = getattr(policy, "index", None)
     if index is not None:
@@ -124,10 +143,14 @@ def build_router_app(pool: BackendPool, policy: Any, api_key: str | None = None,
         state["client"] = httpx.AsyncClient(headers=headers, limits=limits,
                                             timeout=httpx.Timeout(None, connect=5.0))
         pool.start()
+        if pd is not None:
+            pd.prefill.start()
         try:
             yield
         finally:
             await pool.stop()
+            if pd is not None:
+                await pd.prefill.stop()
             await state["client"].aclose()
 
     app = FastAPI(title="tokenmill router", lifespan=lifespan)
@@ -135,11 +158,14 @@ def build_router_app(pool: BackendPool, policy: Any, api_key: str | None = None,
     def authorized(request: Request) -> bool:
         return not api_key or request.headers.get("authorization", "") == f"Bearer {api_key}"
 
-    async def relay(upstream: httpx.Response, backend: Backend) -> AsyncIterator[bytes]:
+    async def relay(upstream: httpx.Response, backend: Backend, on_first_byte=None) -> AsyncIterator[bytes]:
         sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
         backend.relaying.add(upstream)
         try:
             async for chunk in upstream.aiter_raw():
+                if on_first_byte is not None:
+                    on_first_byte()
+                    on_first_byte = None
                 yield chunk
         except (httpx.HTTPError, httpx.StreamClosed) as e:
             requests_total.labels(backend.url, "error").inc()
@@ -160,15 +186,22 @@ def build_router_app(pool: BackendPool, policy: Any, api_key: str | None = None,
         body = await request.body()
         if len(body) > MAX_BODY_BYTES:
             return _error(413, f"the body is larger than {MAX_BODY_BYTES >> 20} MiB")
-        text = prompt_text(body)
-        headers = {"content-type": request.headers.get("content-type", "application/json")}
+        if pd is not None:
+            return await forward_pd(body, path)
+        return await dispatch(body, path, prompt_text(body))
+
+    async def dispatch(body: bytes, path: str, text: str, first: Backend | None = None,
+                       extra_headers: dict[str, str] | None = None, on_first_byte=None) -> Response:
+        """Send to the replica the policy picks (`first`, if given, on the first attempt), on to another while one
+        fails before its response begins; relay the response that begins."""
+        headers = {"content-type": "application/json"}
         tried: set[str] = set()
         last: Response | None = None
         for _ in range(max_attempts):
             candidates = pool.healthy(tried)
             if not candidates:
                 break
-            backend = policy.choose(candidates, text)
+            backend = first if first is not None and first.url not in tried else policy.choose(candidates, text)
             tried.add(backend.url)
             backend.in_flight += 1
             backend.requests += 1
@@ -198,12 +231,91 @@ def build_router_app(pool: BackendPool, policy: Any, api_key: str | None = None,
                 continue
             requests_total.labels(backend.url, "ok").inc()
             passed = {k: v for k, v in upstream.headers.items() if k.lower() in ("content-type", "retry-after")}
-            return StreamingResponse(relay(upstream, backend), status_code=upstream.status_code,
-                                     headers={**passed, "x-tokenmill-backend": backend.url})
+            return StreamingResponse(relay(upstream, backend, on_first_byte), status_code=upstream.status_code,
+                                     headers={**passed, **(extra_headers or {}), "x-tokenmill-backend": backend.url})
         if last is not None:
             return last
         unrouted.inc()
         return _error(503, "no healthy replica could take the request; retry later", "server_error")
+
+    async def forward_pd(body: bytes, path: str) -> Response:
+        """Prefill half on a prefill instance (shipping the KV to the decode instance chosen first), then the decode
+        half there, relayed to the client."""
+        try:
+            data = json.loads(body)
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            return _error(400, "the body must be a JSON object")
+        text = prompt_text(body)
+        client = state["client"]
+        decode, receiver, healthy = None, None, pool.healthy()
+        chosen = policy.choose(healthy, text) if healthy else None
+        for backend in sorted(healthy, key=lambda b: (b is not chosen, b.load)):  # the policy's, then least load
+            try:
+                receiver = await kv_receiver(client, pd, backend)
+            except httpx.HTTPError as e:
+                pool.mark_failed(backend, f"/v1/kv_transfer: {type(e).__name__}")
+                continue
+            if receiver is not None:
+                decode = backend
+                break
+        if decode is None:
+            unrouted.inc()
+            return _error(503, "no healthy decode instance with a KV receiver (--kv-transfer-config kv_consumer)",
+                          "server_error")
+        transfer_id = new_transfer_id()
+        started = time.monotonic()
+        answer = await prefill(prefill_body(data, transfer_id, receiver), path, text)
+        if isinstance(answer, Response):
+            return answer  # the request itself is bad (4xx): as the prefill instance said
+        pd_prefill.observe(time.monotonic() - started)
+        params = (answer or {}).get("kv_transfer_params") or {}
+        outcome = "prefill_error" if answer is None else "sent" if params.get("status") == "sent" else "failed"
+        pd_requests.labels(outcome).inc()
+        if outcome == "sent":
+            pd_transfer.observe(params.get("tail_seconds", 0.0))
+            pd_bytes.inc(params.get("num_bytes", 0))
+        sent_at = time.monotonic()
+        return await dispatch(json.dumps(decode_body(data, transfer_id)).encode(), path, text, decode,
+                              {"x-tokenmill-kv-transfer": outcome},
+                              lambda: pd_first_decode.observe(time.monotonic() - sent_at))
+
+    async def prefill(body: dict, path: str, text: str) -> dict | Response | None:
+        """The prefill half on a prefill instance (the next one while one fails): its answer, a 4xx response to
+        hand back, or None if none could run it."""
+        client, tried = state["client"], set()
+        for _ in range(max_attempts):
+            candidates = pd.prefill.healthy(tried)
+            if not candidates:
+                return None
+            backend = pd.prefill_policy.choose(candidates, text)
+            tried.add(backend.url)
+            backend.in_flight += 1
+            backend.requests += 1
+            call = asyncio.ensure_future(client.post(backend.url + path, json=body))
+            backend.pending.add(call)
+            try:
+                resp = await call
+            except (httpx.HTTPError, asyncio.CancelledError) as e:
+                if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
+                    raise
+                requests_total.labels(backend.url, "error").inc()
+                pd.prefill.mark_failed(backend, f"{type(e).__name__}: {e}")
+                continue
+            finally:
+                backend.in_flight -= 1
+                backend.pending.discard(call)
+            if resp.status_code == 200:
+                requests_total.labels(backend.url, "ok").inc()
+                return resp.json()
+            if resp.status_code in RETRY_STATUS or resp.status_code >= 500:
+                requests_total.labels(backend.url, "retried").inc()
+                if resp.status_code != 429:
+                    pd.prefill.mark_failed(backend, f"HTTP {resp.status_code}")
+                continue
+            return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"))
+        return None
 
     def account(tier: Tier, usage: dict, cost: float) -> None:
         answered.labels(tier.name).inc()
@@ -378,7 +490,11 @@ def build_router_app(pool: BackendPool, policy: Any, api_key: str | None = None,
     @app.get("/health")
     async def health():
         n = len(pool.healthy())
-        return JSONResponse({"healthy_backends": n, "backends": len(pool.backends)}, status_code=200 if n else 503)
+        body = {"healthy_backends": n, "backends": len(pool.backends)}
+        if pd is not None:  # both halves are needed
+            body["healthy_prefill_backends"] = p = len(pd.prefill.healthy())
+            n = min(n, p)
+        return JSONResponse(body, status_code=200 if n else 503)
 
     @app.get("/metrics")
     async def metrics():
@@ -435,11 +551,13 @@ class RouterServer(uvicorn.Server):
 
 def run_router(backends: list[str], policy: str, host: str, port: int, api_key: str | None,
                backend_api_key: str | None, health_interval_s: float, max_attempts: int,
-               cascade: CascadeConfig | None = None) -> int:
+               cascade: CascadeConfig | None = None, prefill: list[str] | None = None) -> int:
+    """`backends` are the replicas (with `prefill`: the decode instances), or the cascade's tiers."""
     from tokenmill.router.policies import make_policy
 
     pool = BackendPool(backends or [t.url for t in cascade.tiers], backend_api_key, health_interval_s)
-    app = build_router_app(pool, make_policy(policy), api_key, backend_api_key, max_attempts, cascade)
+    pd = PDConfig(BackendPool(prefill, backend_api_key, health_interval_s), make_policy(policy)) if prefill else None
+    app = build_router_app(pool, make_policy(policy), api_key, backend_api_key, max_attempts, cascade, pd)
     server = RouterServer(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
     server.run()
     return 0

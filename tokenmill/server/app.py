@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import tokenmill
+from tokenmill.disagg.transfer import KVTransferParams
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.errors import InvalidRequest
 from tokenmill.server.errors import ModelNotFound, error_body, install_error_handlers
@@ -49,6 +50,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
     tok = engine.tokenizer
     info = engine.info
     metrics.set_weights(info.weight_format, info.weight_bytes)
+    metrics.block_size = info.block_size
     names = list(dict.fromkeys(settings.served_model_names))
     token_text = TokenText(tok)
     encoder = PromptEncoder(tok)
@@ -96,6 +98,17 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         return {"id": name, "object": "model", "created": settings.created, "owned_by": "tokenmill",
                 "root": settings.model_path or name, "parent": None, "max_model_len": info.max_model_len}
 
+    @app.get("/v1/kv_transfer")
+    async def kv_transfer():
+        """This server's part in disaggregated prefill/decode, for the router: its role, its connector and where a
+        tcp consumer receives KV (its host as the router reaches it, this port)."""
+        cfg = engine.config.kv_transfer
+        if cfg is None:
+            return {"kv_role": None}
+        address = info.kv_transfer_address
+        return {"kv_role": cfg.kv_role, "kv_connector": cfg.kv_connector, "kv_address": address,
+                "kv_port": int(address.rsplit(":", 1)[1]) if address else None}
+
     @app.get("/v1/models")
     async def list_models():
         return {"object": "list", "data": [model_card(n) for n in names]}
@@ -113,8 +126,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         params = req.to_params(info.vocab_size)
         prompts = await encoder.prompts(req.prompts())
         grammar = await engine.check_grammar(params)
+        transfer = KVTransferParams.from_request(req.kv_transfer_params, engine.config.kv_transfer)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = engine.add_requests(request_id, prompts, params, arrival, req.cache_salt, grammar)
+        stream = engine.add_requests(request_id, prompts, params, arrival, req.cache_salt, grammar, transfer)
         echo = [text if text is not None else tok.decode(ids, skip_special_tokens=False) for text, ids in prompts] \
             if req.echo else None
         writer = CompletionWriter(request_id, model, params.n, req.logprobs, echo, token_text, req.prompt_logprobs)
@@ -138,8 +152,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         text, ids = await encoder.render_chat(messages, req.add_generation_prompt,
                                               [t.as_openai() for t in tools.offered] if tools and takes_tools else None)
         grammar = await engine.check_grammar(params)
+        transfer = KVTransferParams.from_request(req.kv_transfer_params, engine.config.kv_transfer)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = engine.add_requests(request_id, [(text, ids)], params, arrival, req.cache_salt, grammar)
+        stream = engine.add_requests(request_id, [(text, ids)], params, arrival, req.cache_salt, grammar, transfer)
         writer = ChatWriter(request_id, model, params.n, (req.top_logprobs or 0) if req.logprobs else None,
                             token_text, req.prompt_logprobs, tools.offered if tools and tools.parses else None)
         if req.stream:

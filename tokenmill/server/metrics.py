@@ -101,6 +101,25 @@ class ServerMetrics:
                                             "blocks (the pool ran short) or priority (a better-ranked request took "
                                             "the place)", ["model_name", "cause"], registry=r)
         self._causes_seen: dict[str, int] = {}
+        kv = ["model_name", "direction"]
+        self.kv_transfer_bytes = Counter("tokenmill_kv_transfer_bytes", "KV bytes shipped to consumers (sent) or "
+                                         "arrived from producers (received), disaggregated prefill/decode", kv,
+                                         registry=r)
+        self.kv_transfer_blocks = Counter("tokenmill_kv_transfer_blocks", "KV blocks (of this engine's block size) "
+                                          "sent or received", kv, registry=r)
+        self.kv_transfers = Counter("tokenmill_kv_transfers", "KV transfers by outcome: sent, send_failed, received, "
+                                    "dropped (refused, broken off, expired unclaimed), missed (a consumer request "
+                                    "whose KV had not arrived: it computed its prompt)", ["model_name", "outcome"],
+                                    registry=r)
+        self.kv_loaded_tokens = Counter("tokenmill_kv_transfer_loaded_tokens", "Prompt tokens a consumer loaded "
+                                        "instead of computing", labels, registry=r)
+        self.kv_transfer_seconds = Histogram("tokenmill_kv_transfer_seconds", "Per transfer, from the first KV "
+                                             "handed over to the consumer's acknowledgement (overlaps the prefill)",
+                                             labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.kv_buffered = Gauge("tokenmill_kv_transfer_buffered_bytes", "Received KV waiting to be claimed",
+                                 labels, registry=r)
+        self._kv_seen: dict[tuple[str, ...], int] = {}
+        self.block_size = 16  # for the blocks counter (app.py sets the engine's)
         self.engine_alive = Gauge("tokenmill_engine_alive", "1 while the engine loop is alive", labels, registry=r)
         self.weight_bytes = Gauge("tokenmill_model_weight_bytes", "Bytes the model's weights hold in the engine, by "
                                   "weight format (as the start-up log says)", ["model_name", "format"], registry=r)
@@ -217,6 +236,29 @@ class ServerMetrics:
             if total > self._causes_seen.get(cause, 0):
                 self.preemptions_by_cause.labels(self._model, cause).inc(total - self._causes_seen.get(cause, 0))
                 self._causes_seen[cause] = total
+
+    def on_kv_transfer(self, st) -> None:
+        """The connector's totals since start -> counter increases; its per-transfer times -> the histogram."""
+        m, bs = self._model, self.block_size
+        totals = ((self.kv_transfer_bytes, ("sent",), st.sent_bytes),
+                  (self.kv_transfer_bytes, ("received",), st.received_bytes),
+                  (self.kv_transfer_blocks, ("sent",), -(-st.sent_tokens // bs)),
+                  (self.kv_transfer_blocks, ("received",), -(-st.received_tokens // bs)),
+                  (self.kv_transfers, ("sent",), st.sent_transfers),
+                  (self.kv_transfers, ("send_failed",), st.failed_sends),
+                  (self.kv_transfers, ("received",), st.received_transfers),
+                  (self.kv_transfers, ("dropped",), st.dropped_transfers),
+                  (self.kv_transfers, ("missed",), st.missed_claims),
+                  (self.kv_loaded_tokens, (), st.loaded_tokens))
+        for metric, labels, total in totals:
+            key = (metric._name, *labels)
+            seen = self._kv_seen.get(key, 0)
+            if total > seen:
+                metric.labels(m, *labels).inc(total - seen)
+                self._kv_seen[key] = total
+        for seconds in st.send_seconds:
+            self.kv_transfer_seconds.labels(m).observe(seconds)
+        self.kv_buffered.labels(m).set(st.buffered_bytes)
 
     def _on_spec(self, sd) -> None:
         """Speculation totals since start -> counter increases (as the scheduler totals above)."""

@@ -74,6 +74,8 @@ class _Sampling(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's disaggregated prefill/decode field: ship this prompt's KV, or take it (tokenmill/disagg/transfer.py)
+    kv_transfer_params: dict[str, Any] | None = None
 
     def check_prompt_logprobs(self) -> None:
         """Checked here, not only in SamplingParams: completions may compute more for echo, hiding a bad value."""

@@ -21,6 +21,14 @@ def _usage(prompt_tokens: int, completion_tokens: int, stream: OutputStream) -> 
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+def _with_transfer(body: dict, stream: OutputStream) -> dict:
+    """A producer's answer carries its KV transfer's outcome (vLLM's `kv_transfer_params`), for the router."""
+    transfer = stream.requests[0].kv_transfer if stream.requests else None
+    if transfer is not None:
+        body["kv_transfer_params"] = transfer
+    return body
+
+
 def _lp(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
 
@@ -126,8 +134,9 @@ class CompletionWriter(_Writer):
             if self.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(state, self.prompt_logprobs, self.tt)
             body.append(choice)
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": body, "usage": _usage(prompt_tokens, sum(len(c.token_ids) for c in choices), stream)}
+        return _with_transfer({"id": self.id, "object": "text_completion", "created": self.created,
+                               "model": self.model, "choices": body,
+                               "usage": _usage(prompt_tokens, sum(len(c.token_ids) for c in choices), stream)}, stream)
 
     async def chunks(self, stream: OutputStream, usage_prompt: int | None) -> AsyncIterator[dict]:
         completion_tokens = 0
@@ -201,8 +210,9 @@ class ChatWriter(_Writer):
         if self.prompt_logprobs is not None:
             for choice in body:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(stream.requests[0], self.prompt_logprobs, self.tt)
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": body, "usage": _usage(prompt_tokens, sum(len(c.token_ids) for c in choices), stream)}
+        return _with_transfer({"id": self.id, "object": "chat.completion", "created": self.created,
+                               "model": self.model, "choices": body,
+                               "usage": _usage(prompt_tokens, sum(len(c.token_ids) for c in choices), stream)}, stream)
 
     async def chunks(self, stream: OutputStream, usage_prompt: int | None) -> AsyncIterator[dict]:
         yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
