@@ -223,3 +223,14 @@ def test_a_producer_sequence_that_keeps_decoding_reports_its_transfer_when_it_en
     assert len(tokens(out, "p")) == GREEDY.max_tokens
     assert out["p"][-1].kv_transfer["status"] == "sent"
     assert all(o.kv_transfer is None for o in out["p"][:-1])
+
+
+def test_a_consumer_request_wanting_prompt_logprobs_computes_its_prompt_and_drops_the_kv(pair):
+    prompt = prompt_of(20, 14)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    ref = run(pair.colocated, add("r", prompt, params))
+    run(pair.producer, add("p", prompt, PREFILL, pair.ship("lp")))
+    got = run(pair.consumer, add("d", prompt, params, KVTransferParams("lp", False)))
+    assert tokens(got, "d") == tokens(ref, "r")
+    assert [o.new_prompt_logprobs for o in got["d"]] == [o.new_prompt_logprobs for o in ref["r"]]
+    assert pair.consumer.connector.stats().buffered_bytes == 0  # claimed and dropped, not left to expire

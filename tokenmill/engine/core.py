@@ -165,8 +165,6 @@ class EngineCore:
             conn.begin(params, request.prompt_token_ids)
             self._shipments[rid] = Shipment(tid)
             return
-        if request.wants_prompt_logprobs:
-            return  # every prompt position must run through the model
         ext = self._external.get(tid)  # the n samples of one request share one transfer
         if ext is None:
             try:
@@ -178,6 +176,10 @@ class EngineCore:
                 conn.count(missed_claims=1)
                 return
             ext = self._external[tid] = ExternalKV(received, set())
+        if request.wants_prompt_logprobs:  # every prompt position must run through the model: the KV goes unused
+            if not ext.holders:
+                del self._external[tid]
+            return
         shipped, prompt = ext.received.header.token_ids, request.prompt_token_ids
         usable = 0
         for a, b in zip(shipped, prompt[:-1]):
