@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import select
 import shutil
 import statistics
 import subprocess
@@ -32,9 +31,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx
 import torch
+from http_vs_offline import launch, start_tokenmill
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill.bench.datasets import random_requests
@@ -47,26 +48,11 @@ from tokenmill.model.loader import default_model_path
 from tokenmill.tokenizer import Tokenizer
 
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None  # a tmpfs: the shm connector's default home
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-COMMON = ["--kv-cache-memory", "512MiB", "--max-model-len", "8192", "--max-waiting-requests", "100000",
-          "--max-waiting-tokens", str(1 << 30)]
-
-
-def launch(cmd: list[str], ready: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=ENV, text=True)
-    line, deadline = "", time.monotonic() + 600
-    while ready not in line:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"{' '.join(cmd[:8])} did not start (code {proc.poll()})")
-        if select.select([proc.stdout], [], [], 1.0)[0]:
-            line = proc.stdout.readline()
-    return proc, line.rsplit(" at ", 1)[1].strip()
+COMMON = ["--kv-cache-memory", "512MiB", "--max-model-len", "8192"]
 
 
 def serve(cores: str, threads: int, *flags: str) -> tuple[subprocess.Popen, str]:
-    return launch(["taskset", "-c", cores, sys.executable, "-m", "tokenmill.cli", "serve", "--port", "0",
-                   "--threads", str(threads), *COMMON, *flags], "tokenmill serving")
+    return start_tokenmill(["--threads", str(threads), *COMMON, *flags], ["taskset", "-c", cores])
 
 
 def router(*flags: str) -> tuple[subprocess.Popen, str]:

@@ -69,18 +69,23 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     return start_tokenmill(flags)
 
 
-def start_tokenmill(flags: list[str]) -> tuple[subprocess.Popen, str]:
+def start_tokenmill(flags: list[str], prefix: list[str] | None = None) -> tuple[subprocess.Popen, str]:
     """`tokenmill serve FLAGS` on a free loopback port with unbounded queues (a benchmark's burst must not get
-    429s); returns the process and its URL once it has printed its ready line."""
-    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", "0", "--max-waiting-requests", "100000",
-           "--max-waiting-tokens", str(1 << 30), *flags]
+    429s); returns the process and its URL once it has printed its ready line. `prefix`: e.g. taskset -c 0."""
+    cmd = [*(prefix or []), sys.executable, "-m", "tokenmill.cli", "serve", "--port", "0", "--max-waiting-requests",
+           "100000", "--max-waiting-tokens", str(1 << 30), *flags]
+    return launch(cmd, "tokenmill serving")
+
+
+def launch(cmd: list[str], ready: str) -> tuple[subprocess.Popen, str]:
+    """Start a tokenmill command and wait for its ready line ("READY ... at URL"); returns it and the URL."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, text=True)
     line, deadline = "", time.monotonic() + 600
-    while "tokenmill serving" not in line:
+    while ready not in line:
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise RuntimeError(f"the server did not start (code {proc.poll()})")
+            raise RuntimeError(f"{' '.join(cmd[:8])} did not start (code {proc.poll()})")
         if select.select([proc.stdout], [], [], 1.0)[0]:
             line = proc.stdout.readline()
     return proc, line.rsplit(" at ", 1)[1].strip()

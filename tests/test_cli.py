@@ -188,3 +188,13 @@ def test_server_settings_default_body_limit_is_the_flags():
 
     args = build_parser().parse_args(["serve"])
     assert ServerSettings(["m"]).max_request_bytes == args.max_request_bytes == 16 << 20
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--prefill", "http://a:1"], "--prefill and --decode go together"),
+    (["--prefill", "http://a:1", "--decode", "http://b:1", "--backend", "http://c:1"], "do not mix"),
+    (["--prefill", "ftp://a", "--decode", "http://b:1"], "http(s) URL"),
+])
+def test_router_prefill_decode_flags_are_checked(args, message):
+    r = tokenmill("router", *args)
+    assert r.returncode == 2 and message in r.stderr

@@ -27,11 +27,12 @@ def model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("disagg"), vocab_size=256)
 
 
-def make_core(model, tmp_path, role: str | None, connector: str, *, chunk: int = 2048, prefix: bool = True):
+def make_core(model, tmp_path, role: str | None, connector: str, *, chunk: int = 2048, prefix: bool = True,
+              num_blocks: int | None = None):
     kv = ({"kv_connector": connector, "kv_role": role, "kv_port": 0, "shm_dir": str(tmp_path / "shm")}
           if role else None)
     return EngineCore(EngineConfig(model=str(model), dtype="float32", kv_transfer=kv,
-                                   cache=CacheConfig(kv_cache_memory=4 << 20, block_size=4,
+                                   cache=CacheConfig(kv_cache_memory=4 << 20, block_size=4, num_blocks=num_blocks,
                                                      enable_prefix_caching=prefix),
                                    scheduler=SchedulerConfig(max_num_batched_tokens=chunk)))
 
@@ -234,3 +235,22 @@ def test_a_consumer_request_wanting_prompt_logprobs_computes_its_prompt_and_drop
     assert tokens(got, "d") == tokens(ref, "r")
     assert [o.new_prompt_logprobs for o in got["d"]] == [o.new_prompt_logprobs for o in ref["r"]]
     assert pair.consumer.connector.stats().buffered_bytes == 0  # claimed and dropped, not left to expire
+
+
+def test_a_consumer_short_of_blocks_preempts_and_recomputes_to_the_same_output(model, tmp_path):
+    """Three sequences loaded from transfers outgrow a 40-block pool while decoding: the one preempted is
+    recomputed from its prompt (its arrived KV is not kept), and every output is still the colocated one."""
+    pair = Pair(model, tmp_path, "tcp", num_blocks=40, prefix=False)
+    try:
+        prompts = [prompt_of(30, 20 + i) for i in range(3)]
+        params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        ref = run(pair.colocated, *(add(f"r{i}", p, params) for i, p in enumerate(prompts)))
+        for i, p in enumerate(prompts):
+            run(pair.producer, add(f"p{i}", p, PREFILL, pair.ship(f"pre{i}")))
+        got = run(pair.consumer, *(add(f"d{i}", p, params, KVTransferParams(f"pre{i}", False))
+                                   for i, p in enumerate(prompts)))
+        assert pair.consumer.scheduler.num_preemptions > 0
+        for i in range(3):
+            assert tokens(got, f"d{i}") == tokens(ref, f"r{i}")
+    finally:
+        pair.close()

@@ -363,6 +363,8 @@ class EngineCore:
                 self.speculator.observe(rid, drafts, accepted)
             for req in sched.preempted:
                 self.speculator.forget(req.request_id)  # its KV is gone: a draft model starts it over
+        for req in sched.preempted:  # recomputed from its prompt (or a cache hit): arrived KV is not kept for it
+            self._untake(req.request_id)
         for req in finished:
             self._release(req.request_id)
         if self.speculator is not None:

@@ -273,6 +273,8 @@ def build_router_app(pool: BackendPool, policy: Any, api_key: str | None = None,
         params = (answer or {}).get("kv_transfer_params") or {}
         outcome = "prefill_error" if answer is None else "sent" if params.get("status") == "sent" else "failed"
         pd_requests.labels(outcome).inc()
+        if outcome == "failed":  # ask again next time: the decode instance may have restarted on another port
+            pd.receivers.pop(decode.url, None)
         if outcome == "sent":
             pd_transfer.observe(params.get("tail_seconds", 0.0))
             pd_bytes.inc(params.get("num_bytes", 0))

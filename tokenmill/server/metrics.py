@@ -118,7 +118,7 @@ class ServerMetrics:
                                              labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.kv_buffered = Gauge("tokenmill_kv_transfer_buffered_bytes", "Received KV waiting to be claimed",
                                  labels, registry=r)
-        self._kv_seen: dict[tuple[str, ...], int] = {}
+        self._kv_seen: dict[tuple, int] = {}
         self.block_size = 16  # for the blocks counter (app.py sets the engine's)
         self.engine_alive = Gauge("tokenmill_engine_alive", "1 while the engine loop is alive", labels, registry=r)
         self.weight_bytes = Gauge("tokenmill_model_weight_bytes", "Bytes the model's weights hold in the engine, by "
@@ -251,7 +251,7 @@ class ServerMetrics:
                   (self.kv_transfers, ("missed",), st.missed_claims),
                   (self.kv_loaded_tokens, (), st.loaded_tokens))
         for metric, labels, total in totals:
-            key = (metric._name, *labels)
+            key = (id(metric), *labels)
             seen = self._kv_seen.get(key, 0)
             if total > seen:
                 metric.labels(m, *labels).inc(total - seen)
