@@ -332,6 +332,7 @@ class EngineConfig:
     seed: int = 0
     tokenizer: str | None = None
     num_threads: int | None = None  # compute threads (torch intra-op); None = torch's default (the cores)
+    tensor_parallel_size: int = 1  # ranks (processes over torch.distributed) each holding a shard of every layer
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # --speculative-config (JSON text, a dict or a SpeculativeConfig; None: no speculation)
@@ -344,6 +345,11 @@ class EngineConfig:
         self.kv_transfer = KVTransferConfig.parse(self.kv_transfer)
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.num_threads}")
+        if not isinstance(self.tensor_parallel_size, int) or not 1 <= self.tensor_parallel_size <= 64:
+            raise ConfigError(f"--tensor-parallel-size must be an integer in [1, 64], got {self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1 and (self.speculative is not None or self.kv_transfer is not None):
+            raise ConfigError("--tensor-parallel-size > 1 does not combine with --speculative-config or "
+                              "--kv-transfer-config yet; drop one of them")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:

@@ -119,6 +119,10 @@ class EngineArgs:
               "\"num_speculative_tokens\": 4}' (a draft model with the target's vocabulary; \"quantization\": "
               "\"int4\" makes the target itself an INT4 self-draft). Output is the target's, exactly (lossless)",
         key="speculative")
+    tensor_parallel_size: int = _opt(1, "processes (ranks over torch.distributed: gloo on CPU, NCCL on CUDA) that "
+                                        "each hold a shard of every layer (Megatron style: heads, MLP columns and "
+                                        "vocabulary split; two all-reduces per layer); threads per rank default to "
+                                        "the cores / ranks", type=int)
     kv_transfer_config: str | None = _opt(
         None, "disaggregated prefill/decode, as vLLM's flag: '{\"kv_connector\": \"tcp\" | \"shm\", \"kv_role\": "
               "\"kv_producer\" | \"kv_consumer\" | \"kv_both\", \"kv_port\": 14579}'. A producer computes prompts "

@@ -33,6 +33,10 @@ class ServerOverloaded(TokenmillError):
         self.retry_after = retry_after  # seconds, for the Retry-After header
 
 
+class ParallelFailure(TokenmillError, RuntimeError):
+    """A tensor-parallel rank failed, hung or fell out of step: the engine cannot go on (it stops and says so)."""
+
+
 class RequestFailed(TokenmillError):
     """The engine could not run this request (its step raised); the engine itself goes on."""
 

@@ -7,8 +7,10 @@ its own process.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,9 +22,12 @@ from tokenmill.engine.messages import AddRequest, EngineCoreOutput, EngineOutput
 from tokenmill.engine.runner import DTYPES, ModelRunner, StepResult, kv_bytes_per_token
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 from tokenmill.engine.step_cost import StepCostModel
-from tokenmill.errors import ConfigError
+from tokenmill.errors import ConfigError, ParallelFailure
 from tokenmill.model.backends import auto_dtype
 from tokenmill.model.loader import load_model_config, load_weights, resolve_model_path
+from tokenmill.parallel.driver import Workers
+from tokenmill.parallel.group import TensorParallel
+from tokenmill.parallel.layout import TPLayout, check_tensor_parallel
 from tokenmill.quant.methods import checkpoint_quantization, resolve_quantization
 from tokenmill.request import Request, RequestStatus
 from tokenmill.spec.speculator import Speculator, build_speculator
@@ -73,23 +78,62 @@ class CacheInfo:
                 f"{'on' if self.prefix_caching else 'off (--no-prefix-caching)'}")
 
 
+@dataclass
+class ModelSpec:
+    """What to build the model runner from, resolved once from the config (every tensor-parallel rank the same)."""
+
+    path: Path
+    config: ModelConfig
+    dtype: torch.dtype
+    quantization: str | None
+    kv_dtype: torch.dtype
+
+    @classmethod
+    def resolve(cls, config: EngineConfig) -> ModelSpec:
+        path = resolve_model_path(config.model)
+        mc = load_model_config(path)
+        stored = checkpoint_quantization(path)  # an AWQ checkpoint computes as --quantization awq would
+        dtype = DTYPES[auto_dtype(config.device, config.quantization or stored) if config.dtype == "auto"
+                       else config.dtype]
+        quantization = resolve_quantization(config.quantization, path, dtype, config.device)
+        if config.tensor_parallel_size > 1:
+            check_tensor_parallel(mc, config.tensor_parallel_size)
+            if quantization in ("gguf", "awq", "int4"):
+                if config.quantization is not None or stored is not None:
+                    raise ConfigError(f"--quantization {quantization} keeps blocks that tensor parallelism cannot "
+                                      "split yet; use none, int8 or fp8 with --tensor-parallel-size")
+                quantization = None  # a GGUF file's blocks, dequantized: each rank takes its slice
+        return cls(path, mc, dtype, quantization, config.cache.cache_dtype(dtype))
+
+    def build_runner(self, config: EngineConfig, num_blocks: int, tp: TensorParallel | None = None) -> ModelRunner:
+        weights = load_weights(self.path, self.config, self.dtype)
+        return ModelRunner(self.config, weights, self.dtype, config.device, num_blocks, config.cache.block_size,
+                           config.seed, batch_invariant=config.batch_invariant, quantization=self.quantization,
+                           kv_dtype=self.kv_dtype, tp=tp)
+
+
+def threads_per_rank(config: EngineConfig) -> int | None:
+    """--threads, or with several tensor-parallel ranks on this host the cores shared out among them."""
+    if config.num_threads is not None or config.tensor_parallel_size == 1:
+        return config.num_threads
+    return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+        threads = threads_per_rank(config)
+        if threads is not None:
+            torch.set_num_threads(threads)
         torch.manual_seed(config.seed)
-        path = resolve_model_path(config.model)
-        self.model_path = path
-        self.model_config: ModelConfig = load_model_config(path)
-        stored = checkpoint_quantization(path)  # an AWQ checkpoint computes as --quantization awq would
-        self.dtype = DTYPES[auto_dtype(config.device, config.quantization or stored) if config.dtype == "auto"
-                            else config.dtype]
-        self.quantization = resolve_quantization(config.quantization, path, self.dtype, config.device)
-        weights = load_weights(path, self.model_config, self.dtype)
+        model_spec = ModelSpec.resolve(config)
+        self.model_path = model_spec.path
+        self.model_config: ModelConfig = model_spec.config
+        self.dtype, self.quantization, self.kv_dtype = model_spec.dtype, model_spec.quantization, model_spec.kv_dtype
         mc, cc = self.model_config, config.cache
-        self.kv_dtype = cc.cache_dtype(self.dtype)
-        per_token = kv_bytes_per_token(mc, self.kv_dtype)
+        tp_size = config.tensor_parallel_size
+        layout = TPLayout(mc, tp_size, 0) if tp_size > 1 else None
+        per_token = kv_bytes_per_token(layout.shard_config() if layout else mc, self.kv_dtype)  # per rank
         spec = config.speculative
         draft_per_token = 0  # a draft model's KV, at the same block ids (spec/draft_model.py), shares the budget
         if spec is not None and spec.method == "draft_model":
@@ -107,10 +151,17 @@ class EngineCore:
         self.max_model_len = max_len
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.runner = ModelRunner(mc, weights, self.dtype, config.device, num_blocks, cc.block_size, config.seed,
-                                  batch_invariant=config.batch_invariant, quantization=self.quantization,
-                                  kv_dtype=self.kv_dtype)
-        del weights
+        self.workers: Workers | None = None  # tensor-parallel ranks 1..N-1
+        tp = None
+        if layout is not None:
+            self.workers = Workers(config, num_blocks, tp_size, threads or 1)
+            tp = TensorParallel(self.workers.group, layout)
+        try:
+            self.runner = model_spec.build_runner(config, num_blocks, tp)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.kill()
+            raise
         self.speculator: Speculator | None = None
         self.step_cost = StepCostModel()  # measured step times: a step's size within an ITL target; a draft's cost
         self.scheduler.step_cost = self.step_cost
@@ -304,8 +355,20 @@ class EngineCore:
         invariance), the weights' format and bytes, and the KV cache."""
         mode = "batch-invariant" if self.runner.batch_invariant else "not batch-invariant"
         spec = f"\n{self.speculator.describe()}" if self.speculator is not None else ""
-        return (f"backend: {self.runner.backend.describe()}; {mode}\n{self.runner.weight_summary()}\n"
+        tp = ""
+        if self.workers is not None:
+            tp = (f"\n{TPLayout(self.model_config, self.config.tensor_parallel_size, 0).describe()}; "
+                  f"{torch.get_num_threads()} threads each; weights and KV cache below are per rank")
+        return (f"backend: {self.runner.backend.describe()}; {mode}{tp}\n{self.runner.weight_summary()}\n"
                 f"{self.cache_info.describe()}{spec}")
+
+    def close(self) -> None:
+        """Stop what runs beside the engine: the tensor-parallel ranks, the KV connector's threads."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
+        if self.connector is not None:
+            self.connector.close()
 
     @property
     def has_unfinished(self) -> bool:
@@ -422,6 +485,8 @@ class EngineCore:
         safe: nothing is committed before the step returns (KV slots are rewritten with the same values)."""
         try:
             return self.runner.execute(sched)
+        except ParallelFailure:
+            raise  # the ranks are out of step: no request can run, the engine stops
         except Exception as e:
             if len(sched.scheduled) == 1:
                 log.exception("the forward pass failed for request %s", sched.scheduled[0].request.request_id)

@@ -46,7 +46,10 @@ def run_engine_core(config: EngineConfig, inputs: Any, outputs: Any) -> None:
                              info.num_blocks, info.block_size, core.startup_summary(), os.getpid(),
                              core.runner.weight_format(), weight_bytes(core.runner.model), info.token_capacity,
                              core.connector.address() if core.connector is not None else None))
-    serve(core, inputs, outputs)
+    try:
+        serve(core, inputs, outputs)
+    finally:
+        core.close()
 
 
 def serve(core: EngineCore, inputs: Any, outputs: Any) -> None:

@@ -20,10 +20,13 @@ from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.backends import select_backend
 from tokenmill.model.loader import allocate_parameters
 from tokenmill.model.registry import model_class
+from tokenmill.parallel.driver import DriverModel
+from tokenmill.parallel.layout import ShardedCheckpoint
 from tokenmill.quant.methods import linear_method
 from tokenmill.spec.rejection import rejection_sample
 
 if TYPE_CHECKING:
+    from tokenmill.parallel.group import TensorParallel
     from tokenmill.structured.manager import StructuredOutputs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -80,20 +83,24 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: str,
                  num_blocks: int, block_size: int, seed: int = 0, use_kernel: bool = True,
                  batch_invariant: bool = False, quantization: str | None = None,
-                 kv_dtype: torch.dtype | None = None):
+                 kv_dtype: torch.dtype | None = None, tp: TensorParallel | None = None):
         self.use_kernel = use_kernel
         # batch_invariant: every prompt token reads its context through the block tables (its K/V written first),
         # so its attention is the same computation however the prompt was chunked and whatever shares the step,
         # and the backend picks matmul kernels whose rows do not depend on the batch. Otherwise a prompt's first
         # chunk attends over its own K/V (SDPA; model/attention.py "fresh" spans).
         self.batch_invariant = batch_invariant
+        # tensor parallelism: this rank builds its shard of the model (parallel/layout.py) and reads its slice of
+        # each checkpoint tensor; its KV cache holds its KV heads
+        if tp is not None:
+            cfg, weights = tp.layout.shard_config(), ShardedCheckpoint(weights, tp.layout)
         self.cfg, self.dtype, self.device, self.block_size = cfg, dtype, torch.device(device), block_size
         # Chosen once: use_kernel=False is the plain-PyTorch reference, which runs no C++ op at all.
         self.backend = select_backend(self.device, use_kernels=use_kernel, batch_invariant=batch_invariant)
         # Built in `dtype` on the meta device, then allocated uninitialised where it runs: each parameter is
         # written once, in place, as `weights` (a lazy loader.Checkpoint, or any mapping) is read tensor by tensor.
         with torch.device("meta"):
-            model = model_class(cfg)(cfg, self.backend, dtype, linear_method(quantization))
+            model = model_class(cfg)(cfg, self.backend, dtype, linear_method(quantization), tp=tp)
         allocate_parameters(model, self.device)
         model.load_hf_weights(weights)
         self.model = model.eval()
@@ -111,6 +118,8 @@ class ModelRunner:
         self.draft_probs: dict[str, torch.Tensor] = {}
         self.structured: StructuredOutputs | None = None  # constrained requests' masks (engine/core.py sets it)
         self._seed_rng = random.Random(seed)
+        if tp is not None and tp.group.is_driver:  # each call announced to the other ranks first
+            self.model = DriverModel(self.model, tp.group)
 
     def weight_format(self) -> str:
         """The matmul weights as served: the dtype, or the quantized format and the dtype it computes in."""

@@ -92,13 +92,16 @@ class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
 
     def __init__(self, hidden: int, intermediate: int, backend: Backend | None = None,
-                 dtype: torch.dtype | None = None, method: LinearMethod | None = None):
+                 dtype: torch.dtype | None = None, method: LinearMethod | None = None,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
         super().__init__()
         self.backend = backend if backend is not None else TorchBackend()
+        self.reduce = reduce  # tensor parallelism: down_proj is row-parallel, its partial sums are all-reduced
         self.gate_up_proj = Linear(hidden, [intermediate, intermediate], bias=False, backend=self.backend,
                                    method=method, dtype=dtype)
         self.gate_up_proj.silu_pairs = True  # a backend may pack it to apply SiLU-and-multiply in the matmul
         self.down_proj = Linear(intermediate, hidden, bias=False, backend=self.backend, method=method, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.backend.gate_up_silu(x, self.gate_up_proj))
+        out = self.down_proj(self.backend.gate_up_silu(x, self.gate_up_proj))
+        return out if self.reduce is None else self.reduce(out)

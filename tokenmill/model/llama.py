@@ -6,7 +6,8 @@ does it know the device: every op goes through the backend it is built with (mod
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,6 +20,11 @@ from tokenmill.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, VocabEmbedd
 from tokenmill.model.linear import Linear, LinearMethod, TiedLMHead, default_weight_loader
 from tokenmill.model.loader import allocate_parameters, one_torch_thread
 
+if TYPE_CHECKING:
+    from tokenmill.parallel.group import TensorParallel
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]  # sums a row-parallel layer's partial products over the ranks
+
 # A fused projection's checkpoint tensors in row order: checkpoint `q_proj` is shard 0 of our `qkv_proj`.
 FUSED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 WeightTarget = tuple[nn.Module, nn.Parameter, int | None]  # the parameter's owner, the parameter, its shard
@@ -26,9 +32,9 @@ WeightTarget = tuple[nn.Module, nn.Parameter, int | None]  # the parameter's own
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: Backend, dtype: torch.dtype | None = None,
-                 method: LinearMethod | None = None):
+                 method: LinearMethod | None = None, reduce: Reduce | None = None):
         super().__init__()
-        self.backend = backend
+        self.backend, self.reduce = backend, reduce
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size],
@@ -41,17 +47,18 @@ class Attention(nn.Module):
         q, k, v = self.backend.rotary_and_write_kv(self.qkv_proj(x), self.num_heads, self.num_kv_heads, cos, sin,
                                                    k_cache, v_cache, meta.slot_mapping)
         out = self.backend.paged_attention(q, k, v, k_cache, v_cache, meta)
-        return self.o_proj(out.reshape(x.shape[0], self.q_size))
+        out = self.o_proj(out.reshape(x.shape[0], self.q_size))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: Backend, dtype: torch.dtype | None = None,
-                 method: LinearMethod | None = None):
+                 method: LinearMethod | None = None, reduce: Reduce | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, dtype)
-        self.self_attn = Attention(cfg, backend, dtype, method)
+        self.self_attn = Attention(cfg, backend, dtype, method, reduce)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, dtype)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, backend, dtype, method)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, backend, dtype, method, reduce)
 
     def forward(self, x, cos, sin, meta, kv_cache):
         """Updates the residual stream `x` in place and returns it."""
@@ -63,15 +70,20 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """`dtype` is the parameters' dtype from the start (the runner builds on the meta device, then loads every
     parameter in place), so no copy of the model in another dtype ever exists. `method` is the weight format of
-    every matmul, the LM head included (default dense; tokenmill/quant/methods.py names the others)."""
+    every matmul, the LM head included (default dense; tokenmill/quant/methods.py names the others).
+    With `tp` (tensor parallelism) `cfg` is this rank's shard of the model (parallel/layout.py): the attention
+    output and MLP down projections are row-parallel (their partial sums all-reduced), the vocabulary is split by
+    rows (embedding lookups all-reduced, the LM head's logits gathered on rank 0)."""
 
     def __init__(self, cfg: ModelConfig, backend: Backend | None = None, dtype: torch.dtype | None = None,
-                 method: LinearMethod | None = None):
+                 method: LinearMethod | None = None, tp: TensorParallel | None = None):
         super().__init__()
-        self.config = cfg
+        self.config, self.tp = cfg, tp
         self.backend = backend = backend if backend is not None else TorchBackend()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, dtype, method) for _ in range(cfg.num_layers))
+        reduce = tp.group.all_reduce if tp is not None else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, dtype, method, reduce)
+                                    for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, dtype)
         self.rotary: RotaryEmbedding | None = None  # built by init_rotary once the model is on its device
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False,
@@ -87,14 +99,23 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm for every token of the flat batch."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         cos, sin = self.rotary.tables(positions, x.dtype)
-        fast = self.backend.decode_layers(self, x, cos, sin, meta, kv_caches)  # None: run the layers below
+        # the backend's whole-layer kernel has no place for the all-reduces: tensor-parallel layers run op by op
+        fast = None if self.tp is not None else self.backend.decode_layers(self, x, cos, sin, meta, kv_caches)
         if fast is not None:
             return self.norm(fast)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, meta, kv)
         return self.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.tp.layout.vocab_start  # this rank's rows; the others' ids look up zeros
+        inside = (local >= 0) & (local < self.config.vocab_size)
+        x = self.embed_tokens(torch.where(inside, local, 0))
+        return self.tp.group.all_reduce(x.masked_fill_(~inside.unsqueeze(1), 0))
 
     def linear_layers(self) -> list[LinearWeights]:
         """Every matmul weight of the model (the tied LM head included): what a backend may repack."""
@@ -103,7 +124,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head if self.lm_head is not None else self.tied_head
-        return head(hidden).float()
+        logits = head(hidden).float()
+        if self.tp is None:
+            return logits
+        full = self.tp.group.gather_last_dim(logits)  # rank 0: every rank's vocabulary rows; the others: None
+        return full[:, :self.tp.layout.cfg.vocab_size] if full is not None else logits
 
     def weight_targets(self) -> dict[str, WeightTarget]:
         """Where each checkpoint tensor goes, by Hugging Face name. HF names are ours with `model.` in front (the

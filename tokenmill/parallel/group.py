@@ -1,0 +1,66 @@
+"""The tensor-parallel group of one engine: which rank this process is, and the collectives the model calls.
+
+Ranks are processes over torch.distributed (gloo on CPU, NCCL on CUDA). Rank 0 is the engine core's process: it
+schedules, builds each step's inputs and samples; ranks 1..N-1 (parallel/worker.py) hold their shard of every layer
+and run the same forward passes. Two process groups: `control` carries rank 0's commands (workers wait on it while
+the engine idles, with no deadline: a rank 0 that dies closes its connections, which ends their wait), `compute`
+the model's collectives, with a deadline (`timeout_s`), so a rank that hangs mid-step fails the engine within it.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tokenmill.parallel.layout import TPLayout
+
+STARTUP_TIMEOUT_S = 600.0  # every rank loads its shard before the first command
+IDLE_TIMEOUT = datetime.timedelta(days=30)
+
+
+class TPGroup:
+    def __init__(self, rank: int, size: int, init_method: str, backend: str, timeout_s: float):
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                                timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
+        self.rank, self.size = rank, size
+        self.control = dist.new_group(timeout=IDLE_TIMEOUT)
+        self.compute = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place (the row-parallel layers' partial products)."""
+        dist.all_reduce(x, group=self.compute)
+        return x
+
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0 gets every rank's `x` joined along the last dimension (the vocab-parallel LM head's logits);
+        the others get None."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.is_driver else None
+        dist.gather(x, parts, dst=0, group=self.compute)
+        return torch.cat(parts, dim=-1) if self.is_driver else None
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank (what the workers run next)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@dataclass
+class TensorParallel:
+    """What a rank's model needs: its group (collectives) and its layout (which shard it holds)."""
+
+    group: TPGroup
+    layout: TPLayout

@@ -1,0 +1,119 @@
+"""How a model splits across tensor-parallel ranks (Megatron style, as vLLM does it): each rank holds a contiguous
+range of the query heads, of the KV heads (each KV head on several ranks when there are more ranks than KV
+heads), of the MLP's intermediate columns and of the vocabulary; the norms are whole everywhere.
+
+`TPLayout.shard_config` is the model a rank builds (the same classes, smaller), and `ShardedCheckpoint` hands each
+rank its slice of every checkpoint tensor by name, so the loader writes only that slice: no rank ever holds the
+whole model. Plain Python and torch slicing: no collectives here (parallel/group.py has those).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
+
+import torch
+
+from tokenmill.config import ModelConfig
+from tokenmill.errors import ConfigError
+
+
+def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
+    """Refuse a layout the model cannot take, naming the fix."""
+    if size < 1:
+        raise ConfigError(f"--tensor-parallel-size must be >= 1, got {size}")
+    h, kvh, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+    if h % size:
+        sizes = [n for n in range(1, h + 1) if h % n == 0 and (kvh % n == 0 or n % kvh == 0) and inter % n == 0]
+        raise ConfigError(f"--tensor-parallel-size {size} does not divide the model's {h} attention heads; "
+                          f"sizes that fit: {', '.join(map(str, sizes))}")
+    if kvh % size and size % kvh:
+        raise ConfigError(f"--tensor-parallel-size {size} neither divides the model's {kvh} KV heads nor is a "
+                          "multiple of them (each rank needs whole KV heads)")
+    if inter % size:
+        raise ConfigError(f"--tensor-parallel-size {size} does not divide the MLP's {inter} intermediate columns")
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """Rank `rank`'s share of `cfg` (the whole model's shape) over `size` ranks."""
+
+    cfg: ModelConfig
+    size: int
+    rank: int
+
+    @property
+    def heads(self) -> int:
+        return self.cfg.num_heads // self.size
+
+    @property
+    def kv_heads(self) -> int:
+        return max(1, self.cfg.num_kv_heads // self.size)
+
+    @property
+    def kv_head_start(self) -> int:
+        kvh, n = self.cfg.num_kv_heads, self.size
+        return self.rank * kvh // n if n <= kvh else self.rank // (n // kvh)
+
+    @property
+    def intermediate(self) -> int:
+        return self.cfg.intermediate_size // self.size
+
+    @property
+    def vocab(self) -> int:
+        """Vocabulary rows per rank: the last rank's are padded with zero rows when the size does not divide it."""
+        return -(-self.cfg.vocab_size // self.size)
+
+    @property
+    def vocab_start(self) -> int:
+        return self.rank * self.vocab
+
+    def shard_config(self) -> ModelConfig:
+        return replace(self.cfg, num_heads=self.heads, num_kv_heads=self.kv_heads,
+                       intermediate_size=self.intermediate, vocab_size=self.vocab)
+
+    def describe(self) -> str:
+        c = self.cfg
+        return (f"tensor parallel: {self.size} ranks; each holds {self.heads} of {c.num_heads} query heads, "
+                f"{self.kv_heads} of {c.num_kv_heads} KV heads"
+                f"{' (replicated)' if self.size > c.num_kv_heads else ''}, {self.intermediate} of "
+                f"{c.intermediate_size} MLP columns, {self.vocab} of {c.vocab_size} vocabulary rows")
+
+
+class ShardedCheckpoint(Mapping):
+    """A checkpoint (any name -> tensor mapping, e.g. loader.Checkpoint) as one rank sees it: each tensor its
+    rank's slice, by the role its Hugging Face name gives it."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], layout: TPLayout):
+        self.weights, self.layout = weights, layout
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.weights
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self.weights[name]
+        lay, d = self.layout, self.layout.cfg.head_dim
+        leaf = name.rsplit(".", 2)
+        proj = leaf[-2] if len(leaf) >= 2 else ""
+        if proj == "q_proj":
+            return t.narrow(0, lay.rank * lay.heads * d, lay.heads * d)
+        if proj in ("k_proj", "v_proj"):
+            return t.narrow(0, lay.kv_head_start * d, lay.kv_heads * d)
+        if proj == "o_proj":
+            return t.narrow(1, lay.rank * lay.heads * d, lay.heads * d)
+        if proj in ("gate_proj", "up_proj"):
+            return t.narrow(0, lay.rank * lay.intermediate, lay.intermediate)
+        if proj == "down_proj":
+            return t.narrow(1, lay.rank * lay.intermediate, lay.intermediate)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            rows = t[lay.vocab_start:lay.vocab_start + lay.vocab]
+            if len(rows) < lay.vocab:  # the last rank's padding: rows no token id reaches, logits sliced off
+                rows = torch.cat([rows, rows.new_zeros(lay.vocab - len(rows), t.shape[1])])
+            return rows
+        return t

@@ -1,0 +1,52 @@
+"""Tensor-parallel ranks 1..N-1: each builds its shard of the model and its KV cache (same block count as rank 0,
+its own heads), then runs whatever rank 0 announces: a forward pass over the step's inputs, the LM head's slice
+for some rows, or the end. Any failure ends the process; rank 0's next collective then fails (or times out) and
+the engine with it, never a silent hang."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Any
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.parallel.group import TPGroup
+
+log = logging.getLogger("tokenmill")
+
+
+def run_worker(rank: int, size: int, init_method: str, config: EngineConfig, num_blocks: int,
+               threads: int, timeout_s: float) -> None:
+    """A worker process's target (multiprocessing spawn)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process stops the engine; the engine stops us
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    torch.set_num_threads(threads)
+    group = TPGroup(rank, size, init_method, backend_for(config.device), timeout_s)
+    try:
+        from tokenmill.engine.core import ModelSpec
+        from tokenmill.parallel.group import TensorParallel
+        from tokenmill.parallel.layout import TPLayout
+
+        spec = ModelSpec.resolve(config)
+        runner = spec.build_runner(config, num_blocks, TensorParallel(group, TPLayout(spec.config, size, rank)))
+        while True:
+            command: tuple[str, Any] = group.broadcast(None)
+            if command[0] == "forward":
+                input_ids, positions, meta = command[1]
+                runner.model(input_ids, positions, meta, runner.kv_caches)
+            elif command[0] == "logits":
+                runner.model.compute_logits(command[1])
+            else:
+                break
+    except Exception as e:  # noqa: BLE001 - logged, then the process ends: rank 0 fails on its next collective
+        log.error("tensor-parallel rank %d failed: %s: %s", rank, type(e).__name__, e)
+    finally:
+        group.close()
+
+
+def backend_for(device: str) -> str:
+    """gloo on CPU, NCCL on CUDA."""
+    return "nccl" if str(device).startswith("cuda") else "gloo"
