@@ -20,7 +20,7 @@ CHANGED = {"model": ("m.gguf", "m.gguf"), "tokenizer": ("tok", "tok"), "dtype": 
            "quantization": ("int8", "int8"), "max_prefill_tokens_while_decoding": ("64", 64),
            "speculative_config": ('{"num_speculative_tokens": 3}', '{"num_speculative_tokens": 3}'),
            "priority_aging_s": ("5", 5.0), "new_token_ratio": ("0.5", 0.5), "slo_ttft_ms": ("800", 800.0),
-           "slo_itl_ms": ("150", 150.0),
+           "slo_itl_ms": ("150", 150.0), "tensor_parallel_size": ("2", 2),
            "kv_transfer_config": ('{"kv_connector": "shm", "kv_role": "kv_consumer"}',
                                   '{"kv_connector": "shm", "kv_role": "kv_consumer"}')}
 # where the config holds the field parsed: what it should hold
@@ -63,7 +63,8 @@ def test_each_flag_reaches_its_config_entry(name):
                                      ({"quantization": "int3"}, "--quantization"),
                                      ({"long_prefill_token_threshold": 0}, "--long-prefill-token-threshold"),
                                      ({"kv_transfer_config": '{"kv_role": "both"}'}, "--kv-transfer-config"),
-                                     ({"kv_transfer_config": "{"}, "--kv-transfer-config")])
+                                     ({"kv_transfer_config": "{"}, "--kv-transfer-config"),
+                                     ({"tensor_parallel_size": 0}, "--tensor-parallel-size")])
 def test_invalid_values_name_the_flag(kw, flag):
     with pytest.raises(ConfigError, match=flag):
         EngineArgs(**kw).create_engine_config()

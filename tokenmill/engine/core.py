@@ -362,6 +362,11 @@ class EngineCore:
         return (f"backend: {self.runner.backend.describe()}; {mode}{tp}\n{self.runner.weight_summary()}\n"
                 f"{self.cache_info.describe()}{spec}")
 
+    def check_health(self) -> None:
+        """Raise if something the engine depends on has died (a tensor-parallel rank)."""
+        if self.workers is not None:
+            self.workers.check()
+
     def close(self) -> None:
         """Stop what runs beside the engine: the tensor-parallel ranks, the KV connector's threads."""
         if self.workers is not None:

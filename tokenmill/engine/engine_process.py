@@ -77,6 +77,7 @@ def serve(core: EngineCore, inputs: Any, outputs: Any) -> None:
                         return
         except (EOFError, OSError):  # the client is gone
             return
+        core.check_health()  # a dead tensor-parallel rank ends the loop (the API process then reports it)
         step = core.step() if core.has_unfinished else EngineOutputs()
         now = time.monotonic()
         if step.outputs or step.started or rejected or now - last_sent >= HEARTBEAT_S:

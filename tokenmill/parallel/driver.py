@@ -9,16 +9,17 @@ exception in a call is fatal (ParallelFailure): the ranks are out of step, so th
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
+import pickle
 import socket
+import subprocess
+import sys
 from typing import Any
 
 import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.errors import ParallelFailure
-from tokenmill.parallel.group import TPGroup
-from tokenmill.parallel.worker import backend_for, run_worker
+from tokenmill.parallel.group import TPGroup, backend_for
 
 log = logging.getLogger("tokenmill")
 
@@ -47,22 +48,32 @@ class DriverModel:
 
 
 class Workers:
-    """Ranks 1..N-1 as processes on this host, and rank 0's group once they all joined it."""
+    """Ranks 1..N-1 as processes on this host (`python -m tokenmill.parallel.worker`: plain subprocesses, since
+    the engine process, a daemon, may not have multiprocessing children), and rank 0's group once they joined."""
 
-    def __init__(self, config: EngineConfig, num_blocks: int, size: int, threads: int, timeout_s: float = 60.0):
+    def __init__(self, config: EngineConfig, num_blocks: int, size: int, threads: int, timeout_s: float = 30.0):
         with socket.socket() as s:  # a free port for the rendezvous
             s.bind(("127.0.0.1", 0))
             init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-        ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=run_worker, args=(r, size, init, config, num_blocks, threads, timeout_s),
-                                  name=f"tokenmill-tp{r}", daemon=True) for r in range(1, size)]
-        for p in self.procs:
-            p.start()
+        self.group: TPGroup | None = None
+        self.procs: list[subprocess.Popen] = []
+        for rank in range(1, size):
+            proc = subprocess.Popen([sys.executable, "-m", "tokenmill.parallel.worker"], stdin=subprocess.PIPE)
+            proc.stdin.write(pickle.dumps((rank, size, init, config, num_blocks, threads, timeout_s)))
+            proc.stdin.close()
+            self.procs.append(proc)
         try:
             self.group = TPGroup(0, size, init, backend_for(config.device), timeout_s)
         except Exception as e:
             self.kill()
             raise ParallelFailure(f"the tensor-parallel ranks did not all start: {e}") from e
+
+    def check(self) -> None:
+        """Raise ParallelFailure if a worker process has ended (checked while idle too: a rank that died between
+        requests must not wait for the next one to be found)."""
+        for rank, p in enumerate(self.procs, start=1):
+            if p.poll() is not None:
+                raise ParallelFailure(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.returncode}")
 
     def close(self) -> None:
         """Tell the workers to end, wait for them, leave the group."""
@@ -71,12 +82,18 @@ class Workers:
         except Exception as e:  # noqa: BLE001 - a rank already gone: the joins below time out and kill
             log.debug("telling the tensor-parallel ranks to stop: %s", e)
         for p in self.procs:
-            p.join(timeout=10)
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass  # killed below
         self.kill()
-        self.group.close()
 
     def kill(self) -> None:
+        """End the workers at once and leave the group (after a failure, or when `close` could not)."""
         for p in self.procs:
-            if p.is_alive():
+            if p.poll() is None:
                 p.kill()
-                p.join(timeout=5)
+                p.wait(timeout=5)
+        if getattr(self, "group", None) is not None:
+            self.group.close()
+            self.group = None

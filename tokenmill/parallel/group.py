@@ -22,6 +22,11 @@ STARTUP_TIMEOUT_S = 600.0  # every rank loads its shard before the first command
 IDLE_TIMEOUT = datetime.timedelta(days=30)
 
 
+def backend_for(device: str) -> str:
+    """gloo on CPU, NCCL on CUDA."""
+    return "nccl" if str(device).startswith("cuda") else "gloo"
+
+
 class TPGroup:
     def __init__(self, rank: int, size: int, init_method: str, backend: str, timeout_s: float):
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,

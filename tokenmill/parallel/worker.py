@@ -13,14 +13,15 @@ from typing import Any
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.parallel.group import TPGroup
+from tokenmill.parallel.group import TPGroup, backend_for
 
 log = logging.getLogger("tokenmill")
 
 
 def run_worker(rank: int, size: int, init_method: str, config: EngineConfig, num_blocks: int,
                threads: int, timeout_s: float) -> None:
-    """A worker process's target (multiprocessing spawn)."""
+    """A worker process's life: join the group, build this rank's shard, run rank 0's commands until told to
+    stop (or until rank 0 is gone)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process stops the engine; the engine stops us
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(threads)
@@ -47,6 +48,9 @@ def run_worker(rank: int, size: int, init_method: str, config: EngineConfig, num
         group.close()
 
 
-def backend_for(device: str) -> str:
-    """gloo on CPU, NCCL on CUDA."""
-    return "nccl" if str(device).startswith("cuda") else "gloo"
+if __name__ == "__main__":  # started by parallel/driver.py Workers, its arguments pickled on stdin
+    import pickle
+    import sys
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    run_worker(*pickle.loads(sys.stdin.buffer.read()))
