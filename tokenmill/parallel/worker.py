@@ -33,19 +33,25 @@ def run_worker(rank: int, size: int, init_method: str, config: EngineConfig, num
 
         spec = ModelSpec.resolve(config)
         runner = spec.build_runner(config, num_blocks, TensorParallel(group, TPLayout(spec.config, size, rank)))
-        while True:
-            command: tuple[str, Any] = group.broadcast(None)
-            if command[0] == "forward":
-                input_ids, positions, meta = command[1]
-                runner.model(input_ids, positions, meta, runner.kv_caches)
-            elif command[0] == "logits":
-                runner.model.compute_logits(command[1])
-            else:
-                break
+        with torch.inference_mode():  # as rank 0's runner: no autograd bookkeeping
+            serve(group, runner)
     except Exception as e:  # noqa: BLE001 - logged, then the process ends: rank 0 fails on its next collective
         log.error("tensor-parallel rank %d failed: %s: %s", rank, type(e).__name__, e)
     finally:
         group.close()
+
+
+def serve(group: TPGroup, runner: Any) -> None:
+    """Run rank 0's commands until it says stop."""
+    while True:
+        command: tuple[str, Any] = group.broadcast(None)
+        if command[0] == "forward":
+            input_ids, positions, meta = command[1]
+            runner.model(input_ids, positions, meta, runner.kv_caches)
+        elif command[0] == "logits":
+            runner.model.compute_logits(command[1])
+        else:
+            return
 
 
 if __name__ == "__main__":  # started by parallel/driver.py Workers, its arguments pickled on stdin

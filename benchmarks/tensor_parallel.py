@@ -1,0 +1,148 @@
+"""Tensor parallelism on this CPU: N ranks of one thread each against one process with N threads, same model, same
+weights (SmolLM2-135M dequantized: tensor parallelism cannot split a GGUF file's kept blocks), same requests
+(BENCHMARKS.md "Tensor parallelism").
+
+    python benchmarks/tensor_parallel.py --runs 3
+
+Measured: single-stream decode step time (one request, 128 tokens), batched output tokens/s (32 requests x 128
+tokens), weight bytes and resident memory per rank, and the collectives alone (gloo all-reduce of one decode step's
+hidden state [rows, 576] among the ranks), whose count per step is 2 per layer + 1 (the embedding) plus the
+LM head's gather and the step's broadcast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tokenmill.config import CacheConfig, EngineConfig
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine.messages import AddRequest
+from tokenmill.engine.runner import weight_bytes
+from tokenmill.model.cpu_kernels import cpu_isa
+from tokenmill.sampling_params import SamplingParams
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def run(engine: EngineCore, n: int, prompt_len: int, out_len: int) -> tuple[float, list[float]]:
+    """Output tokens/s for n requests, and every step's seconds."""
+    params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
+    for i in range(n):
+        prompt = [(7 * i + 13 * j) % 40000 + 100 for j in range(prompt_len)]
+        engine.add_request(AddRequest(f"r{i}-{time.monotonic()}", prompt, params, out_len, frozenset(),
+                                      time.monotonic()))
+    steps, start = [], time.perf_counter()
+    while engine.has_unfinished:
+        t = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - t)
+    return n * out_len / (time.perf_counter() - start), steps
+
+
+def measure(tp: int, threads: int, runs: int, model: str | None) -> dict:
+    engine = EngineCore(EngineConfig(model=model, tensor_parallel_size=tp, num_threads=threads, quantization="none",
+                                     cache=CacheConfig(kv_cache_memory=256 << 20)))
+    try:
+        run(engine, 2, 32, 8)  # warm
+        single, batched = [], []
+        for _ in range(runs):
+            _, steps = run(engine, 1, 64, 128)
+            single.append(statistics.median(steps[1:]))  # decode steps (the first is the prefill)
+            batched.append(run(engine, 32, 64, 128)[0])
+        pids = [os.getpid()] + ([p.pid for p in engine.workers.procs] if engine.workers else [])
+        return {"step_ms": statistics.median(single) * 1e3, "tps": statistics.median(batched),
+                "weights_mib": weight_bytes(engine.runner.model) / 2**20,
+                "rss_mib": [rss_mib(p) for p in pids]}
+    finally:
+        engine.close()
+
+
+def _all_reduce_worker(rank: int, size: int, port: int, rows: list[int], iters: int, out) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=60))
+    result = {}
+    for r in rows:
+        x = torch.randn(r, 576).to(torch.bfloat16)
+        for _ in range(20):
+            dist.all_reduce(x)
+        times = []
+        for _ in range(iters):
+            t = time.perf_counter()
+            dist.all_reduce(x)
+            times.append(time.perf_counter() - t)
+        result[r] = statistics.median(times) * 1e6
+    if rank == 0:
+        out.put(result)
+    dist.destroy_process_group()
+
+
+def all_reduce_us(size: int, rows: list[int], iters: int = 2000) -> dict[int, float]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_all_reduce_worker, args=(r, size, port, rows, iters, out)) for r in range(size)]
+    for p in procs:
+        p.start()
+    result = out.get(timeout=300)
+    for p in procs:
+        p.join(60)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--tp", type=int, default=3, help="ranks (SmolLM2's 9 heads / 3 KV heads: 3 or 9)")
+    ap.add_argument("--even-shape", action="store_true",
+                    help="a random model of SmolLM2's size whose heads 2 ranks divide (8 heads / 2 KV heads x 64, "
+                         "hidden 512, 30 layers, vocabulary 49,152): 2 ranks on 2 cores, no oversubscription")
+    args = ap.parse_args()
+    model, name = None, "SmolLM2-135M"
+    if args.even_shape:
+        import tempfile
+
+        from tests.models.tiny import make_tiny_model
+
+        model = str(make_tiny_model(Path(tempfile.mkdtemp()), num_heads=8, num_kv_heads=2, hidden_size=512,
+                                    intermediate_size=1536, num_layers=30))
+        name = "a random 8-head SmolLM2-sized model"
+    one = measure(1, args.tp, args.runs, model)
+    many = measure(args.tp, 1, args.runs, model)
+    print(f"\n## Tensor parallelism: {args.tp} ranks x 1 thread vs 1 process x {args.tp} threads ({name}, "
+          f"bfloat16 dense, median of {args.runs}; CPU {cpu_isa()})")
+    print("| configuration | decode step, 1 stream | output tok/s, 32 x 128 | weights per rank | RSS per rank |")
+    print("|---|---|---|---|---|")
+    for name, m in ((f"1 process, {args.tp} threads", one), (f"TP={args.tp}, 1 thread per rank", many)):
+        rss = " / ".join(f"{r:.0f}" for r in m["rss_mib"])
+        print(f"| {name} | {m['step_ms']:.1f} ms | {m['tps']:.1f} | {m['weights_mib']:.0f} MiB | {rss} MiB |")
+    ar = all_reduce_us(args.tp, [1, 32])
+    print(f"\ngloo all-reduce of a [rows, 576] bfloat16 hidden state among {args.tp} processes (median of 2,000): "
+          f"1 row {ar[1]:.0f} us, 32 rows {ar[32]:.0f} us; a decode step makes 61 of them (2 per layer x 30 + "
+          f"the embedding's): {61 * ar[1] / 1e3:.1f} ms at 1 row, {61 * ar[32] / 1e3:.1f} ms at 32 rows")
+
+
+if __name__ == "__main__":
+    main()
