@@ -136,5 +136,15 @@ def test_smollm2_on_three_ranks_gives_one_process_greedy_output():
     try:
         assert "1 of 3 KV heads" in tp3.startup_summary()
         assert run(tp3, requests) == ref
+        # `tokenmill plan --tp 3` and the engine agree per rank: KV bytes per token exactly, weights within the
+        # norms every rank holds whole (the plan divides everything by 3)
+        from tokenmill.cli import build_parser
+        from tokenmill.plan import build_report
+
+        plan = build_report(build_parser().parse_args(
+            ["plan", "--gpu", "cpu", "--tp", "3", "--dtype", "fp32", "--kv-dtype", "fp32"])).plan
+        assert tp3.cache_info.kv_bytes_per_token == plan.kv_bytes_per_token_per_gpu
+        params = sum(p.numel() * p.element_size() for p in tp3.runner.model.parameters())
+        assert abs(params - plan.weights_bytes_per_gpu) / plan.weights_bytes_per_gpu < 0.005
     finally:
         tp3.close()
