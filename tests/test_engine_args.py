@@ -21,6 +21,7 @@ CHANGED = {"model": ("m.gguf", "m.gguf"), "tokenizer": ("tok", "tok"), "dtype": 
            "speculative_config": ('{"num_speculative_tokens": 3}', '{"num_speculative_tokens": 3}'),
            "priority_aging_s": ("5", 5.0), "new_token_ratio": ("0.5", 0.5), "slo_ttft_ms": ("800", 800.0),
            "slo_itl_ms": ("150", 150.0), "tensor_parallel_size": ("2", 2),
+           "pipeline_parallel_size": ("2", 2), "pipeline_micro_batches": ("4", 4),
            "kv_transfer_config": ('{"kv_connector": "shm", "kv_role": "kv_consumer"}',
                                   '{"kv_connector": "shm", "kv_role": "kv_consumer"}')}
 # where the config holds the field parsed: what it should hold

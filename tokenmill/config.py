@@ -333,12 +333,19 @@ class EngineConfig:
     tokenizer: str | None = None
     num_threads: int | None = None  # compute threads (torch intra-op); None = torch's default (the cores)
     tensor_parallel_size: int = 1  # ranks (processes over torch.distributed) each holding a shard of every layer
+    pipeline_parallel_size: int = 1  # ranks each holding a contiguous range of the layers
+    pipeline_micro_batches: int | None = None  # a step's micro-batches in flight (None: one per stage)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # --speculative-config (JSON text, a dict or a SpeculativeConfig; None: no speculation)
     speculative: SpeculativeConfig | None = None
     # --kv-transfer-config (JSON text, a dict or a KVTransferConfig; None: no disaggregation)
     kv_transfer: KVTransferConfig | None = None
+
+    @property
+    def parallel_size(self) -> int:
+        """Ranks in all: tensor-parallel shards or pipeline stages (one of them is 1)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def __post_init__(self) -> None:
         self.speculative = SpeculativeConfig.parse(self.speculative)
@@ -347,9 +354,16 @@ class EngineConfig:
             raise ConfigError(f"--threads must be >= 1, got {self.num_threads}")
         if not isinstance(self.tensor_parallel_size, int) or not 1 <= self.tensor_parallel_size <= 64:
             raise ConfigError(f"--tensor-parallel-size must be an integer in [1, 64], got {self.tensor_parallel_size!r}")
-        if self.tensor_parallel_size > 1 and (self.speculative is not None or self.kv_transfer is not None):
-            raise ConfigError("--tensor-parallel-size > 1 does not combine with --speculative-config or "
-                              "--kv-transfer-config yet; drop one of them")
+        if not isinstance(self.pipeline_parallel_size, int) or not 1 <= self.pipeline_parallel_size <= 64:
+            raise ConfigError("--pipeline-parallel-size must be an integer in [1, 64], got "
+                              f"{self.pipeline_parallel_size!r}")
+        if self.pipeline_micro_batches is not None and self.pipeline_micro_batches < 1:
+            raise ConfigError(f"--pipeline-micro-batches must be >= 1, got {self.pipeline_micro_batches}")
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ConfigError("--tensor-parallel-size and --pipeline-parallel-size do not combine yet; use one")
+        if self.parallel_size > 1 and (self.speculative is not None or self.kv_transfer is not None):
+            raise ConfigError("--tensor-parallel-size / --pipeline-parallel-size > 1 do not combine with "
+                              "--speculative-config or --kv-transfer-config yet; drop one of them")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:

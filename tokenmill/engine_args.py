@@ -123,6 +123,11 @@ class EngineArgs:
                                         "each hold a shard of every layer (Megatron style: heads, MLP columns and "
                                         "vocabulary split; two all-reduces per layer); threads per rank default to "
                                         "the cores / ranks", type=int)
+    pipeline_parallel_size: int = _opt(1, "processes (ranks over torch.distributed) that each hold a contiguous range "
+                                          "of the layers; a step's micro-batches flow through them stage to stage",
+                                       type=int)
+    pipeline_micro_batches: int | None = _opt(None, "micro-batches a step is cut into under pipeline parallelism, "
+                                                    "so the stages work at once (default: one per stage)", type=int)
     kv_transfer_config: str | None = _opt(
         None, "disaggregated prefill/decode, as vLLM's flag: '{\"kv_connector\": \"tcp\" | \"shm\", \"kv_role\": "
               "\"kv_producer\" | \"kv_consumer\" | \"kv_both\", \"kv_port\": 14579}'. A producer computes prompts "

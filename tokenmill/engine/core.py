@@ -26,8 +26,8 @@ from tokenmill.errors import ConfigError, ParallelFailure
 from tokenmill.model.backends import auto_dtype
 from tokenmill.model.loader import load_model_config, load_weights, resolve_model_path
 from tokenmill.parallel.driver import Workers
-from tokenmill.parallel.group import TensorParallel
-from tokenmill.parallel.layout import TPLayout, check_tensor_parallel
+from tokenmill.parallel.group import PipelineParallel, TensorParallel
+from tokenmill.parallel.layout import PPStage, TPLayout, check_pipeline_parallel, check_tensor_parallel
 from tokenmill.quant.methods import checkpoint_quantization, resolve_quantization
 from tokenmill.request import Request, RequestStatus
 from tokenmill.spec.speculator import Speculator, build_speculator
@@ -98,25 +98,28 @@ class ModelSpec:
         quantization = resolve_quantization(config.quantization, path, dtype, config.device)
         if config.tensor_parallel_size > 1:
             check_tensor_parallel(mc, config.tensor_parallel_size)
-            if quantization in ("gguf", "awq", "int4"):
-                if config.quantization is not None or stored is not None:
-                    raise ConfigError(f"--quantization {quantization} keeps blocks that tensor parallelism cannot "
-                                      "split yet; use none, int8 or fp8 with --tensor-parallel-size")
-                quantization = None  # a GGUF file's blocks, dequantized: each rank takes its slice
+        if config.pipeline_parallel_size > 1:
+            check_pipeline_parallel(mc, config.pipeline_parallel_size)
+        if config.parallel_size > 1 and quantization in ("gguf", "awq", "int4"):
+            if config.quantization is not None or stored is not None:
+                raise ConfigError(f"--quantization {quantization} keeps blocks that the parallel ranks cannot split "
+                                  "yet; use none, int8 or fp8 with --tensor-parallel-size / --pipeline-parallel-size")
+            quantization = None  # a GGUF file's blocks, dequantized: each rank takes its slice
         return cls(path, mc, dtype, quantization, config.cache.cache_dtype(dtype))
 
-    def build_runner(self, config: EngineConfig, num_blocks: int, tp: TensorParallel | None = None) -> ModelRunner:
+    def build_runner(self, config: EngineConfig, num_blocks: int, tp: TensorParallel | None = None,
+                     pp: PipelineParallel | None = None) -> ModelRunner:
         weights = load_weights(self.path, self.config, self.dtype)
         return ModelRunner(self.config, weights, self.dtype, config.device, num_blocks, config.cache.block_size,
                            config.seed, batch_invariant=config.batch_invariant, quantization=self.quantization,
-                           kv_dtype=self.kv_dtype, tp=tp)
+                           kv_dtype=self.kv_dtype, tp=tp, pp=pp)
 
 
 def threads_per_rank(config: EngineConfig) -> int | None:
-    """--threads, or with several tensor-parallel ranks on this host the cores shared out among them."""
-    if config.num_threads is not None or config.tensor_parallel_size == 1:
+    """--threads, or with several parallel ranks on this host the cores shared out among them."""
+    if config.num_threads is not None or config.parallel_size == 1:
         return config.num_threads
-    return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+    return max(1, (os.cpu_count() or 1) // config.parallel_size)
 
 
 class EngineCore:
@@ -131,9 +134,12 @@ class EngineCore:
         self.model_config: ModelConfig = model_spec.config
         self.dtype, self.quantization, self.kv_dtype = model_spec.dtype, model_spec.quantization, model_spec.kv_dtype
         mc, cc = self.model_config, config.cache
-        tp_size = config.tensor_parallel_size
+        tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
         layout = TPLayout(mc, tp_size, 0) if tp_size > 1 else None
-        per_token = kv_bytes_per_token(layout.shard_config() if layout else mc, self.kv_dtype)  # per rank
+        per_rank = layout.shard_config() if layout else mc
+        if pp_size > 1:  # every stage has as many blocks: sized by the stage with the most layers
+            per_rank = PPStage.of(mc, pp_size, pp_size - 1).shard_config(mc)
+        per_token = kv_bytes_per_token(per_rank, self.kv_dtype)  # per rank
         spec = config.speculative
         draft_per_token = 0  # a draft model's KV, at the same block ids (spec/draft_model.py), shares the budget
         if spec is not None and spec.method == "draft_model":
@@ -151,13 +157,17 @@ class EngineCore:
         self.max_model_len = max_len
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.workers: Workers | None = None  # tensor-parallel ranks 1..N-1
-        tp = None
-        if layout is not None:
-            self.workers = Workers(config, num_blocks, tp_size, threads or 1)
-            tp = TensorParallel(self.workers.group, layout)
+        self.workers: Workers | None = None  # tensor-parallel ranks or pipeline stages 1..N-1
+        tp = pp = None
+        if config.parallel_size > 1:
+            self.workers = Workers(config, num_blocks, config.parallel_size, threads or 1)
+            if layout is not None:
+                tp = TensorParallel(self.workers.group, layout)
+            else:
+                pp = PipelineParallel(self.workers.group, PPStage.of(mc, pp_size, 0),
+                                      config.pipeline_micro_batches or pp_size)
         try:
-            self.runner = model_spec.build_runner(config, num_blocks, tp)
+            self.runner = model_spec.build_runner(config, num_blocks, tp, pp)
         except BaseException:
             if self.workers is not None:
                 self.workers.kill()
@@ -355,10 +365,13 @@ class EngineCore:
         invariance), the weights' format and bytes, and the KV cache."""
         mode = "batch-invariant" if self.runner.batch_invariant else "not batch-invariant"
         spec = f"\n{self.speculator.describe()}" if self.speculator is not None else ""
-        tp = ""
-        if self.workers is not None:
-            tp = (f"\n{TPLayout(self.model_config, self.config.tensor_parallel_size, 0).describe()}; "
+        tp, cfg = "", self.config
+        if cfg.tensor_parallel_size > 1:
+            tp = (f"\n{TPLayout(self.model_config, cfg.tensor_parallel_size, 0).describe()}; "
                   f"{torch.get_num_threads()} threads each; weights and KV cache below are per rank")
+        elif cfg.pipeline_parallel_size > 1:
+            tp = (f"\n{PPStage.describe(self.model_config, cfg.pipeline_parallel_size, self.runner.pp.micro_batches)}"
+                  f"; {torch.get_num_threads()} threads each; weights and KV cache below are rank 0's")
         return (f"backend: {self.runner.backend.describe()}; {mode}{tp}\n{self.runner.weight_summary()}\n"
                 f"{self.cache_info.describe()}{spec}")
 

@@ -20,13 +20,13 @@ from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.backends import select_backend
 from tokenmill.model.loader import allocate_parameters
 from tokenmill.model.registry import model_class
-from tokenmill.parallel.driver import DriverModel
-from tokenmill.parallel.layout import ShardedCheckpoint
+from tokenmill.parallel.driver import DriverModel, PipelineDriver
+from tokenmill.parallel.layout import ShardedCheckpoint, StageCheckpoint
 from tokenmill.quant.methods import linear_method
 from tokenmill.spec.rejection import rejection_sample
 
 if TYPE_CHECKING:
-    from tokenmill.parallel.group import TensorParallel
+    from tokenmill.parallel.group import PipelineParallel, TensorParallel
     from tokenmill.structured.manager import StructuredOutputs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -83,7 +83,8 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: str,
                  num_blocks: int, block_size: int, seed: int = 0, use_kernel: bool = True,
                  batch_invariant: bool = False, quantization: str | None = None,
-                 kv_dtype: torch.dtype | None = None, tp: TensorParallel | None = None):
+                 kv_dtype: torch.dtype | None = None, tp: TensorParallel | None = None,
+                 pp: PipelineParallel | None = None):
         self.use_kernel = use_kernel
         # batch_invariant: every prompt token reads its context through the block tables (its K/V written first),
         # so its attention is the same computation however the prompt was chunked and whatever shares the step,
@@ -94,13 +95,17 @@ class ModelRunner:
         # each checkpoint tensor; its KV cache holds its KV heads
         if tp is not None:
             cfg, weights = tp.layout.shard_config(), ShardedCheckpoint(weights, tp.layout)
+        self.pp = pp  # pipeline parallelism: this stage's layers only (and the embedding and LM head on stage 0)
+        if pp is not None:
+            cfg, weights = pp.stage.shard_config(cfg), StageCheckpoint(weights, pp.stage)
         self.cfg, self.dtype, self.device, self.block_size = cfg, dtype, torch.device(device), block_size
         # Chosen once: use_kernel=False is the plain-PyTorch reference, which runs no C++ op at all.
         self.backend = select_backend(self.device, use_kernels=use_kernel, batch_invariant=batch_invariant)
         # Built in `dtype` on the meta device, then allocated uninitialised where it runs: each parameter is
         # written once, in place, as `weights` (a lazy loader.Checkpoint, or any mapping) is read tensor by tensor.
         with torch.device("meta"):
-            model = model_class(cfg)(cfg, self.backend, dtype, linear_method(quantization), tp=tp)
+            model = model_class(cfg)(cfg, self.backend, dtype, linear_method(quantization), tp=tp,
+                                     stage=pp.stage if pp is not None else None)
         allocate_parameters(model, self.device)
         model.load_hf_weights(weights)
         self.model = model.eval()
@@ -120,6 +125,8 @@ class ModelRunner:
         self._seed_rng = random.Random(seed)
         if tp is not None and tp.group.is_driver:  # each call announced to the other ranks first
             self.model = DriverModel(self.model, tp.group)
+        if pp is not None and pp.group.is_driver:
+            self.model = PipelineDriver(self.model, pp.group, pp.stage.count)
 
     def weight_format(self) -> str:
         """The matmul weights as served: the dtype, or the quantized format and the dtype it computes in."""
@@ -182,24 +189,14 @@ class ModelRunner:
             paged = [s for s in out.scheduled if s.request.num_computed_tokens > 0 or s.num_new_tokens == 1]
             fresh = [s for s in out.scheduled if s.request.num_computed_tokens == 0 and s.num_new_tokens > 1]
         ordered = paged + fresh
-        input_ids, positions, slots = [], [], []
-        bs = self.block_size
-        for s in ordered:
-            req, start = s.request, s.request.num_computed_tokens
-            input_ids.extend(req.tokens_with_spec(start, start + s.num_new_tokens))
-            for p in range(start, start + s.num_new_tokens):
-                positions.append(p)
-                slots.append(req.block_ids[p // bs] * bs + p % bs)
-        meta = AttentionMetadata(slot_mapping=self._long(slots))
-        if paged:
-            self._paged_metadata(meta, [(s.request.block_ids, s.request.num_computed_tokens, s.num_new_tokens)
-                                        for s in paged])
-        row = meta.num_paged_tokens
-        for s in fresh:
-            meta.fresh_spans.append((row, row + s.num_new_tokens))
-            row += s.num_new_tokens
-
-        hidden = self.model(self._long(input_ids), self._long(positions), meta, self.kv_caches)
+        if self.pp is not None and self.pp.micro_batches > 1 and len(ordered) > 1:
+            # pipeline parallelism: the step in micro-batches (contiguous runs of `ordered`, so the hidden states
+            # come back in its order), which the stages work on at once
+            batches = [self._inputs(group, len(paged) - start) for group, start in micro_batches(
+                ordered, self.pp.micro_batches)]
+            hidden = self.model.forward_micro_batches(batches, self.kv_caches)
+        else:
+            hidden = self.model(*self._inputs(ordered, len(paged)), self.kv_caches)
         last_rows, sampling = [], []
         row, scoring = 0, False
         for s in ordered:
@@ -295,6 +292,29 @@ class ModelRunner:
             i += n
         return result
 
+    def _inputs(self, ordered: list[ScheduledRequest], num_paged: int
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Token ids, positions and attention metadata of these requests' new tokens, the first `num_paged` of
+        them read through the block tables, the rest fresh prefills."""
+        input_ids, positions, slots = [], [], []
+        bs = self.block_size
+        for s in ordered:
+            req, start = s.request, s.request.num_computed_tokens
+            input_ids.extend(req.tokens_with_spec(start, start + s.num_new_tokens))
+            for p in range(start, start + s.num_new_tokens):
+                positions.append(p)
+                slots.append(req.block_ids[p // bs] * bs + p % bs)
+        meta = AttentionMetadata(slot_mapping=self._long(slots))
+        paged, fresh = ordered[:max(num_paged, 0)], ordered[max(num_paged, 0):]
+        if paged:
+            self._paged_metadata(meta, [(s.request.block_ids, s.request.num_computed_tokens, s.num_new_tokens)
+                                        for s in paged])
+        row = meta.num_paged_tokens
+        for s in fresh:
+            meta.fresh_spans.append((row, row + s.num_new_tokens))
+            row += s.num_new_tokens
+        return self._long(input_ids), self._long(positions), meta
+
     def _long(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
@@ -344,6 +364,19 @@ class ModelRunner:
             gen = None if p.greedy else self.position_generator(req.request_id, p.seed, len(output))
             rows.append(SamplingRow(p, req.prompt_token_ids, output, gen, blocked))
         return rows
+
+
+def micro_batches(ordered: list[ScheduledRequest], n: int) -> list[tuple[list[ScheduledRequest], int]]:
+    """`ordered` cut into at most n contiguous runs of about equal tokens, each with its start index."""
+    total = sum(s.num_new_tokens for s in ordered)
+    runs, start, acc = [], 0, 0
+    for i, s in enumerate(ordered):
+        acc += s.num_new_tokens
+        if acc * n >= total * (len(runs) + 1) and i + 1 < len(ordered) and len(runs) < n - 1:
+            runs.append((ordered[start:i + 1], start))
+            start = i + 1
+    runs.append((ordered[start:], start))
+    return runs
 
 
 def _per_request(results: list, sampling: list[ScheduledRequest]) -> list[list]:

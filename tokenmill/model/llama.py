@@ -22,6 +22,7 @@ from tokenmill.model.loader import allocate_parameters, one_torch_thread
 
 if TYPE_CHECKING:
     from tokenmill.parallel.group import TensorParallel
+    from tokenmill.parallel.layout import PPStage
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # sums a row-parallel layer's partial products over the ranks
 
@@ -73,22 +74,27 @@ class LlamaForCausalLM(nn.Module):
     every matmul, the LM head included (default dense; tokenmill/quant/methods.py names the others).
     With `tp` (tensor parallelism) `cfg` is this rank's shard of the model (parallel/layout.py): the attention
     output and MLP down projections are row-parallel (their partial sums all-reduced), the vocabulary is split by
-    rows (embedding lookups all-reduced, the LM head's logits gathered on rank 0)."""
+    rows (embedding lookups all-reduced, the LM head's logits gathered on rank 0).
+    With `stage` (pipeline parallelism) `cfg` has the stage's layers; only the first stage embeds and holds the LM
+    head, only the last applies the final norm, and a later stage's forward starts from the hidden state it is given
+    (parallel/layout.py PPStage)."""
 
     def __init__(self, cfg: ModelConfig, backend: Backend | None = None, dtype: torch.dtype | None = None,
-                 method: LinearMethod | None = None, tp: TensorParallel | None = None):
+                 method: LinearMethod | None = None, tp: TensorParallel | None = None, stage: PPStage | None = None):
         super().__init__()
         self.config, self.tp = cfg, tp
+        self.first, self.last = stage is None or stage.first, stage is None or stage.last
         self.backend = backend = backend if backend is not None else TorchBackend()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype) if self.first else None
         reduce = tp.group.all_reduce if tp is not None else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, dtype, method, reduce)
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, dtype)
         self.rotary: RotaryEmbedding | None = None  # built by init_rotary once the model is on its device
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False,
-                                                                   backend=backend, method=method, dtype=dtype)
-        self.tied_head = TiedLMHead(self.embed_tokens, backend, method) if cfg.tie_word_embeddings else None
+        untied, tied = self.first and not cfg.tie_word_embeddings, self.first and cfg.tie_word_embeddings
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, backend=backend, method=method,
+                              dtype=dtype) if untied else None
+        self.tied_head = TiedLMHead(self.embed_tokens, backend, method) if tied else None
         self.backend_cache: dict[str, object] = {}  # the backend's per-model state; emptied when weights change
 
     def init_rotary(self, device: torch.device) -> None:
@@ -97,17 +103,20 @@ class LlamaForCausalLM(nn.Module):
         self.rotary.to(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm for every token of the flat batch."""
-        x = self.embed(input_ids)
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], hidden_in: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm for every token of the flat batch (a pipeline stage
+        before the last: after its layers, from `hidden_in` unless it is the first)."""
+        x = self.embed(input_ids) if hidden_in is None else hidden_in
         cos, sin = self.rotary.tables(positions, x.dtype)
         # the backend's whole-layer kernel has no place for the all-reduces: tensor-parallel layers run op by op
         fast = None if self.tp is not None else self.backend.decode_layers(self, x, cos, sin, meta, kv_caches)
-        if fast is not None:
-            return self.norm(fast)
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, meta, kv)
-        return self.norm(x)
+        if fast is None:
+            for layer, kv in zip(self.layers, kv_caches):
+                x = layer(x, cos, sin, meta, kv)
+        else:
+            x = fast
+        return self.norm(x) if self.last else x
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:

@@ -1,4 +1,4 @@
-"""Rank 0's side of tensor parallelism: start the worker ranks, and announce each model call to them.
+"""Rank 0's side of tensor and pipeline parallelism: start the worker ranks, and announce each model call to them.
 
 `DriverModel` stands in for the model in rank 0's runner: a forward pass or an LM-head call is first broadcast
 (its inputs: the step's token ids, positions and attention metadata, or the rows whose logits are wanted), so every
@@ -19,13 +19,13 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.errors import ParallelFailure
-from tokenmill.parallel.group import TPGroup, backend_for
+from tokenmill.parallel.group import RankGroup, backend_for
 
 log = logging.getLogger("tokenmill")
 
 
 class DriverModel:
-    def __init__(self, model: torch.nn.Module, group: TPGroup):
+    def __init__(self, model: torch.nn.Module, group: RankGroup):
         self.model, self.group = model, group
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, kv_caches: list) -> torch.Tensor:
@@ -47,6 +47,44 @@ class DriverModel:
         return getattr(self.model, name)
 
 
+class PipelineDriver:
+    """Rank 0 as pipeline stage 0: a step's micro-batches are announced to every stage, then each goes through this
+    stage's layers and on to the next stage while this one starts the next micro-batch (so the stages work on
+    different micro-batches at once); the last stage sends the final hidden states back here, where the LM head
+    is. Any failure is fatal, as under tensor parallelism."""
+
+    def __init__(self, model: torch.nn.Module, group: RankGroup, stages: int):
+        self.model, self.group, self.stages = model, group, stages
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, kv_caches: list) -> torch.Tensor:
+        return self.forward_micro_batches([(input_ids, positions, meta)], kv_caches)
+
+    def forward_micro_batches(self, batches: list[tuple[torch.Tensor, torch.Tensor, Any]],
+                              kv_caches: list) -> torch.Tensor:
+        """The final hidden states of every micro-batch's tokens, in order (one tensor)."""
+        try:
+            self.group.broadcast(("pipeline", batches))
+            hidden, dtype = self.model.config.hidden_size, self.model.norm.weight.dtype
+            finals = [torch.empty(len(ids), hidden, dtype=dtype) for ids, _, _ in batches]
+            recvs = [self.group.recv(f, self.stages - 1, tag=i) for i, f in enumerate(finals)]
+            sends, outputs = [], []
+            for i, (input_ids, positions, meta) in enumerate(batches):
+                outputs.append(self.model(input_ids, positions, meta, kv_caches))  # kept alive until sent
+                sends.append(self.group.send(outputs[-1], 1, tag=i))
+            for work in sends + recvs:
+                work.wait()
+            return torch.cat(finals) if len(finals) > 1 else finals[0]
+        except Exception as e:
+            raise ParallelFailure(f"a pipeline-parallel step failed ({type(e).__name__}: {e}); the stages are out "
+                                  "of step, so the engine stops") from e
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)  # the LM head is here, on stage 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
 class Workers:
     """Ranks 1..N-1 as processes on this host (`python -m tokenmill.parallel.worker`: plain subprocesses, since
     the engine process, a daemon, may not have multiprocessing children), and rank 0's group once they joined."""
@@ -55,7 +93,7 @@ class Workers:
         with socket.socket() as s:  # a free port for the rendezvous
             s.bind(("127.0.0.1", 0))
             init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-        self.group: TPGroup | None = None
+        self.group: RankGroup | None = None
         self.procs: list[subprocess.Popen] = []
         for rank in range(1, size):
             proc = subprocess.Popen([sys.executable, "-m", "tokenmill.parallel.worker"], stdin=subprocess.PIPE)
@@ -63,7 +101,7 @@ class Workers:
             proc.stdin.close()
             self.procs.append(proc)
         try:
-            self.group = TPGroup(0, size, init, backend_for(config.device), timeout_s)
+            self.group = RankGroup(0, size, init, backend_for(config.device), timeout_s)
         except Exception as e:
             self.kill()
             raise ParallelFailure(f"the tensor-parallel ranks did not all start: {e}") from e

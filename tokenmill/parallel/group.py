@@ -1,4 +1,5 @@
-"""The tensor-parallel group of one engine: which rank this process is, and the collectives the model calls.
+"""The ranks of one engine (tensor-parallel shards or pipeline stages): which rank this process is, and the
+collectives and point-to-point sends the model calls.
 
 Ranks are processes over torch.distributed (gloo on CPU, NCCL on CUDA). Rank 0 is the engine core's process: it
 schedules, builds each step's inputs and samples; ranks 1..N-1 (parallel/worker.py) hold their shard of every layer
@@ -16,10 +17,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokenmill.parallel.layout import TPLayout
+from tokenmill.parallel.layout import PPStage, TPLayout
 
 STARTUP_TIMEOUT_S = 600.0  # every rank loads its shard before the first command
 IDLE_TIMEOUT = datetime.timedelta(days=30)
+PIPE_TIMEOUT = datetime.timedelta(seconds=600)  # a micro-batch's trip through every stage (a long prefill)
 
 
 def backend_for(device: str) -> str:
@@ -27,13 +29,22 @@ def backend_for(device: str) -> str:
     return "nccl" if str(device).startswith("cuda") else "gloo"
 
 
-class TPGroup:
+class RankGroup:
     def __init__(self, rank: int, size: int, init_method: str, backend: str, timeout_s: float):
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
         self.rank, self.size = rank, size
         self.control = dist.new_group(timeout=IDLE_TIMEOUT)
         self.compute = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
+        self.pipe = dist.new_group(timeout=PIPE_TIMEOUT)
+
+    def send(self, x: torch.Tensor, dst: int, tag: int) -> Any:
+        """Start sending `x` to rank `dst` (a pipeline stage's output); returns the work to wait on."""
+        return dist.isend(x.contiguous(), dst, group=self.pipe, tag=tag)
+
+    def recv(self, x: torch.Tensor, src: int, tag: int) -> Any:
+        """Start receiving into `x` from rank `src`; returns the work to wait on."""
+        return dist.irecv(x, src, group=self.pipe, tag=tag)
 
     @property
     def is_driver(self) -> bool:
@@ -67,5 +78,15 @@ class TPGroup:
 class TensorParallel:
     """What a rank's model needs: its group (collectives) and its layout (which shard it holds)."""
 
-    group: TPGroup
+    group: RankGroup
     layout: TPLayout
+
+
+@dataclass
+class PipelineParallel:
+    """What a pipeline stage's runner needs: its group (sends), its stage (which layers), how many micro-batches a
+    step is cut into (rank 0)."""
+
+    group: RankGroup
+    stage: PPStage
+    micro_batches: int

@@ -117,3 +117,81 @@ class ShardedCheckpoint(Mapping):
                 rows = torch.cat([rows, rows.new_zeros(lay.vocab - len(rows), t.shape[1])])
             return rows
         return t
+
+
+def check_pipeline_parallel(cfg: ModelConfig, stages: int) -> None:
+    if stages < 1:
+        raise ConfigError(f"--pipeline-parallel-size must be >= 1, got {stages}")
+    if stages > cfg.num_layers:
+        raise ConfigError(f"--pipeline-parallel-size {stages} exceeds the model's {cfg.num_layers} layers (each stage "
+                          "needs at least one); use at most that many stages")
+
+
+@dataclass(frozen=True)
+class PPStage:
+    """Pipeline stage `index` of `count`: layers [start, end). The first stage (rank 0, the engine's process) also
+    embeds the tokens and computes the logits from the last stage's output; every stage holds the final norm (a
+    vector), which only the last applies. When the layers do not split evenly the later stages take one more."""
+
+    index: int
+    count: int
+    start: int
+    end: int
+
+    @staticmethod
+    def of(cfg: ModelConfig, count: int, index: int) -> PPStage:
+        base, extra = divmod(cfg.num_layers, count)
+        sizes = [base + (1 if i >= count - extra else 0) for i in range(count)]
+        start = sum(sizes[:index])
+        return PPStage(index, count, start, start + sizes[index])
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+    def shard_config(self, cfg: ModelConfig) -> ModelConfig:
+        return replace(cfg, num_layers=self.end - self.start)
+
+    @staticmethod
+    def describe(cfg: ModelConfig, count: int, micro_batches: int) -> str:
+        ranges = " | ".join(f"{s.start}-{s.end - 1}" for s in (PPStage.of(cfg, count, i) for i in range(count)))
+        return (f"pipeline parallel: {count} stages, layers {ranges}; up to {micro_batches} micro-batches in "
+                "flight per step")
+
+
+class StageCheckpoint(Mapping):
+    """A checkpoint as one pipeline stage sees it: its layers, renumbered from 0, the final norm, and on the first
+    stage the embedding and the LM head."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], stage: PPStage):
+        self.weights, self.stage = weights, stage
+        self.names: dict[str, str] = {}  # the stage's name -> the checkpoint's
+        for name in weights:
+            mine = self._local(name)
+            if mine is not None:
+                self.names[mine] = name
+
+    def _local(self, name: str) -> str | None:
+        if name.startswith("model.layers."):
+            index, _, rest = name[len("model.layers."):].partition(".")
+            i = int(index)
+            return f"model.layers.{i - self.stage.start}.{rest}" if self.stage.start <= i < self.stage.end else None
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return name if self.stage.first else None
+        return name
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.weights[self.names[name]]

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.parallel.group import TPGroup, backend_for
+from tokenmill.parallel.group import RankGroup, backend_for
 
 log = logging.getLogger("tokenmill")
 
@@ -25,14 +25,18 @@ def run_worker(rank: int, size: int, init_method: str, config: EngineConfig, num
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process stops the engine; the engine stops us
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(threads)
-    group = TPGroup(rank, size, init_method, backend_for(config.device), timeout_s)
+    group = RankGroup(rank, size, init_method, backend_for(config.device), timeout_s)
     try:
         from tokenmill.engine.core import ModelSpec
-        from tokenmill.parallel.group import TensorParallel
-        from tokenmill.parallel.layout import TPLayout
+        from tokenmill.parallel.group import PipelineParallel, TensorParallel
+        from tokenmill.parallel.layout import PPStage, TPLayout
 
         spec = ModelSpec.resolve(config)
-        runner = spec.build_runner(config, num_blocks, TensorParallel(group, TPLayout(spec.config, size, rank)))
+        if config.pipeline_parallel_size > 1:
+            stage = PPStage.of(spec.config, size, rank)
+            runner = spec.build_runner(config, num_blocks, pp=PipelineParallel(group, stage, 1))
+        else:
+            runner = spec.build_runner(config, num_blocks, TensorParallel(group, TPLayout(spec.config, size, rank)))
         with torch.inference_mode():  # as rank 0's runner: no autograd bookkeeping
             serve(group, runner)
     except Exception as e:  # noqa: BLE001 - logged, then the process ends: rank 0 fails on its next collective
@@ -41,7 +45,7 @@ def run_worker(rank: int, size: int, init_method: str, config: EngineConfig, num
         group.close()
 
 
-def serve(group: TPGroup, runner: Any) -> None:
+def serve(group: RankGroup, runner: Any) -> None:
     """Run rank 0's commands until it says stop."""
     while True:
         command: tuple[str, Any] = group.broadcast(None)
@@ -50,8 +54,26 @@ def serve(group: TPGroup, runner: Any) -> None:
             runner.model(input_ids, positions, meta, runner.kv_caches)
         elif command[0] == "logits":
             runner.model.compute_logits(command[1])
+        elif command[0] == "pipeline":
+            run_stage(group, runner, command[1])
         else:
             return
+
+
+def run_stage(group: RankGroup, runner: Any, batches: list) -> None:
+    """This pipeline stage's part of a step: each micro-batch's hidden states from the stage before, through this
+    stage's layers, on to the next stage (the last: the final norm, back to rank 0)."""
+    stage, model = runner.pp.stage, runner.model
+    after = 0 if stage.last else stage.index + 1
+    dtype, hidden = model.norm.weight.dtype, model.config.hidden_size
+    sends, outputs = [], []
+    for i, (input_ids, positions, meta) in enumerate(batches):
+        x = torch.empty(len(input_ids), hidden, dtype=dtype)
+        group.recv(x, stage.index - 1, tag=i).wait()
+        outputs.append(model(input_ids, positions, meta, runner.kv_caches, hidden_in=x))  # alive until sent
+        sends.append(group.send(outputs[-1], after, tag=i))
+    for work in sends:
+        work.wait()
 
 
 if __name__ == "__main__":  # started by parallel/driver.py Workers, its arguments pickled on stdin

@@ -1,8 +1,14 @@
-"""Tensor parallelism on this CPU: N ranks of one thread each against one process with N threads, same model, same
-weights (SmolLM2-135M dequantized: tensor parallelism cannot split a GGUF file's kept blocks), same requests
-(BENCHMARKS.md "Tensor parallelism").
+"""Tensor and pipeline parallelism on this CPU: N ranks of one thread each against one process with N threads, same
+model, same weights (SmolLM2-135M dequantized: the ranks cannot split a GGUF file's kept blocks), same requests
+(BENCHMARKS.md "Tensor parallelism", "Pipeline parallelism").
 
-    python benchmarks/tensor_parallel.py --runs 3
+    python benchmarks/parallel.py --runs 3 [--tp 2 --even-shape]
+    python benchmarks/parallel.py --runs 3 --pp 2 --micro-batches 1,2,4
+
+Pipeline mode: prefill tokens/s (8 x 512-token prompts: compute-bound) and batched decode (32 x 128 tokens:
+memory-bound) of 2 stages with 1, 2 and 4 micro-batches per step against one process with 1 and 2 threads; the
+bubble, the share of the stages' time spent idle, estimated from the one-thread process's time split evenly over
+the stages: 1 - (T1 / stages) / T.
 
 Measured: single-stream decode step time (one request, 128 tokens), batched output tokens/s (32 requests x 128
 tokens), weight bytes and resident memory per rank, and the collectives alone (gloo all-reduce of one decode step's
@@ -59,18 +65,25 @@ def run(engine: EngineCore, n: int, prompt_len: int, out_len: int) -> tuple[floa
     return n * out_len / (time.perf_counter() - start), steps
 
 
-def measure(tp: int, threads: int, runs: int, model: str | None) -> dict:
+def measure(tp: int, threads: int, runs: int, model: str | None, pp: int = 1, micro: int | None = None) -> dict:
     engine = EngineCore(EngineConfig(model=model, tensor_parallel_size=tp, num_threads=threads, quantization="none",
+                                     pipeline_parallel_size=pp, pipeline_micro_batches=micro,
                                      cache=CacheConfig(kv_cache_memory=256 << 20)))
     try:
         run(engine, 2, 32, 8)  # warm
-        single, batched = [], []
+        single, batched, batched_step, prefill = [], [], [], []
         for _ in range(runs):
+            start = time.perf_counter()
+            run(engine, 8, 512, 1)  # prefill-bound: 4,096 prompt tokens
+            prefill.append(8 * 512 / (time.perf_counter() - start))
             _, steps = run(engine, 1, 64, 128)
             single.append(statistics.median(steps[1:]))  # decode steps (the first is the prefill)
-            batched.append(run(engine, 32, 64, 128)[0])
+            tps, steps = run(engine, 32, 64, 128)
+            batched.append(tps)
+            batched_step.append(statistics.median(steps[1:]))
         pids = [os.getpid()] + ([p.pid for p in engine.workers.procs] if engine.workers else [])
         return {"step_ms": statistics.median(single) * 1e3, "tps": statistics.median(batched),
+                "batched_step_ms": statistics.median(batched_step) * 1e3, "prefill_tps": statistics.median(prefill),
                 "weights_mib": weight_bytes(engine.runner.model) / 2**20,
                 "rss_mib": [rss_mib(p) for p in pids]}
     finally:
@@ -119,7 +132,12 @@ def main() -> None:
     ap.add_argument("--even-shape", action="store_true",
                     help="a random model of SmolLM2's size whose heads 2 ranks divide (8 heads / 2 KV heads x 64, "
                          "hidden 512, 30 layers, vocabulary 49,152): 2 ranks on 2 cores, no oversubscription")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages (then the pipeline table, not tensor parallel)")
+    ap.add_argument("--micro-batches", default="1,2,4")
     args = ap.parse_args()
+    if args.pp > 1:
+        pipeline(args)
+        return
     model, name = None, "SmolLM2-135M"
     if args.even_shape:
         import tempfile
@@ -142,6 +160,27 @@ def main() -> None:
     print(f"\ngloo all-reduce of a [rows, 576] bfloat16 hidden state among {args.tp} processes (median of 2,000): "
           f"1 row {ar[1]:.0f} us, 32 rows {ar[32]:.0f} us; a decode step makes 61 of them (2 per layer x 30 + "
           f"the embedding's): {61 * ar[1] / 1e3:.1f} ms at 1 row, {61 * ar[32] / 1e3:.1f} ms at 32 rows")
+
+
+def pipeline(args) -> None:
+    micro = [int(m) for m in args.micro_batches.split(",")]
+    one = measure(1, 1, args.runs, None)
+    base = measure(1, args.pp, args.runs, None)
+    stages = {m: measure(1, 1, args.runs, None, pp=args.pp, micro=m) for m in micro}
+    print(f"\n## Pipeline parallelism: {args.pp} stages x 1 thread (SmolLM2-135M, bfloat16 dense, 32 requests x 128 "
+          f"tokens; median of {args.runs}; CPU {cpu_isa()})")
+    print("| configuration | prefill tok/s (8 x 512) | bubble, prefill | batched decode step | output tok/s | "
+          "bubble, decode | weights on rank 0 |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in (("1 process, 1 thread", one), (f"1 process, {args.pp} threads", base)):
+        print(f"| {name} | {r['prefill_tps']:.0f} | | {r['batched_step_ms']:.1f} ms | {r['tps']:.1f} | | "
+              f"{r['weights_mib']:.0f} MiB |")
+    for m, r in stages.items():
+        decode_bubble = 1 - (one["batched_step_ms"] / args.pp) / r["batched_step_ms"]
+        prefill_bubble = 1 - r["prefill_tps"] / (args.pp * one["prefill_tps"])  # the same estimate, from rates
+        print(f"| {args.pp} stages, {m} micro-batch{'es' if m > 1 else ''} | {r['prefill_tps']:.0f} | "
+              f"{prefill_bubble:.0%} | {r['batched_step_ms']:.1f} ms | {r['tps']:.1f} | {decode_bubble:.0%} | "
+              f"{r['weights_mib']:.0f} MiB |")
 
 
 if __name__ == "__main__":
