@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import random
 import socket
 import statistics
 import sys
@@ -53,8 +54,9 @@ def rss_mib(pid: int) -> float:
 def run(engine: EngineCore, n: int, prompt_len: int, out_len: int) -> tuple[float, list[float]]:
     """Output tokens/s for n requests, and every step's seconds."""
     params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
+    rng = random.Random(time.monotonic_ns())  # new prompts every call: no prefix-cache hits between runs
     for i in range(n):
-        prompt = [(7 * i + 13 * j) % 40000 + 100 for j in range(prompt_len)]
+        prompt = [rng.randrange(100, 40000) for _ in range(prompt_len)]
         engine.add_request(AddRequest(f"r{i}-{time.monotonic()}", prompt, params, out_len, frozenset(),
                                       time.monotonic()))
     steps, start = [], time.perf_counter()

@@ -40,10 +40,14 @@ def model(tmp_path_factory):
 def same_as_one_process(model, pp: int, requests, **kw) -> EngineCore:
     ref = run(core(model, 1, **{k: v for k, v in kw.items() if k != "micro"}), requests)
     engine = core(model, pp, **kw)
+    driver, seen = engine.runner.model, []
+    real = driver.forward_micro_batches
+    driver.forward_micro_batches = lambda batches, caches: (seen.append(len(batches)), real(batches, caches))[1]
     try:
         assert run(engine, requests) == ref
     finally:
         engine.close()
+    engine.micro_batches_seen = seen
     return engine
 
 
@@ -67,10 +71,19 @@ def test_micro_batches_are_contiguous_runs_of_about_equal_tokens():
         def __init__(self, n):
             self.num_new_tokens = n
     steps = [S(n) for n in (1, 1, 1, 1, 100, 1, 1, 1)]
-    runs = micro_batches(steps, 4)
-    assert [s for run_, _ in runs for s in run_] == steps and len(runs) <= 4
-    assert [start for _, start in runs] == sorted(start for _, start in runs)
-    assert len(micro_batches(steps[:1], 4)) == 1
+    whole = micro_batches(steps, 4, split_chunks=False)
+    assert [s for run_ in whole for s, _, _ in run_] == steps and len(whole) <= 4
+    assert all(offset == 0 and n == s.num_new_tokens for run_ in whole for s, offset, n in run_)
+    cut = micro_batches(steps, 4, split_chunks=True)  # the 100-token chunk is cut: runs of ~27 tokens
+    assert len(cut) == 3  # 107 tokens make at most 3 runs of >= 32
+    assert [sum(n for _, _, n in r) for r in cut] == [36, 35, 36]
+    pieces = [(offset, n) for r in cut for s, offset, n in r if s is steps[4]]
+    assert pieces == [(0, 32), (32, 35), (67, 33)]  # in order, covering the chunk exactly
+    assert [[(o, n) for _, o, n in r] for r in micro_batches(steps[4:5], 4, split_chunks=True)] == [
+        [(0, 33)], [(33, 34)], [(67, 33)]]  # one 100-token chunk: 3 runs (of >= 32 tokens)
+    assert [[(o, n) for _, o, n in r] for r in micro_batches([S(512)], 4, split_chunks=True)] == [
+        [(0, 128)], [(128, 128)], [(256, 128)], [(384, 128)]]
+    assert len(micro_batches(steps[:1], 4, split_chunks=True)) == 1
 
 
 def test_too_many_stages_are_refused(model):
@@ -78,14 +91,16 @@ def test_too_many_stages_are_refused(model):
         core(model, 6)
 
 
-@pytest.mark.parametrize("pp,micro", [(2, None), (3, 1), (3, 4)])
-def test_stages_give_one_process_output_with_chunks_prefix_hits_and_samples(model, pp, micro):
+@pytest.mark.parametrize("pp,micro,chunk", [(2, None, 16), (3, 1, 256), (3, 4, 256), (2, 4, 64)])
+def test_stages_give_one_process_output_with_chunks_prefix_hits_and_samples(model, pp, micro, chunk):
     shared = prompts(1, (40,), seed=1)[0]
     requests = {f"g{i}": (p, GREEDY) for i, p in enumerate(prompts(4))}
     requests |= {f"s{i}": (shared + [7 + i], GREEDY) for i in range(2)}
     requests |= {f"n#{i}": (shared, SamplingParams(max_tokens=8, temperature=1.0, seed=3 + i, ignore_eos=True))
                  for i in range(2)}
-    same_as_one_process(model, pp, requests, micro=micro, chunk=16)
+    engine = same_as_one_process(model, pp, requests, micro=micro, chunk=chunk)
+    most = max(engine.micro_batches_seen)
+    assert most == (min(micro, chunk // 32) if micro else 1)  # prompts' chunks cut into that many runs
 
 
 def test_stages_preempt_and_recompute_to_the_same_output(model):

@@ -1,4 +1,5 @@
-"""`tokenmill serve --tensor-parallel-size 2` for real: the answers of one process; a rank that dies mid-stream
+"""`tokenmill serve --tensor-parallel-size 2` (and `--pipeline-parallel-size 2`) for real: the answers of one
+process; a rank that dies mid-stream
 ends the stream with an error event and the server exits non-zero, and one that dies while the server idles turns
 /health to 503 within seconds (never a server that says it is healthy and hangs the next request)."""
 
@@ -58,6 +59,20 @@ def test_two_ranks_answer_as_one_process_and_a_dead_rank_ends_the_stream_and_the
         assert "tensor-parallel" in tp.stderr()
     finally:
         tp.stop()
+        one.stop()
+
+
+def test_two_pipeline_stages_answer_as_one_process(model):
+    with ThreadPoolExecutor(2) as pool:
+        pp, one = pool.map(lambda extra: start_server(*flags(model), *extra, api_key=None),
+                           (["--pipeline-parallel-size", "2", "--pipeline-micro-batches", "2"], []))
+    try:
+        assert len(worker_pids(pp)) == 1
+        body = {"prompt": ["Once upon a time", "The sea"], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        got = httpx.post(pp.url + "/v1/completions", json=body, timeout=60).json()
+        assert got["choices"] == httpx.post(one.url + "/v1/completions", json=body, timeout=60).json()["choices"]
+    finally:
+        pp.stop()
         one.stop()
 
 

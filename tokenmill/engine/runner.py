@@ -189,14 +189,18 @@ class ModelRunner:
             paged = [s for s in out.scheduled if s.request.num_computed_tokens > 0 or s.num_new_tokens == 1]
             fresh = [s for s in out.scheduled if s.request.num_computed_tokens == 0 and s.num_new_tokens > 1]
         ordered = paged + fresh
-        if self.pp is not None and self.pp.micro_batches > 1 and len(ordered) > 1:
-            # pipeline parallelism: the step in micro-batches (contiguous runs of `ordered`, so the hidden states
-            # come back in its order), which the stages work on at once
-            batches = [self._inputs(group, len(paged) - start) for group, start in micro_batches(
-                ordered, self.pp.micro_batches)]
+        if self.pp is not None and self.pp.micro_batches > 1:
+            # pipeline parallelism: the step in micro-batches (contiguous runs of its tokens, so the hidden states
+            # come back in order), which the stages work on at once. Where every token reads its context through
+            # the block tables a request's chunk may be cut too: its second part reads the first's KV, which each
+            # stage wrote one micro-batch earlier.
+            runs = micro_batches(ordered, self.pp.micro_batches, split_chunks=self.batch_invariant)
+            in_paged = {id(s) for s in paged}
+            batches = [self._inputs(run, sum(id(s) in in_paged for s, _, _ in run)) for run in runs]
             hidden = self.model.forward_micro_batches(batches, self.kv_caches)
         else:
-            hidden = self.model(*self._inputs(ordered, len(paged)), self.kv_caches)
+            hidden = self.model(*self._inputs([(s, 0, s.num_new_tokens) for s in ordered], len(paged)),
+                                self.kv_caches)
         last_rows, sampling = [], []
         row, scoring = 0, False
         for s in ordered:
@@ -292,27 +296,26 @@ class ModelRunner:
             i += n
         return result
 
-    def _inputs(self, ordered: list[ScheduledRequest], num_paged: int
-                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Token ids, positions and attention metadata of these requests' new tokens, the first `num_paged` of
-        them read through the block tables, the rest fresh prefills."""
+    def _inputs(self, spans: list[Span], num_paged: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Token ids, positions and attention metadata of these spans' tokens, the first `num_paged` spans read
+        through the block tables, the rest fresh prefills."""
         input_ids, positions, slots = [], [], []
         bs = self.block_size
-        for s in ordered:
-            req, start = s.request, s.request.num_computed_tokens
-            input_ids.extend(req.tokens_with_spec(start, start + s.num_new_tokens))
-            for p in range(start, start + s.num_new_tokens):
+        for s, offset, n in spans:
+            req, start = s.request, s.request.num_computed_tokens + offset
+            input_ids.extend(req.tokens_with_spec(start, start + n))
+            for p in range(start, start + n):
                 positions.append(p)
                 slots.append(req.block_ids[p // bs] * bs + p % bs)
         meta = AttentionMetadata(slot_mapping=self._long(slots))
-        paged, fresh = ordered[:max(num_paged, 0)], ordered[max(num_paged, 0):]
+        paged, fresh = spans[:num_paged], spans[num_paged:]
         if paged:
-            self._paged_metadata(meta, [(s.request.block_ids, s.request.num_computed_tokens, s.num_new_tokens)
-                                        for s in paged])
+            self._paged_metadata(meta, [(s.request.block_ids, s.request.num_computed_tokens + offset, n)
+                                        for s, offset, n in paged])
         row = meta.num_paged_tokens
-        for s in fresh:
-            meta.fresh_spans.append((row, row + s.num_new_tokens))
-            row += s.num_new_tokens
+        for _, _, n in fresh:
+            meta.fresh_spans.append((row, row + n))
+            row += n
         return self._long(input_ids), self._long(positions), meta
 
     def _long(self, values: list[int]) -> torch.Tensor:
@@ -366,17 +369,28 @@ class ModelRunner:
         return rows
 
 
-def micro_batches(ordered: list[ScheduledRequest], n: int) -> list[tuple[list[ScheduledRequest], int]]:
-    """`ordered` cut into at most n contiguous runs of about equal tokens, each with its start index."""
+Span = tuple[ScheduledRequest, int, int]  # a scheduled chunk, or part of it: (scheduled, offset, tokens)
+MIN_MICRO_BATCH_TOKENS = 32  # smaller micro-batches cost more in per-call overhead than the overlap gains
+
+
+def micro_batches(ordered: list[ScheduledRequest], n: int, split_chunks: bool) -> list[list[Span]]:
+    """The step's tokens, in order, cut into at most n runs of about equal tokens (at least
+    MIN_MICRO_BATCH_TOKENS each, when there are that many): at request boundaries, or also inside a request's
+    chunk with `split_chunks`."""
     total = sum(s.num_new_tokens for s in ordered)
-    runs, start, acc = [], 0, 0
-    for i, s in enumerate(ordered):
-        acc += s.num_new_tokens
-        if acc * n >= total * (len(runs) + 1) and i + 1 < len(ordered) and len(runs) < n - 1:
-            runs.append((ordered[start:i + 1], start))
-            start = i + 1
-    runs.append((ordered[start:], start))
-    return runs
+    n = max(1, min(n, total // MIN_MICRO_BATCH_TOKENS if split_chunks else len(ordered), total))
+    bounds = [round(k * total / n) for k in range(1, n)]
+    runs: list[list[Span]] = [[] for _ in range(n)]
+    pos = k = 0
+    for s in ordered:
+        offset, left = 0, s.num_new_tokens
+        while left:
+            while k < n - 1 and pos >= bounds[k]:
+                k += 1
+            take = min(left, bounds[k] - pos) if split_chunks and k < n - 1 else left
+            runs[k].append((s, offset, take))
+            offset, left, pos = offset + take, left - take, pos + take
+    return [r for r in runs if r]
 
 
 def _per_request(results: list, sampling: list[ScheduledRequest]) -> list[list]:
