@@ -174,6 +174,18 @@ def cmd_router(args: argparse.Namespace) -> int:
                       args.health_interval, args.max_attempts, cascade, args.prefill)
 
 
+def cmd_worker(args: argparse.Namespace) -> int:
+    from tokenmill.parallel.launch import run_node
+
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    if config.nnodes < 2 or config.node_rank < 1:
+        print("error: `tokenmill worker` runs the ranks of node 1 and later: give --nnodes N (N >= 2) and "
+              "--node-rank K (K >= 1), --master-addr and --master-port as node 0's `tokenmill serve` has them",
+              file=sys.stderr)
+        return 2
+    return run_node(config)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from tokenmill.plan import run_plan
 
@@ -201,6 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(p)
     add_sampling_args(p, max_tokens=512)
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("worker", help="the parallel ranks of another host (--nnodes, --node-rank, --master-addr, "
+                                      "--master-port; the same engine flags as node 0's serve)")
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=cmd_worker)
 
     from tokenmill.router.policies import POLICIES
 

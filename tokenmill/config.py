@@ -335,6 +335,12 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks (processes over torch.distributed) each holding a shard of every layer
     pipeline_parallel_size: int = 1  # ranks each holding a contiguous range of the layers
     pipeline_micro_batches: int | None = None  # a step's micro-batches in flight (None: one per stage)
+    # several hosts (torch.distributed's rendezvous): ranks split evenly over the nodes; node 0 runs the server and
+    # ranks 0..k-1, node i (`tokenmill worker`) ranks i*k..(i+1)*k-1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: any free port (one node only)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # --speculative-config (JSON text, a dict or a SpeculativeConfig; None: no speculation)
@@ -359,6 +365,14 @@ class EngineConfig:
                               f"{self.pipeline_parallel_size!r}")
         if self.pipeline_micro_batches is not None and self.pipeline_micro_batches < 1:
             raise ConfigError(f"--pipeline-micro-batches must be >= 1, got {self.pipeline_micro_batches}")
+        if not isinstance(self.nnodes, int) or self.nnodes < 1 or self.parallel_size % self.nnodes:
+            raise ConfigError(f"--nnodes {self.nnodes} must divide the ranks ({self.parallel_size}: tensor x "
+                              "pipeline parallel size): every node runs as many")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ConfigError(f"--nnodes {self.nnodes} needs --master-port: a port on --master-addr (node 0's "
+                              "address) that every node reaches")
         if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
             raise ConfigError("--tensor-parallel-size and --pipeline-parallel-size do not combine yet; use one")
         if self.parallel_size > 1 and (self.speculative is not None or self.kv_transfer is not None):

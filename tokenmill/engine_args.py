@@ -128,6 +128,12 @@ class EngineArgs:
                                        type=int)
     pipeline_micro_batches: int | None = _opt(None, "micro-batches a step is cut into under pipeline parallelism, "
                                                     "so the stages work at once (default: one per stage)", type=int)
+    nnodes: int = _opt(1, "hosts the parallel ranks run on (each runs as many): node 0 runs `tokenmill serve`, the "
+                          "others `tokenmill worker` with the same flags and their --node-rank", type=int)
+    node_rank: int = _opt(0, "this host's index among the --nnodes", type=int)
+    master_addr: str = _opt("127.0.0.1", "node 0's address, where the ranks meet (torch.distributed's)")
+    master_port: int | None = _opt(None, "the port on --master-addr where the ranks meet (needed with --nnodes > 1)",
+                                   type=int)
     kv_transfer_config: str | None = _opt(
         None, "disaggregated prefill/decode, as vLLM's flag: '{\"kv_connector\": \"tcp\" | \"shm\", \"kv_role\": "
               "\"kv_producer\" | \"kv_consumer\" | \"kv_both\", \"kv_port\": 14579}'. A producer computes prompts "

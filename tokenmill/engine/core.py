@@ -119,7 +119,7 @@ def threads_per_rank(config: EngineConfig) -> int | None:
     """--threads, or with several parallel ranks on this host the cores shared out among them."""
     if config.num_threads is not None or config.parallel_size == 1:
         return config.num_threads
-    return max(1, (os.cpu_count() or 1) // config.parallel_size)
+    return max(1, (os.cpu_count() or 1) // (config.parallel_size // config.nnodes))
 
 
 class EngineCore:
@@ -160,7 +160,7 @@ class EngineCore:
         self.workers: Workers | None = None  # tensor-parallel ranks or pipeline stages 1..N-1
         tp = pp = None
         if config.parallel_size > 1:
-            self.workers = Workers(config, num_blocks, config.parallel_size, threads or 1)
+            self.workers = Workers(config, num_blocks, config.parallel_size)
             if layout is not None:
                 tp = TensorParallel(self.workers.group, layout)
             else:

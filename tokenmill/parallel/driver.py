@@ -9,10 +9,8 @@ exception in a call is fatal (ParallelFailure): the ranks are out of step, so th
 from __future__ import annotations
 
 import logging
-import pickle
 import socket
 import subprocess
-import sys
 from typing import Any
 
 import torch
@@ -20,6 +18,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.errors import ParallelFailure
 from tokenmill.parallel.group import RankGroup, backend_for
+from tokenmill.parallel.launch import start_rank
 
 log = logging.getLogger("tokenmill")
 
@@ -86,25 +85,25 @@ class PipelineDriver:
 
 
 class Workers:
-    """Ranks 1..N-1 as processes on this host (`python -m tokenmill.parallel.worker`: plain subprocesses, since
-    the engine process, a daemon, may not have multiprocessing children), and rank 0's group once they joined."""
+    """The other ranks of node 0 as processes on this host (the other nodes' come from `tokenmill worker`), and rank
+    0's group once every rank joined; then every rank gets the configuration and the block count."""
 
-    def __init__(self, config: EngineConfig, num_blocks: int, size: int, threads: int, timeout_s: float = 30.0):
-        with socket.socket() as s:  # a free port for the rendezvous
-            s.bind(("127.0.0.1", 0))
-            init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    def __init__(self, config: EngineConfig, num_blocks: int, size: int, timeout_s: float = 30.0):
+        if config.master_port is None:  # one node: any free port for the rendezvous
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        else:
+            init = f"tcp://{config.master_addr}:{config.master_port}"
+        backend = backend_for(config.device)
         self.group: RankGroup | None = None
-        self.procs: list[subprocess.Popen] = []
-        for rank in range(1, size):
-            proc = subprocess.Popen([sys.executable, "-m", "tokenmill.parallel.worker"], stdin=subprocess.PIPE)
-            proc.stdin.write(pickle.dumps((rank, size, init, config, num_blocks, threads, timeout_s)))
-            proc.stdin.close()
-            self.procs.append(proc)
+        self.procs = [start_rank(r, size, init, backend, timeout_s) for r in range(1, size // config.nnodes)]
         try:
-            self.group = RankGroup(0, size, init, backend_for(config.device), timeout_s)
+            self.group = RankGroup(0, size, init, backend, timeout_s)
+            self.group.broadcast(("setup", (config, num_blocks)))
         except Exception as e:
             self.kill()
-            raise ParallelFailure(f"the tensor-parallel ranks did not all start: {e}") from e
+            raise ParallelFailure(f"the parallel ranks did not all start: {e}") from e
 
     def check(self) -> None:
         """Raise ParallelFailure if a worker process has ended (checked while idle too: a rank that died between

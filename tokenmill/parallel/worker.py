@@ -1,7 +1,10 @@
-"""Tensor-parallel ranks 1..N-1: each builds its shard of the model and its KV cache (same block count as rank 0,
-its own heads), then runs whatever rank 0 announces: a forward pass over the step's inputs, the LM head's slice
-for some rows, or the end. Any failure ends the process; rank 0's next collective then fails (or times out) and
-the engine with it, never a silent hang."""
+"""Parallel ranks 1..N-1 (tensor-parallel shards or pipeline stages): each joins the group, takes rank 0's
+configuration and block count, builds its part of the model and its KV cache, then runs whatever rank 0 announces:
+a forward pass over the step's inputs, the LM head's slice for some rows, a pipeline step, or the end. Any failure
+ends the process; rank 0's next collective then fails (or times out) and the engine with it, never a silent hang.
+
+Started by rank 0 on its own node (parallel/driver.py Workers), and on every other node by `tokenmill worker`
+(parallel/launch.py run_node)."""
 
 from __future__ import annotations
 
@@ -12,25 +15,24 @@ from typing import Any
 
 import torch
 
-from tokenmill.config import EngineConfig
-from tokenmill.parallel.group import RankGroup, backend_for
+from tokenmill.parallel.group import RankGroup
 
 log = logging.getLogger("tokenmill")
 
 
-def run_worker(rank: int, size: int, init_method: str, config: EngineConfig, num_blocks: int,
-               threads: int, timeout_s: float) -> None:
-    """A worker process's life: join the group, build this rank's shard, run rank 0's commands until told to
-    stop (or until rank 0 is gone)."""
+def run_worker(rank: int, size: int, init_method: str, backend: str, timeout_s: float) -> bool:
+    """A worker process's life: join the group, take the configuration, build this rank's part, run rank 0's
+    commands until told to stop (True) or until something failed, rank 0 gone included (False)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process stops the engine; the engine stops us
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    torch.set_num_threads(threads)
-    group = RankGroup(rank, size, init_method, backend_for(config.device), timeout_s)
+    group = RankGroup(rank, size, init_method, backend, timeout_s)
     try:
-        from tokenmill.engine.core import ModelSpec
+        from tokenmill.engine.core import ModelSpec, threads_per_rank
         from tokenmill.parallel.group import PipelineParallel, TensorParallel
         from tokenmill.parallel.layout import PPStage, TPLayout
 
+        _, (config, num_blocks) = group.broadcast(None)  # ("setup", ...): the same on every rank
+        torch.set_num_threads(threads_per_rank(config) or torch.get_num_threads())
         spec = ModelSpec.resolve(config)
         if config.pipeline_parallel_size > 1:
             stage = PPStage.of(spec.config, size, rank)
@@ -39,8 +41,10 @@ def run_worker(rank: int, size: int, init_method: str, config: EngineConfig, num
             runner = spec.build_runner(config, num_blocks, TensorParallel(group, TPLayout(spec.config, size, rank)))
         with torch.inference_mode():  # as rank 0's runner: no autograd bookkeeping
             serve(group, runner)
+        return True
     except Exception as e:  # noqa: BLE001 - logged, then the process ends: rank 0 fails on its next collective
-        log.error("tensor-parallel rank %d failed: %s: %s", rank, type(e).__name__, e)
+        log.error("parallel rank %d failed: %s: %s", rank, type(e).__name__, e)
+        return False
     finally:
         group.close()
 
@@ -76,9 +80,9 @@ def run_stage(group: RankGroup, runner: Any, batches: list) -> None:
         work.wait()
 
 
-if __name__ == "__main__":  # started by parallel/driver.py Workers, its arguments pickled on stdin
+if __name__ == "__main__":  # started by parallel/launch.py start_rank, its arguments pickled on stdin
     import pickle
     import sys
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
-    run_worker(*pickle.loads(sys.stdin.buffer.read()))
+    sys.exit(0 if run_worker(*pickle.loads(sys.stdin.buffer.read())) else 1)  # `tokenmill worker` reports it
