@@ -22,8 +22,13 @@ CHANGED = {"model": ("m.gguf", "m.gguf"), "tokenizer": ("tok", "tok"), "dtype": 
            "priority_aging_s": ("5", 5.0), "new_token_ratio": ("0.5", 0.5), "slo_ttft_ms": ("800", 800.0),
            "slo_itl_ms": ("150", 150.0), "tensor_parallel_size": ("2", 2),
            "pipeline_parallel_size": ("2", 2), "pipeline_micro_batches": ("4", 4),
+           "nnodes": ("2", 2), "node_rank": ("1", 1), "master_addr": ("10.0.0.1", "10.0.0.1"),
+           "master_port": ("29500", 29500),
            "kv_transfer_config": ('{"kv_connector": "shm", "kv_role": "kv_consumer"}',
                                   '{"kv_connector": "shm", "kv_role": "kv_consumer"}')}
+# fields valid only beside others (two nodes need two ranks and a meeting port): those others, as fields
+COMPANIONS = {"nnodes": {"tensor_parallel_size": 2, "master_port": 29500},
+              "node_rank": {"nnodes": 2, "tensor_parallel_size": 2, "master_port": 29500}}
 # where the config holds the field parsed: what it should hold
 PARSED = {"speculative_config": SpeculativeConfig(method="ngram", num_speculative_tokens=3),
           "kv_transfer_config": KVTransferConfig(kv_connector="shm", kv_role="kv_consumer")}
@@ -51,12 +56,16 @@ def test_each_flag_reaches_its_config_entry(name):
     # typed None: a flag on by default, turned off; True: a flag off by default, turned on
     argv = (["serve", f"--no-{flag[2:]}"] if typed is None else ["serve", flag] if typed is True
             else ["serve", flag, typed])
+    companions = COMPANIONS.get(name, {})
+    for other, value in companions.items():
+        argv += [EngineArgs.flag_of(other), str(value)]
     args = EngineArgs.from_cli_args(build_parser().parse_args(argv))
     assert getattr(args, name) == expected
     field = next(f for f in dataclasses.fields(EngineArgs) if f.name == name)
     parsed = PARSED.get(name, expected)
     assert config_value(args.create_engine_config(), field) == parsed
-    assert config_value(EngineArgs(**{name: expected}).create_engine_config(), field) == parsed  # the LLM path
+    kwargs = {name: expected, **companions}
+    assert config_value(EngineArgs(**kwargs).create_engine_config(), field) == parsed  # the LLM path
 
 
 @pytest.mark.parametrize("kw,flag", [({"max_num_seqs": 0}, "--max-num-seqs"), ({"block_size": 0}, "--block-size"),
@@ -65,7 +74,10 @@ def test_each_flag_reaches_its_config_entry(name):
                                      ({"long_prefill_token_threshold": 0}, "--long-prefill-token-threshold"),
                                      ({"kv_transfer_config": '{"kv_role": "both"}'}, "--kv-transfer-config"),
                                      ({"kv_transfer_config": "{"}, "--kv-transfer-config"),
-                                     ({"tensor_parallel_size": 0}, "--tensor-parallel-size")])
+                                     ({"tensor_parallel_size": 0}, "--tensor-parallel-size"),
+                                     ({"nnodes": 2, "tensor_parallel_size": 2}, "--master-port"),
+                                     ({"nnodes": 2, "tensor_parallel_size": 3, "master_port": 1}, "--nnodes"),
+                                     ({"node_rank": 1}, "--node-rank")])
 def test_invalid_values_name_the_flag(kw, flag):
     with pytest.raises(ConfigError, match=flag):
         EngineArgs(**kw).create_engine_config()

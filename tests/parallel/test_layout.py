@@ -75,3 +75,15 @@ def test_the_slices_of_every_tensor_put_back_together_are_the_tensor(size, kvh):
         assert torch.equal(rank_k, full[f"{p}self_attn.k_proj.weight"][start * 8:start * 8 + len(rank_k)])
     v = torch.cat([ranks[r][f"{p}self_attn.v_proj.bias"] for r in range(size) if size <= kvh or r % (size // kvh) == 0])
     assert torch.equal(v, full[f"{p}self_attn.v_proj.bias"])
+
+
+def test_each_cuda_rank_gets_its_own_gpu_and_a_node_short_of_gpus_is_refused(monkeypatch):
+    from tokenmill.parallel.group import rank_device
+
+    assert rank_device("cpu", 3, 4) == "cpu"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert [rank_device("cuda", r, 2) for r in range(4)] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    assert rank_device("cuda:1", 0, 2) == "cuda:1"  # a device named in full is used as it is
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match="2 parallel ranks per node need as many GPUs, this node has 1"):
+        rank_device("cuda", 1, 2)

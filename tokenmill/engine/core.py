@@ -26,7 +26,7 @@ from tokenmill.errors import ConfigError, ParallelFailure
 from tokenmill.model.backends import auto_dtype
 from tokenmill.model.loader import load_model_config, load_weights, resolve_model_path
 from tokenmill.parallel.driver import Workers
-from tokenmill.parallel.group import PipelineParallel, TensorParallel
+from tokenmill.parallel.group import PipelineParallel, TensorParallel, rank_device
 from tokenmill.parallel.layout import PPStage, TPLayout, check_pipeline_parallel, check_tensor_parallel
 from tokenmill.quant.methods import checkpoint_quantization, resolve_quantization
 from tokenmill.request import Request, RequestStatus
@@ -110,7 +110,10 @@ class ModelSpec:
     def build_runner(self, config: EngineConfig, num_blocks: int, tp: TensorParallel | None = None,
                      pp: PipelineParallel | None = None) -> ModelRunner:
         weights = load_weights(self.path, self.config, self.dtype)
-        return ModelRunner(self.config, weights, self.dtype, config.device, num_blocks, config.cache.block_size,
+        group = tp.group if tp is not None else pp.group if pp is not None else None
+        device = (rank_device(config.device, group.rank, config.parallel_size // config.nnodes) if group is not None
+                  else config.device)
+        return ModelRunner(self.config, weights, self.dtype, device, num_blocks, config.cache.block_size,
                            config.seed, batch_invariant=config.batch_invariant, quantization=self.quantization,
                            kv_dtype=self.kv_dtype, tp=tp, pp=pp)
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tokenmill.errors import ConfigError
 from tokenmill.parallel.layout import PPStage, TPLayout
 
 STARTUP_TIMEOUT_S = 600.0  # every rank loads its shard before the first command
@@ -29,12 +30,25 @@ def backend_for(device: str) -> str:
     return "nccl" if str(device).startswith("cuda") else "gloo"
 
 
+def rank_device(device: str, rank: int, ranks_per_node: int) -> str:
+    """The device of one rank: on CUDA each rank of a node its own GPU (`cuda` -> `cuda:<local rank>`); a CPU is
+    shared. Refuses a node with fewer GPUs than ranks (the world size this host cannot start)."""
+    if device != "cuda":
+        return device
+    found = torch.cuda.device_count()
+    if found < ranks_per_node:
+        raise ConfigError(f"{ranks_per_node} parallel ranks per node need as many GPUs, this node has {found}; "
+                          "lower --tensor-parallel-size / --pipeline-parallel-size or add --nnodes")
+    return f"cuda:{rank % ranks_per_node}"
+
+
 class RankGroup:
     def __init__(self, rank: int, size: int, init_method: str, backend: str, timeout_s: float):
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
         self.rank, self.size = rank, size
-        self.control = dist.new_group(timeout=IDLE_TIMEOUT)
+        # commands are pickled Python objects: over gloo whatever the compute backend (NCCL moves tensors only)
+        self.control = dist.new_group(timeout=IDLE_TIMEOUT, backend="gloo")
         self.compute = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
         self.pipe = dist.new_group(timeout=PIPE_TIMEOUT)
 
