@@ -373,8 +373,6 @@ class EngineConfig:
         if self.nnodes > 1 and self.master_port is None:
             raise ConfigError(f"--nnodes {self.nnodes} needs --master-port: a port on --master-addr (node 0's "
                               "address) that every node reaches")
-        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
-            raise ConfigError("--tensor-parallel-size and --pipeline-parallel-size do not combine yet; use one")
         if self.parallel_size > 1 and (self.speculative is not None or self.kv_transfer is not None):
             raise ConfigError("--tensor-parallel-size / --pipeline-parallel-size > 1 do not combine with "
                               "--speculative-config or --kv-transfer-config yet; drop one of them")

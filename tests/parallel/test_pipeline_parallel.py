@@ -24,8 +24,9 @@ from tokenmill.sampling_params import SamplingParams
 
 
 def core(model, pp: int, *, micro: int | None = None, chunk: int = 2048, num_blocks: int | None = None,
-         headroom: float = 0.7) -> EngineCore:
+         headroom: float = 0.7, tp: int = 1) -> EngineCore:
     return EngineCore(EngineConfig(model=str(model), dtype="float32", pipeline_parallel_size=pp, num_threads=1,
+                                   tensor_parallel_size=tp,
                                    pipeline_micro_batches=micro,
                                    cache=CacheConfig(kv_cache_memory=4 << 20, block_size=4, num_blocks=num_blocks),
                                    scheduler=SchedulerConfig(max_num_batched_tokens=chunk, new_token_ratio=headroom)))
@@ -38,7 +39,7 @@ def model(tmp_path_factory):
 
 
 def same_as_one_process(model, pp: int, requests, **kw) -> EngineCore:
-    ref = run(core(model, 1, **{k: v for k, v in kw.items() if k != "micro"}), requests)
+    ref = run(core(model, 1, **{k: v for k, v in kw.items() if k not in ("micro", "tp")}), requests)
     engine = core(model, pp, **kw)
     driver, seen = engine.runner.model, []
     real = driver.forward_micro_batches
@@ -62,8 +63,6 @@ def test_stages_split_the_layers_later_ones_taking_the_remainder():
                                     + ["model.norm.weight"])
     assert second["model.layers.0.mlp.down_proj.weight"].item() == 7.0  # renumbered from the stage's first
     assert "model.embed_tokens.weight" in StageCheckpoint(weights, PPStage.of(cfg, 4, 0))
-    with pytest.raises(ConfigError, match="do not combine yet"):
-        EngineConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
 
 
 def test_micro_batches_are_contiguous_runs_of_about_equal_tokens():
@@ -101,6 +100,22 @@ def test_stages_give_one_process_output_with_chunks_prefix_hits_and_samples(mode
     engine = same_as_one_process(model, pp, requests, micro=micro, chunk=chunk)
     most = max(engine.micro_batches_seen)
     assert most == (min(micro, chunk // 32) if micro else 1)  # prompts' chunks cut into that many runs
+
+
+def test_tensor_parallel_stages_two_by_two(model, tmp_path):
+    """Both at once: 2 stages of 2 tensor-parallel ranks (4 processes), tied and untied LM heads."""
+    tied = make_tiny_model(tmp_path, num_heads=4, num_kv_heads=2, vocab_size=256, num_layers=5)
+    for m in (model, tied):
+        requests = {f"g{i}": (p, GREEDY) for i, p in enumerate(prompts(4))}
+        engine = same_as_one_process(m, 2, requests, tp=2, micro=2, chunk=64)
+        assert max(engine.micro_batches_seen) == 2
+    engine = core(model, 2, tp=2)
+    try:
+        summary = engine.startup_summary()
+        assert "tensor parallel: 2 ranks" in summary and "pipeline parallel: 2 stages, layers 0-1 | 2-4" in summary
+        assert engine.cache_info.kv_bytes_per_token == 3 * 2 * 1 * 16 * 4  # 3 layers x K,V x 1 KV head x 16 x fp32
+    finally:
+        engine.close()
 
 
 def test_stages_preempt_and_recompute_to_the_same_output(model):

@@ -141,7 +141,7 @@ class EngineCore:
         layout = TPLayout(mc, tp_size, 0) if tp_size > 1 else None
         per_rank = layout.shard_config() if layout else mc
         if pp_size > 1:  # every stage has as many blocks: sized by the stage with the most layers
-            per_rank = PPStage.of(mc, pp_size, pp_size - 1).shard_config(mc)
+            per_rank = PPStage.of(mc, pp_size, pp_size - 1).shard_config(per_rank)
         per_token = kv_bytes_per_token(per_rank, self.kv_dtype)  # per rank
         spec = config.speculative
         draft_per_token = 0  # a draft model's KV, at the same block ids (spec/draft_model.py), shares the budget
@@ -166,7 +166,7 @@ class EngineCore:
             self.workers = Workers(config, num_blocks, config.parallel_size)
             if layout is not None:
                 tp = TensorParallel(self.workers.group, layout)
-            else:
+            if pp_size > 1:
                 pp = PipelineParallel(self.workers.group, PPStage.of(mc, pp_size, 0),
                                       config.pipeline_micro_batches or pp_size)
         try:
@@ -372,8 +372,8 @@ class EngineCore:
         if cfg.tensor_parallel_size > 1:
             tp = (f"\n{TPLayout(self.model_config, cfg.tensor_parallel_size, 0).describe()}; "
                   f"{torch.get_num_threads()} threads each; weights and KV cache below are per rank")
-        elif cfg.pipeline_parallel_size > 1:
-            tp = (f"\n{PPStage.describe(self.model_config, cfg.pipeline_parallel_size, self.runner.pp.micro_batches)}"
+        if cfg.pipeline_parallel_size > 1:
+            tp += (f"\n{PPStage.describe(self.model_config, cfg.pipeline_parallel_size, self.runner.pp.micro_batches)}"
                   f"; {torch.get_num_threads()} threads each; weights and KV cache below are rank 0's")
         return (f"backend: {self.runner.backend.describe()}; {mode}{tp}\n{self.runner.weight_summary()}\n"
                 f"{self.cache_info.describe()}{spec}")

@@ -123,7 +123,7 @@ class ModelRunner:
         self.draft_probs: dict[str, torch.Tensor] = {}
         self.structured: StructuredOutputs | None = None  # constrained requests' masks (engine/core.py sets it)
         self._seed_rng = random.Random(seed)
-        if tp is not None and tp.group.is_driver:  # each call announced to the other ranks first
+        if tp is not None and tp.group.is_driver and pp is None:  # each call announced to the other ranks first
             self.model = DriverModel(self.model, tp.group)
         if pp is not None and pp.group.is_driver:
             self.model = PipelineDriver(self.model, pp.group, pp.stage.count)

@@ -54,6 +54,7 @@ class PipelineDriver:
 
     def __init__(self, model: torch.nn.Module, group: RankGroup, stages: int):
         self.model, self.group, self.stages = model, group, stages
+        self.tp = group.tp_size if group.tp_size < group.size else 1  # ranks per stage (tensor parallel within)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, kv_caches: list) -> torch.Tensor:
         return self.forward_micro_batches([(input_ids, positions, meta)], kv_caches)
@@ -65,11 +66,12 @@ class PipelineDriver:
             self.group.broadcast(("pipeline", batches))
             hidden, dtype = self.model.config.hidden_size, self.model.norm.weight.dtype
             finals = [torch.empty(len(ids), hidden, dtype=dtype) for ids, _, _ in batches]
-            recvs = [self.group.recv(f, self.stages - 1, tag=i) for i, f in enumerate(finals)]
+            last = (self.stages - 1) * self.tp  # the last stage's first rank sends the final hidden states back
+            recvs = [self.group.recv(f, last, tag=i) for i, f in enumerate(finals)]
             sends, outputs = [], []
             for i, (input_ids, positions, meta) in enumerate(batches):
                 outputs.append(self.model(input_ids, positions, meta, kv_caches))  # kept alive until sent
-                sends.append(self.group.send(outputs[-1], 1, tag=i))
+                sends.append(self.group.send(outputs[-1], self.tp, tag=i))  # the next stage's first rank
             for work in sends + recvs:
                 work.wait()
             return torch.cat(finals) if len(finals) > 1 else finals[0]
@@ -78,7 +80,13 @@ class PipelineDriver:
                                   "of step, so the engine stops") from e
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden)  # the LM head is here, on stage 0
+        """The LM head is on stage 0 (split over its ranks under tensor parallelism: they join in)."""
+        try:
+            if self.tp > 1:
+                self.group.broadcast(("logits", hidden))
+            return self.model.compute_logits(hidden)
+        except Exception as e:
+            raise ParallelFailure(f"a parallel LM head call failed ({type(e).__name__}: {e})") from e
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
@@ -101,6 +109,7 @@ class Workers:
         try:
             self.group = RankGroup(0, size, init, backend, timeout_s)
             self.group.broadcast(("setup", (config, num_blocks)))
+            self.group.split_tensor_parallel(config.tensor_parallel_size)
         except Exception as e:
             self.kill()
             raise ParallelFailure(f"the parallel ranks did not all start: {e}") from e

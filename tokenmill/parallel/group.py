@@ -46,11 +46,22 @@ class RankGroup:
     def __init__(self, rank: int, size: int, init_method: str, backend: str, timeout_s: float):
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
-        self.rank, self.size = rank, size
+        self.rank, self.size, self.timeout_s = rank, size, timeout_s
         # commands are pickled Python objects: over gloo whatever the compute backend (NCCL moves tensors only)
         self.control = dist.new_group(timeout=IDLE_TIMEOUT, backend="gloo")
-        self.compute = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
         self.pipe = dist.new_group(timeout=PIPE_TIMEOUT)
+        self.tp_size = size
+        self.compute = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
+
+    def split_tensor_parallel(self, tp_size: int) -> None:
+        """Tensor parallelism inside pipeline stages: ranks s*tp_size .. (s+1)*tp_size-1 make stage s, and the model's
+        collectives stay within this rank's stage. Every rank calls it, in the same order (new_group's rule)."""
+        if tp_size == self.size:
+            return
+        groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)),
+                                 timeout=datetime.timedelta(seconds=self.timeout_s))
+                  for s in range(self.size // tp_size)]
+        self.tp_size, self.compute = tp_size, groups[self.rank // tp_size]
 
     def send(self, x: torch.Tensor, dst: int, tag: int) -> Any:
         """Start sending `x` to rank `dst` (a pipeline stage's output); returns the work to wait on."""
@@ -73,7 +84,7 @@ class RankGroup:
         """Rank 0 gets every rank's `x` joined along the last dimension (the vocab-parallel LM head's logits);
         the others get None."""
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)] if self.is_driver else None
+        parts = [torch.empty_like(x) for _ in range(self.tp_size)] if self.is_driver else None
         dist.gather(x, parts, dst=0, group=self.compute)
         return torch.cat(parts, dim=-1) if self.is_driver else None
 

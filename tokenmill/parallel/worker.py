@@ -32,13 +32,14 @@ def run_worker(rank: int, size: int, init_method: str, backend: str, timeout_s: 
         from tokenmill.parallel.layout import PPStage, TPLayout
 
         _, (config, num_blocks) = group.broadcast(None)  # ("setup", ...): the same on every rank
+        group.split_tensor_parallel(config.tensor_parallel_size)
         torch.set_num_threads(threads_per_rank(config) or torch.get_num_threads())
         spec = ModelSpec.resolve(config)
-        if config.pipeline_parallel_size > 1:
-            stage = PPStage.of(spec.config, size, rank)
-            runner = spec.build_runner(config, num_blocks, pp=PipelineParallel(group, stage, 1))
-        else:
-            runner = spec.build_runner(config, num_blocks, TensorParallel(group, TPLayout(spec.config, size, rank)))
+        tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+        tp = TensorParallel(group, TPLayout(spec.config, tp_size, rank % tp_size)) if tp_size > 1 else None
+        pp = (PipelineParallel(group, PPStage.of(spec.config, pp_size, rank // tp_size), 1) if pp_size > 1
+              else None)
+        runner = spec.build_runner(config, num_blocks, tp, pp)
         with torch.inference_mode():  # as rank 0's runner: no autograd bookkeeping
             serve(group, runner)
         return True
@@ -57,7 +58,8 @@ def serve(group: RankGroup, runner: Any) -> None:
             input_ids, positions, meta = command[1]
             runner.model(input_ids, positions, meta, runner.kv_caches)
         elif command[0] == "logits":
-            runner.model.compute_logits(command[1])
+            if runner.pp is None or runner.pp.stage.first:  # the LM head's ranks (stage 0 under pipelining)
+                runner.model.compute_logits(command[1])
         elif command[0] == "pipeline":
             run_stage(group, runner, command[1])
         else:
@@ -67,15 +69,21 @@ def serve(group: RankGroup, runner: Any) -> None:
 def run_stage(group: RankGroup, runner: Any, batches: list) -> None:
     """This pipeline stage's part of a step: each micro-batch's hidden states from the stage before, through this
     stage's layers, on to the next stage (the last: the final norm, back to rank 0)."""
-    stage, model = runner.pp.stage, runner.model
-    after = 0 if stage.last else stage.index + 1
+    stage, model, tp = runner.pp.stage, runner.model, group.tp_size if group.tp_size < group.size else 1
+    # each rank of a stage (tensor parallel within) talks to the same-placed rank of the stages beside it; the last
+    # stage's first rank sends the final hidden states to rank 0, its others send nothing
+    me = group.rank
+    after = None if stage.last and me % tp else 0 if stage.last else me + tp
     dtype, hidden = model.norm.weight.dtype, model.config.hidden_size
     sends, outputs = [], []
     for i, (input_ids, positions, meta) in enumerate(batches):
-        x = torch.empty(len(input_ids), hidden, dtype=dtype)
-        group.recv(x, stage.index - 1, tag=i).wait()
+        x = None
+        if not stage.first:
+            x = torch.empty(len(input_ids), hidden, dtype=dtype)
+            group.recv(x, me - tp, tag=i).wait()
         outputs.append(model(input_ids, positions, meta, runner.kv_caches, hidden_in=x))  # alive until sent
-        sends.append(group.send(outputs[-1], after, tag=i))
+        if after is not None:
+            sends.append(group.send(outputs[-1], after, tag=i))
     for work in sends:
         work.wait()
 
