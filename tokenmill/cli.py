@@ -130,6 +130,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from tokenmill.parallel.launch import torchrun_rank
+    from tokenmill.parallel.worker import run_torchrun_worker
+
+    if torchrun_rank():  # under torchrun every rank runs this command: rank 0 serves, the others are workers
+        return run_torchrun_worker(EngineArgs.from_cli_args(args).create_engine_config())
     from tokenmill.server.launch import serve
 
     return serve(args)

@@ -58,3 +58,36 @@ def test_two_nodes_answer_as_one_process_and_a_dead_node_stops_the_server(model)
     finally:
         if node1.poll() is None:
             os.killpg(node1.pid, signal.SIGKILL)
+
+
+def test_under_torchrun_rank_zero_serves_and_the_others_work(model):  # noqa: F811
+    """`torchrun --nproc-per-node 2 -m tokenmill.cli serve --tensor-parallel-size 2`: torchrun starts both ranks,
+    rank 0 serves (meeting rank 1 where torchrun says), and the answers are one process's."""
+    import select
+    import time
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            "-m", "tokenmill.cli", "serve", *flags(model), "--tensor-parallel-size", "2",
+                            "--port", "0"], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                           start_new_session=True)
+    one = start_server(*flags(model), api_key=None)
+    try:
+        line, deadline = "", time.monotonic() + 300
+        while "tokenmill serving" not in line:
+            assert run.poll() is None and time.monotonic() < deadline, "torchrun did not serve"
+            if select.select([run.stdout], [], [], 1.0)[0]:
+                line = run.stdout.readline()
+        url = line.rsplit(" at ", 1)[1].strip()
+        while httpx.get(url + "/health").status_code != 200:
+            time.sleep(0.2)
+        body = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        got = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        assert got["choices"] == httpx.post(one.url + "/v1/completions", json=body, timeout=60).json()["choices"]
+    finally:
+        one.stop()
+        os.killpg(run.pid, signal.SIGTERM)
+        try:
+            run.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(run.pid, signal.SIGKILL)

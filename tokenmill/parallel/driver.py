@@ -18,7 +18,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.errors import ParallelFailure
 from tokenmill.parallel.group import RankGroup, backend_for
-from tokenmill.parallel.launch import start_rank
+from tokenmill.parallel.launch import start_rank, torchrun_rank
 
 log = logging.getLogger("tokenmill")
 
@@ -97,7 +97,10 @@ class Workers:
     0's group once every rank joined; then every rank gets the configuration and the block count."""
 
     def __init__(self, config: EngineConfig, num_blocks: int, size: int, timeout_s: float = 30.0):
-        if config.master_port is None:  # one node: any free port for the rendezvous
+        under_torchrun = torchrun_rank() is not None  # torchrun started every rank, and says where they meet
+        if under_torchrun:
+            init = "env://"
+        elif config.master_port is None:  # one node: any free port for the rendezvous
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
@@ -105,7 +108,8 @@ class Workers:
             init = f"tcp://{config.master_addr}:{config.master_port}"
         backend = backend_for(config.device)
         self.group: RankGroup | None = None
-        self.procs = [start_rank(r, size, init, backend, timeout_s) for r in range(1, size // config.nnodes)]
+        local = range(1, 1 if under_torchrun else size // config.nnodes)
+        self.procs = [start_rank(r, size, init, backend, timeout_s) for r in local]
         try:
             self.group = RankGroup(0, size, init, backend, timeout_s)
             self.group.broadcast(("setup", (config, num_blocks)))

@@ -1,8 +1,11 @@
-"""Starting parallel ranks as processes: one rank (`start_rank`), or every rank of one node (`run_node`, what
-`tokenmill worker` runs on the hosts besides node 0)."""
+"""Starting parallel ranks as processes: one rank (`start_rank`), every rank of one node (`run_node`, what
+`tokenmill worker` runs on the hosts besides node 0), or none at all under torchrun, which starts every rank itself
+(`torchrun_rank`: `torchrun --nproc-per-node N -m tokenmill.cli serve --tensor-parallel-size N`; rank 0 serves, the
+others become workers)."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import subprocess
 import sys
@@ -31,3 +34,11 @@ def run_node(config: EngineConfig, timeout_s: float = 30.0) -> int:
     procs = [start_rank(r, size, init, backend_for(config.device), timeout_s) for r in ranks]
     codes = [p.wait() for p in procs]
     return next((c for c in codes if c), 0)
+
+
+def torchrun_rank() -> int | None:
+    """This process's rank when torchrun (torch.distributed.run) started it, else None."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    return None
+

@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 from typing import Any
 
 import torch
 
-from tokenmill.parallel.group import RankGroup
+from tokenmill.config import EngineConfig
+from tokenmill.parallel.group import RankGroup, backend_for
 
 log = logging.getLogger("tokenmill")
 
@@ -88,9 +90,18 @@ def run_stage(group: RankGroup, runner: Any, batches: list) -> None:
         work.wait()
 
 
+def run_torchrun_worker(config: EngineConfig, timeout_s: float = 30.0) -> int:
+    """A rank other than 0 under torchrun: the worker's life, meeting the others where torchrun says (env://)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != config.parallel_size:
+        print(f"error: torchrun started {world} processes, the flags ask for {config.parallel_size} ranks "
+              "(--tensor-parallel-size x --pipeline-parallel-size); make them equal", file=sys.stderr)
+        return 2
+    return 0 if run_worker(rank, world, "env://", backend_for(config.device), timeout_s) else 1
+
+
 if __name__ == "__main__":  # started by parallel/launch.py start_rank, its arguments pickled on stdin
     import pickle
-    import sys
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     sys.exit(0 if run_worker(*pickle.loads(sys.stdin.buffer.read())) else 1)  # `tokenmill worker` reports it
