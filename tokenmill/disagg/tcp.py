@@ -16,7 +16,7 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -64,11 +64,6 @@ class Incoming:
     filled: int = 0
     done_at: float | None = None  # when the whole transfer arrived (then it is claimable)
     refused: str | None = None
-
-
-@dataclass
-class _Conn:
-    transfers: set[str] = field(default_factory=set)  # begun on this connection, not yet ended
 
 
 class TcpConnector(KVConnector):
@@ -164,7 +159,7 @@ class TcpConnector(KVConnector):
             threading.Thread(target=self._serve, args=(sock,), name="kv-receiver-conn", daemon=True).start()
 
     def _serve(self, sock: socket.socket) -> None:
-        conn = _Conn()
+        conn: set[str] = set()  # transfers begun on this connection, not yet ended
         self._accepted.add(sock)
         try:
             while True:
@@ -177,21 +172,21 @@ class TcpConnector(KVConnector):
                 elif op == "end":
                     send_frame(sock, self._end(conn, frame["transfer_id"]))
                 elif op == "abort":
-                    conn.transfers.discard(frame["transfer_id"])
+                    conn.discard(frame["transfer_id"])
                     self._drop(frame["transfer_id"])
                 else:
                     raise ConnectionError(f"unknown op {op!r}")
         except (OSError, ValueError, KeyError, TypeError) as e:
-            if conn.transfers:
+            if conn:
                 log.warning("KV connection from a producer broke (%s): %d transfer(s) dropped", e,
-                            len(conn.transfers))
+                            len(conn))
         finally:
             self._accepted.discard(sock)
             sock.close()
-            for tid in conn.transfers:
+            for tid in conn:
                 self._drop(tid)
 
-    def _begin(self, conn: _Conn, raw: dict) -> None:
+    def _begin(self, conn: set[str], raw: dict) -> None:
         self._expire()
         try:
             header = TransferHeader.from_dict(raw)
@@ -212,7 +207,7 @@ class TcpConnector(KVConnector):
                 buffer = torch.empty(header.num_bytes, dtype=torch.uint8)
                 self._buffered += header.num_bytes
             self._incoming[tid] = Incoming(header, buffer, refused=refused)
-        conn.transfers.add(tid)
+        conn.add(tid)
 
     def _data(self, sock: socket.socket, frame: dict) -> None:
         tid, start, nbytes = frame["transfer_id"], frame["start"], frame["nbytes"]
@@ -220,15 +215,19 @@ class TcpConnector(KVConnector):
             inc = self._incoming.get(tid)
         offset = start * self.layout.token_bytes if inc is not None else 0
         if inc is None or inc.refused or offset + nbytes > inc.buffer.numel() or start < 0:
-            recv_exact(sock, memoryview(bytearray(nbytes)))  # not ours to keep: read past it
+            skip = memoryview(bytearray(min(nbytes, 1 << 20)))  # not ours to keep: read past it, 1 MiB at a time
+            while nbytes > 0:
+                n = min(nbytes, len(skip))
+                recv_exact(sock, skip[:n])
+                nbytes -= n
             if inc is not None and not inc.refused:
                 inc.refused = f"data past the end ({start}, {nbytes} bytes)"
             return
         recv_exact(sock, memoryview(inc.buffer[offset:offset + nbytes].numpy()))
         inc.filled += nbytes
 
-    def _end(self, conn: _Conn, tid: str) -> dict:
-        conn.transfers.discard(tid)
+    def _end(self, conn: set[str], tid: str) -> dict:
+        conn.discard(tid)
         with self._lock:
             inc = self._incoming.get(tid)
             error = ("never begun" if inc is None else inc.refused

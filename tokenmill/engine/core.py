@@ -317,13 +317,9 @@ class EngineCore:
                 out.kv_transfer = self._outcomes.pop(out.request_id).as_params(self.cache_info.block_size)
                 del self._shipments[out.request_id]
                 kept.append(out)
-            elif ship.ended:
+            else:  # ended: a sequence samples only once its prompt is shipped (`_release` aborts the others)
                 self._held[ship.transfer_id] = (out.request_id, out)
                 del self._shipments[out.request_id]
-            else:  # ended before its prompt did (an error): nothing shipped whole
-                self.connector.abort(ship.transfer_id)
-                del self._shipments[out.request_id]
-                kept.append(out)
         if self.connector is not None and (self._held or self._shipments):
             for result in self.connector.results(timeout if self._held else 0.0):
                 rid, out = self._held.pop(result.transfer_id, (None, None))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import socket
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -23,24 +25,29 @@ from tokenmill.parallel.launch import start_rank, torchrun_rank
 log = logging.getLogger("tokenmill")
 
 
+@contextmanager
+def fatal(what: str) -> Iterator[None]:
+    """Any exception in a call the ranks make together leaves them out of step: the engine must stop."""
+    try:
+        yield
+    except Exception as e:
+        raise ParallelFailure(f"{what} failed ({type(e).__name__}: {e}); the ranks are out of step, so the engine "
+                              "stops") from e
+
+
 class DriverModel:
     def __init__(self, model: torch.nn.Module, group: RankGroup):
         self.model, self.group = model, group
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, kv_caches: list) -> torch.Tensor:
-        try:
+        with fatal("a tensor-parallel forward pass"):
             self.group.broadcast(("forward", (input_ids, positions, meta)))
             return self.model(input_ids, positions, meta, kv_caches)
-        except Exception as e:
-            raise ParallelFailure(f"a tensor-parallel forward pass failed ({type(e).__name__}: {e}); the ranks are "
-                                  "out of step, so the engine stops") from e
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        try:
+        with fatal("a tensor-parallel LM head call"):
             self.group.broadcast(("logits", hidden))
             return self.model.compute_logits(hidden)
-        except Exception as e:
-            raise ParallelFailure(f"a tensor-parallel LM head call failed ({type(e).__name__}: {e})") from e
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
@@ -54,7 +61,7 @@ class PipelineDriver:
 
     def __init__(self, model: torch.nn.Module, group: RankGroup, stages: int):
         self.model, self.group, self.stages = model, group, stages
-        self.tp = group.tp_size if group.tp_size < group.size else 1  # ranks per stage (tensor parallel within)
+        self.tp = group.tp_size  # ranks per stage (tensor parallel within)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, kv_caches: list) -> torch.Tensor:
         return self.forward_micro_batches([(input_ids, positions, meta)], kv_caches)
@@ -62,7 +69,7 @@ class PipelineDriver:
     def forward_micro_batches(self, batches: list[tuple[torch.Tensor, torch.Tensor, Any]],
                               kv_caches: list) -> torch.Tensor:
         """The final hidden states of every micro-batch's tokens, in order (one tensor)."""
-        try:
+        with fatal("a pipeline-parallel step"):
             self.group.broadcast(("pipeline", batches))
             hidden, dtype = self.model.config.hidden_size, self.model.norm.weight.dtype
             finals = [torch.empty(len(ids), hidden, dtype=dtype) for ids, _, _ in batches]
@@ -75,18 +82,13 @@ class PipelineDriver:
             for work in sends + recvs:
                 work.wait()
             return torch.cat(finals) if len(finals) > 1 else finals[0]
-        except Exception as e:
-            raise ParallelFailure(f"a pipeline-parallel step failed ({type(e).__name__}: {e}); the stages are out "
-                                  "of step, so the engine stops") from e
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head is on stage 0 (split over its ranks under tensor parallelism: they join in)."""
-        try:
+        with fatal("a parallel LM head call"):
             if self.tp > 1:
                 self.group.broadcast(("logits", hidden))
             return self.model.compute_logits(hidden)
-        except Exception as e:
-            raise ParallelFailure(f"a parallel LM head call failed ({type(e).__name__}: {e})") from e
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)

@@ -58,6 +58,9 @@ class RankGroup:
         collectives stay within this rank's stage. Every rank calls it, in the same order (new_group's rule)."""
         if tp_size == self.size:
             return
+        if tp_size == 1:  # a pure pipeline: no collectives inside a stage
+            self.tp_size = 1
+            return
         groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)),
                                  timeout=datetime.timedelta(seconds=self.timeout_s))
                   for s in range(self.size // tp_size)]

@@ -71,7 +71,7 @@ def serve(group: RankGroup, runner: Any) -> None:
 def run_stage(group: RankGroup, runner: Any, batches: list) -> None:
     """This pipeline stage's part of a step: each micro-batch's hidden states from the stage before, through this
     stage's layers, on to the next stage (the last: the final norm, back to rank 0)."""
-    stage, model, tp = runner.pp.stage, runner.model, group.tp_size if group.tp_size < group.size else 1
+    stage, model, tp = runner.pp.stage, runner.model, group.tp_size
     # each rank of a stage (tensor parallel within) talks to the same-placed rank of the stages beside it; the last
     # stage's first rank sends the final hidden states to rank 0, its others send nothing
     me = group.rank
