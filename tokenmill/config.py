@@ -335,6 +335,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks (processes over torch.distributed) each holding a shard of every layer
     pipeline_parallel_size: int = 1  # ranks each holding a contiguous range of the layers
     pipeline_micro_batches: int | None = None  # a step's micro-batches in flight (None: one per stage)
+    context_parallel_size: int = 1  # ranks each holding the whole model and 1/C of every sequence's tokens and KV
     # several hosts (torch.distributed's rendezvous): ranks split evenly over the nodes; node 0 runs the server and
     # ranks 0..k-1, node i (`tokenmill worker`) ranks i*k..(i+1)*k-1
     nnodes: int = 1
@@ -350,8 +351,13 @@ class EngineConfig:
 
     @property
     def parallel_size(self) -> int:
-        """Ranks in all: tensor-parallel shards or pipeline stages (one of them is 1)."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        """Ranks in all: tensor-parallel shards x pipeline stages, or context-parallel ranks."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size
+
+    @property
+    def kv_block_size(self) -> int:
+        """The scheduler's block: block_size tokens on each context-parallel rank (parallel/context.py)."""
+        return self.cache.block_size * self.context_parallel_size
 
     def __post_init__(self) -> None:
         self.speculative = SpeculativeConfig.parse(self.speculative)
@@ -363,19 +369,26 @@ class EngineConfig:
         if not isinstance(self.pipeline_parallel_size, int) or not 1 <= self.pipeline_parallel_size <= 64:
             raise ConfigError("--pipeline-parallel-size must be an integer in [1, 64], got "
                               f"{self.pipeline_parallel_size!r}")
+        if not isinstance(self.context_parallel_size, int) or not 1 <= self.context_parallel_size <= 64:
+            raise ConfigError("--context-parallel-size must be an integer in [1, 64], got "
+                              f"{self.context_parallel_size!r}")
+        if self.context_parallel_size > 1 and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ConfigError("--context-parallel-size does not combine with --tensor-parallel-size / "
+                              "--pipeline-parallel-size yet; use one kind of parallelism")
         if self.pipeline_micro_batches is not None and self.pipeline_micro_batches < 1:
             raise ConfigError(f"--pipeline-micro-batches must be >= 1, got {self.pipeline_micro_batches}")
         if not isinstance(self.nnodes, int) or self.nnodes < 1 or self.parallel_size % self.nnodes:
             raise ConfigError(f"--nnodes {self.nnodes} must divide the ranks ({self.parallel_size}: tensor x "
-                              "pipeline parallel size): every node runs as many")
+                              "pipeline x context parallel size): every node runs as many")
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1 and self.master_port is None:
             raise ConfigError(f"--nnodes {self.nnodes} needs --master-port: a port on --master-addr (node 0's "
                               "address) that every node reaches")
         if self.parallel_size > 1 and (self.speculative is not None or self.kv_transfer is not None):
-            raise ConfigError("--tensor-parallel-size / --pipeline-parallel-size > 1 do not combine with "
-                              "--speculative-config or --kv-transfer-config yet; drop one of them")
+            raise ConfigError("--tensor-parallel-size / --pipeline-parallel-size / --context-parallel-size > 1 do not "
+                              "combine with --speculative-config or "
+                              "--kv-transfer-config yet; drop one of them")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:

@@ -128,6 +128,11 @@ class EngineArgs:
                                        type=int)
     pipeline_micro_batches: int | None = _opt(None, "micro-batches a step is cut into under pipeline parallelism, "
                                                     "so the stages work at once (default: one per stage)", type=int)
+    context_parallel_size: int = _opt(1, "processes (ranks over torch.distributed) that each hold the whole model and "
+                                         "1/C of every sequence's tokens and KV cache (token p on rank p mod C): "
+                                         "prompts prefill split by position with ring attention, decode merges the "
+                                         "ranks' partial attention; a context C times one rank's KV memory serves",
+                                      type=int)
     nnodes: int = _opt(1, "hosts the parallel ranks run on (each runs as many): node 0 runs `tokenmill serve`, the "
                           "others `tokenmill worker` with the same flags and their --node-rank", type=int)
     node_rank: int = _opt(0, "this host's index among the --nnodes", type=int)

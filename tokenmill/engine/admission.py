@@ -41,7 +41,8 @@ def admit(prompt_token_ids: list[int], max_tokens: int | None, limits: ContextLi
                              f"window of {window} tokens", param=param)
     if total > limits.token_capacity:
         raise ContextTooLong(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {total} exceeds the KV cache "
-                             f"capacity of {limits.token_capacity} tokens; raise --kv-cache-memory", param=param)
+                             f"capacity of {limits.token_capacity} tokens; raise --kv-cache-memory (or spread the KV over "
+                             "ranks: --context-parallel-size)", param=param)
     return max_tokens
 
 

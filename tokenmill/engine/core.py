@@ -25,6 +25,7 @@ from tokenmill.engine.step_cost import StepCostModel
 from tokenmill.errors import ConfigError, ParallelFailure
 from tokenmill.model.backends import auto_dtype
 from tokenmill.model.loader import load_model_config, load_weights, resolve_model_path
+from tokenmill.parallel.context import ContextParallel
 from tokenmill.parallel.driver import Workers
 from tokenmill.parallel.group import PipelineParallel, TensorParallel, rank_device
 from tokenmill.parallel.layout import PPStage, TPLayout, check_pipeline_parallel, check_tensor_parallel
@@ -100,7 +101,8 @@ class ModelSpec:
             check_tensor_parallel(mc, config.tensor_parallel_size)
         if config.pipeline_parallel_size > 1:
             check_pipeline_parallel(mc, config.pipeline_parallel_size)
-        if config.parallel_size > 1 and quantization in ("gguf", "awq", "int4"):
+        # context parallelism keeps the whole model on every rank: any weight format
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1 and quantization in ("gguf", "awq", "int4"):
             if config.quantization is not None or stored is not None:
                 raise ConfigError(f"--quantization {quantization} keeps blocks that the parallel ranks cannot split "
                                   "yet; use none, int8 or fp8 with --tensor-parallel-size / --pipeline-parallel-size")
@@ -108,14 +110,14 @@ class ModelSpec:
         return cls(path, mc, dtype, quantization, config.cache.cache_dtype(dtype))
 
     def build_runner(self, config: EngineConfig, num_blocks: int, tp: TensorParallel | None = None,
-                     pp: PipelineParallel | None = None) -> ModelRunner:
+                     pp: PipelineParallel | None = None, cp: ContextParallel | None = None) -> ModelRunner:
         weights = load_weights(self.path, self.config, self.dtype)
-        group = tp.group if tp is not None else pp.group if pp is not None else None
+        group = next((p.group for p in (tp, pp, cp) if p is not None), None)
         device = (rank_device(config.device, group.rank, config.parallel_size // config.nnodes) if group is not None
                   else config.device)
-        return ModelRunner(self.config, weights, self.dtype, device, num_blocks, config.cache.block_size,
+        return ModelRunner(self.config, weights, self.dtype, device, num_blocks, config.kv_block_size,
                            config.seed, batch_invariant=config.batch_invariant, quantization=self.quantization,
-                           kv_dtype=self.kv_dtype, tp=tp, pp=pp)
+                           kv_dtype=self.kv_dtype, tp=tp, pp=pp, cp=cp)
 
 
 def threads_per_rank(config: EngineConfig) -> int | None:
@@ -152,16 +154,17 @@ class EngineCore:
         if num_blocks < 1:
             raise ConfigError(f"--kv-cache-memory {budget} bytes holds no block of {cc.block_size} tokens "
                               f"({per_token * cc.block_size} bytes); raise it")
-        self.cache_info = CacheInfo(num_blocks, cc.block_size, per_token, str(self.kv_dtype).removeprefix("torch."),
+        # context parallelism: a block is block_size tokens on each rank (parallel/context.py), per_token is whole
+        self.cache_info = CacheInfo(num_blocks, config.kv_block_size, per_token, str(self.kv_dtype).removeprefix("torch."),
                                     cc.enable_prefix_caching)
         max_len = config.scheduler.max_model_len or mc.max_position_embeddings
         if max_len > mc.max_position_embeddings:
             raise ConfigError(f"--max-model-len {max_len} exceeds the model's {mc.max_position_embeddings} positions")
         self.max_model_len = max_len
-        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.kv_block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.workers: Workers | None = None  # tensor-parallel ranks or pipeline stages 1..N-1
-        tp = pp = None
+        tp = pp = cp = None
         if config.parallel_size > 1:
             self.workers = Workers(config, num_blocks, config.parallel_size)
             if layout is not None:
@@ -169,8 +172,10 @@ class EngineCore:
             if pp_size > 1:
                 pp = PipelineParallel(self.workers.group, PPStage.of(mc, pp_size, 0),
                                       config.pipeline_micro_batches or pp_size)
+            if config.context_parallel_size > 1:
+                cp = ContextParallel(self.workers.group, cc.block_size)
         try:
-            self.runner = model_spec.build_runner(config, num_blocks, tp, pp)
+            self.runner = model_spec.build_runner(config, num_blocks, tp, pp, cp)
         except BaseException:
             if self.workers is not None:
                 self.workers.kill()
@@ -371,6 +376,9 @@ class EngineCore:
         if cfg.pipeline_parallel_size > 1:
             tp += (f"\n{PPStage.describe(self.model_config, cfg.pipeline_parallel_size, self.runner.pp.micro_batches)}"
                   f"; {torch.get_num_threads()} threads each; weights and KV cache below are rank 0's")
+        if cfg.context_parallel_size > 1:
+            tp += (f"\n{self.runner.cp.describe(self.cache_info.num_blocks)}; {torch.get_num_threads()} threads each; "
+                   "weights below are per rank, the KV cache is across the ranks")
         return (f"backend: {self.runner.backend.describe()}; {mode}{tp}\n{self.runner.weight_summary()}\n"
                 f"{self.cache_info.describe()}{spec}")
 

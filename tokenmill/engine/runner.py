@@ -20,6 +20,7 @@ from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.backends import select_backend
 from tokenmill.model.loader import allocate_parameters
 from tokenmill.model.registry import model_class
+from tokenmill.parallel.context import ContextParallel, ContextParallelBackend, ContextParallelDriver
 from tokenmill.parallel.driver import DriverModel, PipelineDriver
 from tokenmill.parallel.layout import ShardedCheckpoint, StageCheckpoint
 from tokenmill.quant.methods import linear_method
@@ -68,6 +69,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
                                                   "gguf_blocks")]
     seen, total = set(), 0
     for t in tensors:
+        if t is not None and t.is_mkldnn:  # a oneDNN-packed weight: no storage to share
+            total += t.numel() * t.element_size()
+            continue
         if t is None or t.is_meta or t.untyped_storage().data_ptr() in seen:
             continue
         seen.add(t.untyped_storage().data_ptr())
@@ -84,7 +88,7 @@ class ModelRunner:
                  num_blocks: int, block_size: int, seed: int = 0, use_kernel: bool = True,
                  batch_invariant: bool = False, quantization: str | None = None,
                  kv_dtype: torch.dtype | None = None, tp: TensorParallel | None = None,
-                 pp: PipelineParallel | None = None):
+                 pp: PipelineParallel | None = None, cp: ContextParallel | None = None):
         self.use_kernel = use_kernel
         # batch_invariant: every prompt token reads its context through the block tables (its K/V written first),
         # so its attention is the same computation however the prompt was chunked and whatever shares the step,
@@ -101,6 +105,10 @@ class ModelRunner:
         self.cfg, self.dtype, self.device, self.block_size = cfg, dtype, torch.device(device), block_size
         # Chosen once: use_kernel=False is the plain-PyTorch reference, which runs no C++ op at all.
         self.backend = select_backend(self.device, use_kernels=use_kernel, batch_invariant=batch_invariant)
+        # context parallelism: the whole model here, 1/C of each sequence's tokens and KV (parallel/context.py)
+        self.cp = cp
+        if cp is not None:
+            self.backend = ContextParallelBackend(self.backend)
         # Built in `dtype` on the meta device, then allocated uninitialised where it runs: each parameter is
         # written once, in place, as `weights` (a lazy loader.Checkpoint, or any mapping) is read tensor by tensor.
         with torch.device("meta"):
@@ -111,7 +119,7 @@ class ModelRunner:
         self.model = model.eval()
         self.model.init_rotary(self.device)  # float32 tables, cast per step
         self.prepacked = self.backend.prepack(self.model)  # e.g. oneDNN layouts on CPU (model/backends/cpu.py)
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks, cp.block_size if cp is not None else block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeroed, not empty: masked-out slots are still multiplied by 0 and must not hold NaN bit patterns.
         # kv_dtype: the model's dtype by default, or FP8 e4m3 (--kv-cache-dtype fp8; written clamped to +-448)
         kv_dtype = kv_dtype or dtype
@@ -127,6 +135,8 @@ class ModelRunner:
             self.model = DriverModel(self.model, tp.group)
         if pp is not None and pp.group.is_driver:
             self.model = PipelineDriver(self.model, pp.group, pp.stage.count)
+        if cp is not None and cp.group.is_driver:
+            self.model = ContextParallelDriver(self.model, cp)
 
     def weight_format(self) -> str:
         """The matmul weights as served: the dtype, or the quantized format and the dtype it computes in."""

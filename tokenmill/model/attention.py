@@ -28,3 +28,4 @@ class AttentionMetadata:
     kv_lens: torch.Tensor | None = None  # [num_paged_tokens] keys each paged token sees (itself included)
     fresh_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) rows of fresh prefills
     derived: dict[str, Any] = field(default_factory=dict)  # what a backend derives once per step for all layers
+    context: Any = None  # context parallelism: how the step is split over the ranks (parallel/context.py)

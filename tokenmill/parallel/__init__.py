@@ -1,2 +1,3 @@
-"""Tensor parallelism over torch.distributed: the layout of a model across ranks (layout.py), their collectives
-(group.py), rank 0's side (driver.py) and the worker ranks (worker.py)."""
+"""Parallelism over torch.distributed: how a model splits across tensor-parallel ranks and pipeline stages
+(layout.py), the ranks' collectives (group.py), rank 0's side (driver.py), the worker ranks (worker.py), and context
+parallelism (context.py, its arithmetic in ring.py)."""

@@ -91,6 +91,33 @@ class RankGroup:
         dist.gather(x, parts, dst=0, group=self.compute)
         return torch.cat(parts, dim=-1) if self.is_driver else None
 
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` (the same shape on each), stacked [size, ...] on every rank."""
+        out = x.new_empty((self.size, *x.shape))
+        dist.all_gather(list(out.unbind(0)), x.contiguous(), group=self.compute)
+        return out
+
+    def all_gather_rows(self, x: torch.Tensor, rows: list[torch.Tensor], total: int) -> torch.Tensor:
+        """The [total, ...] tensor of which each rank holds the rows `rows[rank]` (in `x`), on every rank."""
+        return _placed(self.all_gather(_padded(x, rows)), rows, total)
+
+    def gather_rows_to_driver(self, x: torch.Tensor, rows: list[torch.Tensor], total: int) -> torch.Tensor | None:
+        """As all_gather_rows, on rank 0 only; the others get None."""
+        padded = _padded(x, rows)
+        parts = padded.new_empty((self.size, *padded.shape)) if self.is_driver else None
+        dist.gather(padded, list(parts.unbind(0)) if parts is not None else None, dst=0, group=self.compute)
+        return _placed(parts, rows, total) if parts is not None else None
+
+    def shift(self, x: torch.Tensor, into: torch.Tensor, tag: int) -> list[Any]:
+        """Start sending `x` to the next rank of the ring and receiving the previous rank's into `into` (either
+        may be empty: nothing moves); returns the works to wait on."""
+        works = []
+        if x.numel():
+            works.append(dist.isend(x.contiguous(), (self.rank + 1) % self.size, group=self.compute, tag=tag))
+        if into.numel():
+            works.append(dist.irecv(into, (self.rank - 1) % self.size, group=self.compute, tag=tag))
+        return works
+
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank (what the workers run next)."""
         box = [obj]
@@ -100,6 +127,21 @@ class RankGroup:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _padded(x: torch.Tensor, rows: list[torch.Tensor]) -> torch.Tensor:
+    """x's rows padded to the most any rank holds (collectives move equal shapes)."""
+    padded = x.new_zeros((max(len(r) for r in rows), *x.shape[1:]))
+    padded[:len(x)] = x
+    return padded
+
+
+def _placed(parts: torch.Tensor, rows: list[torch.Tensor], total: int) -> torch.Tensor:
+    """Each rank's padded rows [size, most, ...] put back at their places in a [total, ...] tensor."""
+    whole = parts.new_empty((total, *parts.shape[2:]))
+    for rank, r in enumerate(rows):
+        whole[r] = parts[rank, :len(r)]
+    return whole
 
 
 @dataclass

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.parallel.context import forward as context_forward
 from tokenmill.parallel.group import RankGroup, backend_for
 
 log = logging.getLogger("tokenmill")
@@ -30,6 +31,7 @@ def run_worker(rank: int, size: int, init_method: str, backend: str, timeout_s: 
     group = RankGroup(rank, size, init_method, backend, timeout_s)
     try:
         from tokenmill.engine.core import ModelSpec, threads_per_rank
+        from tokenmill.parallel.context import ContextParallel
         from tokenmill.parallel.group import PipelineParallel, TensorParallel
         from tokenmill.parallel.layout import PPStage, TPLayout
 
@@ -41,7 +43,8 @@ def run_worker(rank: int, size: int, init_method: str, backend: str, timeout_s: 
         tp = TensorParallel(group, TPLayout(spec.config, tp_size, rank % tp_size)) if tp_size > 1 else None
         pp = (PipelineParallel(group, PPStage.of(spec.config, pp_size, rank // tp_size), 1) if pp_size > 1
               else None)
-        runner = spec.build_runner(config, num_blocks, tp, pp)
+        cp = ContextParallel(group, config.cache.block_size) if config.context_parallel_size > 1 else None
+        runner = spec.build_runner(config, num_blocks, tp, pp, cp)
         with torch.inference_mode():  # as rank 0's runner: no autograd bookkeeping
             serve(group, runner)
         return True
@@ -64,6 +67,8 @@ def serve(group: RankGroup, runner: Any) -> None:
                 runner.model.compute_logits(command[1])
         elif command[0] == "pipeline":
             run_stage(group, runner, command[1])
+        elif command[0] == "context":
+            context_forward(runner.model, runner.cp, *command[1], runner.kv_caches)
         else:
             return
 

@@ -67,8 +67,9 @@ def tile_rows(packed: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _rows(x: torch.Tensor) -> bool:
-    """A [T, D] CPU tensor with unit stride along D: the layout every fused kernel takes."""
-    return x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
+    """A [T, D] CPU tensor with unit stride along D and some rows: what every fused kernel takes (an empty batch, a
+    context-parallel rank's share of a lone decode, takes the reference path)."""
+    return x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1 and x.shape[0] > 0
 
 
 class CpuBackend(TorchBackend):

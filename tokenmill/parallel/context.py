@@ -1,0 +1,218 @@
+"""Context parallelism: one model on every rank, each request's tokens and KV split by position across the ranks.
+
+Token p of a sequence belongs to rank p mod C (striped, so under a causal mask every rank has as much attention work
+as the others). A rank computes only its tokens' layers and keeps only their K/V: the scheduler's block of
+`block_size x C` tokens is `block_size` tokens on each rank, at the same block id, and rank r's tokens of a
+sequence lie in its cache in order (its i-th token at block table entry i // block_size, offset i % block_size), so
+its cache is an ordinary paged cache of its share. A context C times what one rank's KV memory holds still serves.
+
+Attention needs every earlier token's K/V, which lives on all ranks:
+- a prompt's first chunk ("fresh": all its keys are in the step) uses ring attention: each rank's K/V block goes
+  round the ring, and each rank attends its queries over every block in turn, merging by log-sum-exp (ring.py);
+  the next block's transfer overlaps this block's arithmetic;
+- every other token (decodes, later chunks, prompts after a prefix-cache hit: "paged") reads the cache: the step's
+  paged queries are gathered on every rank, each rank attends all of them over its own share of the cache, and each
+  query's owner merges the C partial results by log-sum-exp.
+Rank 0 schedules, shards each step here like every rank, and gathers the final hidden states of all rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from tokenmill.model.attention import AttentionMetadata
+from tokenmill.model.backends.reference import gather_blocks
+from tokenmill.parallel.driver import fatal
+from tokenmill.parallel.group import RankGroup
+from tokenmill.parallel.ring import causal_mask, merge, merge_many, partial_attention
+
+
+@dataclass
+class ContextParallel:
+    """What a rank's runner needs: its group and the block size of its own cache (the scheduler's / C)."""
+
+    group: RankGroup
+    block_size: int
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    def describe(self, num_blocks: int) -> str:
+        c = self.size
+        return (f"context parallel: {c} ranks, each with every layer and 1/{c} of every sequence's tokens and KV "
+                f"(position p on rank p mod {c}); a block = {self.block_size} tokens on each rank, "
+                f"{num_blocks} blocks per rank")
+
+
+@dataclass
+class PagedGroup:
+    """The step's paged queries that read one block-table row: which they are, and how many of this rank's keys
+    each sees (the same for every layer, so worked out once per step)."""
+
+    queries: torch.Tensor  # indices among the step's paged rows
+    kv_lens: torch.Tensor  # keys of this rank's cache each sees
+    blocks: torch.Tensor  # the block ids holding them
+
+
+@dataclass
+class ContextShard:
+    """One step as split over the ranks (in AttentionMetadata.context). Every rank computes the same split from
+    the step's inputs, so no rank is told another's shapes."""
+
+    cp: ContextParallel
+    rows: list[torch.Tensor]  # per rank: the step's rows it computes, in order (paged rows first)
+    num_paged: int  # the step's paged rows (the first rows of the step)
+    paged: list[torch.Tensor]  # per rank: which of the step's paged rows are its
+    groups: list[PagedGroup]  # this rank's share of the cache, per block-table row
+    fresh_pos: list[torch.Tensor]  # per rank: its fresh rows' positions
+    fresh_seq: list[torch.Tensor]  # per rank: which fresh prefill each of those rows belongs to
+
+    @property
+    def num_fresh(self) -> int:
+        return sum(len(p) for p in self.fresh_pos)
+
+    # ---- attention ---------------------------------------------------------------------------------------------
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, num_paged: int) -> torch.Tensor:
+        """This rank's rows: q [n, H, D], their k, v [n, KVH, D] (already in the cache), the first `num_paged`
+        paged. Every rank calls this in every layer (the collectives inside meet)."""
+        scale = q.shape[-1] ** -0.5
+        out = torch.empty_like(q)
+        if self.num_paged:
+            out[:num_paged] = self.attend_paged(q[:num_paged], k_cache, v_cache, scale).to(q.dtype)
+        if self.num_fresh:
+            out[num_paged:] = self.ring_attention(q[num_paged:], k[num_paged:], v[num_paged:], scale).to(q.dtype)
+        return out
+
+    def attend_paged(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+        """Decode-style: gather every rank's paged queries, attend all of them over this rank's cache, and merge
+        the ranks' partial results for this rank's own queries."""
+        group, me = self.cp.group, self.cp.rank
+        queries = group.all_gather_rows(q, self.paged, self.num_paged)  # [P, H, D], the step's order
+        out, lse = self.partial_over_cache(queries, k_cache, v_cache, scale)
+        pieces = group.all_gather(torch.cat([out, lse.unsqueeze(-1)], dim=-1))  # [C, P, H, D + 1]
+        mine = pieces[:, self.paged[me]]
+        return merge_many(mine[..., :-1], mine[..., -1])[0]
+
+    def partial_over_cache(self, queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every paged query over the keys of this rank's cache that it sees: output [P, H, D] and lse [P, H]."""
+        p, heads, dim = queries.shape
+        kvh = k_cache.shape[2]
+        out = torch.zeros(p, heads, dim, dtype=torch.float32, device=queries.device)
+        lse = torch.full((p, heads), float("-inf"), dtype=torch.float32, device=queries.device)
+        for g in self.groups:
+            length = int(g.kv_lens.max())
+            keys, values = (gather_blocks(c, g.blocks, torch.float32).reshape(-1, kvh, dim)[:length]
+                            for c in (k_cache, v_cache))
+            mask = torch.arange(length, device=queries.device) < g.kv_lens.unsqueeze(1)
+            out[g.queries], lse[g.queries] = partial_attention(queries[g.queries], keys, values, mask, scale)
+        return out, lse
+
+    def ring_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Prefill-style: this rank's fresh queries over every rank's fresh K/V, the blocks passed round the ring
+        (rank r sends to r + 1); the transfer of the next block runs while this one is attended."""
+        group, size, me = self.cp.group, self.cp.size, self.cp.rank
+        q_pos, q_seq = self.fresh_pos[me], self.fresh_seq[me]
+        block, owner = torch.stack([k, v]).contiguous(), me  # [2, n, KVH, D]
+        out = lse = None
+        for hop in range(size):
+            incoming = None
+            if hop < size - 1:  # the block the rank before holds now: rank (me - hop - 1)'s
+                source = (me - hop - 1) % size
+                incoming = torch.empty((2, len(self.fresh_pos[source]), *block.shape[2:]), dtype=block.dtype,
+                                       device=block.device)
+                works = group.shift(block, incoming, tag=hop)
+            o, s = partial_attention(q, block[0], block[1],
+                                     causal_mask(q_pos, q_seq, self.fresh_pos[owner], self.fresh_seq[owner]), scale)
+            out, lse = (o, s) if out is None else merge(out, lse, o, s)
+            if incoming is not None:
+                for work in works:
+                    work.wait()
+                block, owner = incoming, source
+        return out
+
+
+def shard_step(cp: ContextParallel, input_ids: torch.Tensor, positions: torch.Tensor,
+               meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """This rank's part of a step the runner built for the whole model: its token ids, positions and attention
+    metadata (cache slots in its own cache, the split in `context`)."""
+    size, me, bs = cp.size, cp.rank, cp.block_size
+    owner = positions % size
+    rows = [torch.nonzero(owner == r).squeeze(1) for r in range(size)]
+    p = meta.num_paged_tokens
+    seq = torch.full_like(positions, -1)
+    for i, (start, end) in enumerate(meta.fresh_spans):
+        seq[start:end] = i
+    fresh = [r[r >= p] for r in rows]
+    shard = ContextShard(cp, rows, p, [r[r < p] for r in rows], [], [positions[f] for f in fresh],
+                         [seq[f] for f in fresh])
+    if p:
+        # this rank's keys a paged query at position x sees: positions me, me + C, ... up to x
+        kv_lens = (positions[:p] - me).div(size, rounding_mode="floor").add_(1).clamp_(min=0)
+        for row in range(meta.block_tables.shape[0]):
+            queries = torch.nonzero(meta.q_rows == row).squeeze(1)
+            lens = kv_lens[queries]
+            longest = int(lens.max()) if len(queries) else 0
+            if longest:
+                shard.groups.append(PagedGroup(queries, lens, meta.block_tables[row, :math.ceil(longest / bs)]))
+    mine = rows[me]
+    slots = meta.slot_mapping[mine]  # the scheduler's slots: block * (bs * C) + offset in the block
+    local = slots.div(bs * size, rounding_mode="floor") * bs + (slots % (bs * size)).div(size, rounding_mode="floor")
+    local_meta = replace(meta, slot_mapping=local, num_paged_tokens=len(shard.paged[me]), block_tables=None,
+                         q_rows=None, kv_lens=None, fresh_spans=[], derived={}, context=shard)
+    return input_ids[mine], positions[mine], local_meta
+
+
+def forward(model: torch.nn.Module, cp: ContextParallel, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: AttentionMetadata, kv_caches: list) -> torch.Tensor | None:
+    """Every rank's part of a step; rank 0 gets the final hidden states of all the step's rows, the others None."""
+    ids, pos, local = shard_step(cp, input_ids, positions, meta)
+    hidden = model(ids, pos, local, kv_caches)
+    return cp.group.gather_rows_to_driver(hidden, local.context.rows, len(input_ids))
+
+
+class ContextParallelBackend:
+    """A backend whose attention is context-parallel (ContextShard.attend) and whose other ops are `inner`'s. No
+    whole-layer fast path: the collectives sit inside every layer's attention."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.name = f"{inner.name}+context-parallel"
+
+    def paged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return meta.context.attend(q, k, v, k_cache, v_cache, meta.num_paged_tokens)
+
+    def decode_layers(self, *args: Any) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class ContextParallelDriver:
+    """Rank 0's model: each forward pass announced to the other ranks, then run on this rank's share; the LM head is
+    rank 0's alone (every rank holds the whole model)."""
+
+    def __init__(self, model: torch.nn.Module, cp: ContextParallel):
+        self.model, self.cp = model, cp
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 kv_caches: list) -> torch.Tensor:
+        with fatal("a context-parallel forward pass"):
+            self.cp.group.broadcast(("context", (input_ids, positions, meta)))
+            return forward(self.model, self.cp, input_ids, positions, meta, kv_caches)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
