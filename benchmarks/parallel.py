@@ -4,6 +4,11 @@ model, same weights (SmolLM2-135M dequantized: the ranks cannot split a GGUF fil
 
     python benchmarks/parallel.py --runs 3 [--tp 2 --even-shape]
     python benchmarks/parallel.py --runs 3 --pp 2 --micro-batches 1,2,4
+    python benchmarks/parallel.py --runs 3 --cp 2 --lengths 2048,8000
+
+Context mode: one long prompt's prefill (in one chunk) and the decode steps after it, C ranks of one thread against
+one process with 1 and C threads; first chunks by ring attention (--no-batch-invariant) and through the sharded
+cache (the default, batch-invariant), and the KV bytes each rank holds for the context.
 
 Pipeline mode: prefill tokens/s (8 x 512-token prompts: compute-bound) and batched decode (32 x 128 tokens:
 memory-bound) of 2 stages with 1, 2 and 4 micro-batches per step against one process with 1 and 2 threads; the
@@ -33,8 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tqdm import tqdm
 
-from tokenmill.config import CacheConfig, EngineConfig
+from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.messages import AddRequest
 from tokenmill.engine.runner import weight_bytes
@@ -136,9 +142,14 @@ def main() -> None:
                          "hidden 512, 30 layers, vocabulary 49,152): 2 ranks on 2 cores, no oversubscription")
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages (then the pipeline table, not tensor parallel)")
     ap.add_argument("--micro-batches", default="1,2,4")
+    ap.add_argument("--cp", type=int, default=1, help="context-parallel ranks (then the context table)")
+    ap.add_argument("--lengths", default="2048,8000", help="prompt lengths for --cp")
     args = ap.parse_args()
     if args.pp > 1:
         pipeline(args)
+        return
+    if args.cp > 1:
+        context(args)
         return
     model, name = None, "SmolLM2-135M"
     if args.even_shape:
@@ -183,6 +194,48 @@ def pipeline(args) -> None:
         print(f"| {args.pp} stages, {m} micro-batch{'es' if m > 1 else ''} | {r['prefill_tps']:.0f} | "
               f"{prefill_bubble:.0%} | {r['batched_step_ms']:.1f} ms | {r['tps']:.1f} | {decode_bubble:.0%} | "
               f"{r['weights_mib']:.0f} MiB |")
+
+
+def long_prompt(cp: int, threads: int, batch_invariant: bool, lengths: list[int], runs: int) -> dict:
+    """Per prompt length: prefill seconds (one chunk) and the median decode step after it, medians over runs."""
+    engine = EngineCore(EngineConfig(context_parallel_size=cp, num_threads=threads, quantization="none",
+                                     batch_invariant=batch_invariant, cache=CacheConfig(kv_cache_memory=512 << 20),
+                                     scheduler=SchedulerConfig(max_num_batched_tokens=max(lengths),
+                                                               max_model_len=max(lengths) + 64)))
+    try:
+        run(engine, 1, 64, 4)  # warm
+        out = {}
+        for n in tqdm(lengths, desc=f"cp={cp} threads={threads} batch_invariant={batch_invariant}", leave=False):
+            prefill, decode = [], []
+            for _ in range(runs):
+                _, steps = run(engine, 1, n, 33)
+                prefill.append(steps[0])
+                decode.append(statistics.median(steps[1:]))
+            out[n] = (statistics.median(prefill), statistics.median(decode) * 1e3)
+        out["kv_per_token"] = engine.cache_info.kv_bytes_per_token / cp  # per rank
+        out["capacity"] = engine.cache_info.token_capacity
+        return out
+    finally:
+        engine.close()
+
+
+def context(args) -> None:
+    lengths = [int(n) for n in args.lengths.split(",")]
+    c = args.cp
+    rows = [("1 process, 1 thread", long_prompt(1, 1, False, lengths, args.runs)),
+            (f"1 process, {c} threads", long_prompt(1, c, False, lengths, args.runs)),
+            (f"CP={c}, ring attention (first chunk)", long_prompt(c, 1, False, lengths, args.runs)),
+            (f"1 process, {c} threads, batch-invariant", long_prompt(1, c, True, lengths, args.runs)),
+            (f"CP={c}, through the sharded cache (batch-invariant)", long_prompt(c, 1, True, lengths, args.runs))]
+    print(f"\n## Context parallelism: {c} ranks x 1 thread vs 1 process (SmolLM2-135M, bfloat16 dense, one prompt "
+          f"prefilled in one chunk, then 32 decode steps; median of {args.runs}; CPU {cpu_isa()})")
+    head = " | ".join(f"prefill {n} | decode step at {n}" for n in lengths)
+    print(f"| configuration | {head} | KV per rank per token | token capacity (512 MiB per rank) |")
+    print("|---|" + "---|---|" * len(lengths) + "---|---|")
+    base = rows[1][1]
+    for name, r in rows:
+        cells = " | ".join(f"{r[n][0]:.2f} s ({base[n][0] / r[n][0]:.2f}x) | {r[n][1]:.0f} ms" for n in lengths)
+        print(f"| {name} | {cells} | {r['kv_per_token']:.0f} B | {r['capacity']:,} |")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ mid-request, and layouts refused at start-up."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import multiprocessing as mp
 import os
@@ -20,9 +21,9 @@ import torch.nn.functional as F
 from tests.models.tiny import make_tiny_model
 from tests.parallel.test_tensor_parallel import prompts, run
 from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.engine.admission import ContextLimits, admit
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.messages import AddRequest
-from tokenmill.engine.admission import ContextLimits, admit
 from tokenmill.errors import ConfigError, ContextTooLong, ParallelFailure
 from tokenmill.model.attention import AttentionMetadata
 from tokenmill.parallel import ring
@@ -48,12 +49,36 @@ def test_partial_attentions_over_split_keys_merge_to_full_attention(pieces, monk
     mask = torch.rand(23, 41, generator=g) < 0.6
     mask[:, 0] = True  # every query sees some key
     cuts = torch.linspace(0, 41, pieces + 1).long().tolist()
-    parts = [ring.partial_attention(q, k[a:b], v[a:b], mask[:, a:b], 0.3) for a, b in zip(cuts, cuts[1:])]
+    parts = [ring.partial_attention(q, k[a:b], v[a:b], mask[:, a:b], 0.3) for a, b in itertools.pairwise(cuts)]
     out, lse = ring.merge_many(torch.stack([o for o, _ in parts]), torch.stack([s for _, s in parts]))
     torch.testing.assert_close(out, full_attention(q, k, v, mask, 0.3), rtol=1e-5, atol=1e-5)
     group_k = k.repeat_interleave(3, dim=1)
     scores = (torch.einsum("qhd,khd->qhk", q, group_k) * 0.3).masked_fill(~mask.unsqueeze(1), float("-inf"))
     torch.testing.assert_close(lse, scores.logsumexp(-1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-cpu", "plain-torch"])
+def test_both_paths_agree_with_full_attention_and_blind_rows(fused, monkeypatch):
+    monkeypatch.setattr(ring, "_fused", lambda q: fused and q.device.type == "cpu")
+    g = torch.Generator().manual_seed(7)
+    q, k, v = torch.randn(9, 6, 8, generator=g), torch.randn(12, 3, 8, generator=g), torch.randn(12, 3, 8, generator=g)
+    mask = torch.rand(9, 12, generator=g) < 0.5
+    mask[:, 3], mask[4] = True, False  # row 4 sees nothing
+    out, lse = ring.partial_attention(q, k, v, mask, 0.4)
+    seen = torch.arange(9) != 4
+    torch.testing.assert_close(out[seen], full_attention(q, k, v, mask, 0.4)[seen], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[4], torch.zeros_like(out[4])) and (lse[4] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_causal_hop_is_the_masked_attention_it_stands_for(strict):
+    g = torch.Generator().manual_seed(8)
+    q, k, v = torch.randn(7, 4, 8, generator=g), torch.randn(8, 2, 8, generator=g), torch.randn(8, 2, 8, generator=g)
+    mask = torch.ones(7, 8, dtype=torch.bool).tril(-1 if strict else 0)
+    want_out, want_lse = ring._masked_attention(q, k, v, mask, 0.5)
+    out, lse = ring.causal_attention(q, k, v, 0.5, strict)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)  # -inf where a row sees nothing, on both
 
 
 def test_a_piece_with_no_visible_key_is_the_identity_of_merge():
@@ -67,16 +92,18 @@ def test_a_piece_with_no_visible_key_is_the_identity_of_merge():
 
 
 # ---- ring attention and the sharded cache over real ranks ----------------------------------------------------------
-def _rank_main(rank: int, size: int, init: str, lengths: list[int], cached: list[int], block: int, queue) -> None:
+def _rank_main(rank: int, size: int, init: str, lengths: list[int], cached: list[int], block: int,
+               replicate: bool, queue) -> None:
     """One rank: the step's fresh sequences by ring attention, then paged queries (`cached[i]` tokens of sequence i
-    already in the caches, its rest new) over the sharded caches; rank 0 puts both outputs in the queue."""
+    already in the caches, its rest new; striped over the ranks or all on each) over the sharded caches; rank 0
+    puts both outputs in the queue."""
     from tokenmill.model.backends.reference import write_kv
     from tokenmill.parallel.context import ContextParallel, shard_step
     from tokenmill.parallel.group import RankGroup
 
     group = RankGroup(rank, size, init, "gloo", timeout_s=60)
     try:
-        cp = ContextParallel(group, block)
+        cp = ContextParallel(group, block, num_blocks=63)  # block 63: the spare
         heads, kvh, dim = 4, 2, 8
         g = torch.Generator().manual_seed(0)  # the same tensors on every rank
         total = sum(lengths)
@@ -118,10 +145,10 @@ def _rank_main(rank: int, size: int, init: str, lengths: list[int], cached: list
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots)[q_idx], num_paged_tokens=p,
                                  block_tables=torch.tensor(tables), q_rows=torch.tensor(q_rows),
                                  kv_lens=torch.tensor(q_pos) + 1)
-        _, _, local = shard_step(cp, torch.zeros(p, dtype=torch.long), torch.tensor(q_pos), meta)
-        mine = local.context.rows[rank]
-        paged_out = local.context.attend_paged(q[q_idx][mine], *caches, dim ** -0.5)
-        paged = group.gather_rows_to_driver(paged_out, local.context.rows, p)
+        _, _, local = shard_step(cp, torch.zeros(p, dtype=torch.long), torch.tensor(q_pos), meta, replicate)
+        shard = local.context
+        paged_out = shard.attend_paged(q[q_idx][shard.rows[rank]], *caches, dim ** -0.5)
+        paged = group.gather_rows_to_driver(paged_out[shard.sent_from:], shard.sent, p)
         if rank == 0:
             queue.put((fresh, paged, q_idx))
     finally:
@@ -134,14 +161,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("size, lengths, cached", [
-    (2, [1, 7, 33], [0, 3, 17]),  # a one-token sequence, odd lengths, cached parts that end mid-block
-    (3, [2, 29, 16, 5], [1, 28, 0, 4]),  # three ranks: some own no token of a sequence
+@pytest.mark.parametrize("size, lengths, cached, replicate", [
+    (2, [1, 7, 33], [0, 3, 17], False),  # a one-token sequence, odd lengths, cached parts that end mid-block
+    (2, [1, 7, 33], [0, 6, 31], True),  # decode-like: each rank computes every paged query
+    (3, [2, 29, 16, 5], [1, 28, 0, 4], False),  # three ranks: some own no token of a sequence
 ])
-def test_ring_and_sharded_cache_attention_match_full_attention(size, lengths, cached):
+def test_ring_and_sharded_cache_attention_match_full_attention(size, lengths, cached, replicate):
     ctx = mp.get_context("spawn")
     queue, init = ctx.Queue(), f"tcp://127.0.0.1:{_free_port()}"
-    procs = [ctx.Process(target=_rank_main, args=(r, size, init, lengths, cached, 4, queue)) for r in range(size)]
+    procs = [ctx.Process(target=_rank_main, args=(r, size, init, lengths, cached, 4, replicate, queue)) for r in range(size)]
     for p in procs:
         p.start()
     try:
@@ -173,9 +201,12 @@ def core(model, cp: int, *, chunk: int = 2048, num_blocks: int | None = None, pr
                                                              max_model_len=max_len)))
 
 
-def same_as_one_process(model, cp: int, requests, ref_kw=None, **kw) -> EngineCore:
+def same_as_one_process(model, cp: int, requests, ref_kw=None, replicate_max: int | None = None,
+                        **kw) -> EngineCore:
     ref = run(core(model, 1, **(ref_kw or kw)), requests)
     engine = core(model, cp, **kw)
+    if replicate_max is not None:  # rank 0 decides, per step, whether every rank computes the paged rows
+        engine.runner.model.cp.replicate_max = replicate_max
     try:
         assert run(engine, requests) == ref
     finally:
@@ -197,9 +228,12 @@ def mixed_requests():
     return requests
 
 
-@pytest.mark.parametrize("batch_invariant", [True, False], ids=["through-the-cache", "ring"])
-def test_two_ranks_give_one_process_output_with_chunks_prefix_hits_and_samples(gqa, batch_invariant):
-    same_as_one_process(gqa, 2, mixed_requests(), chunk=16, batch_invariant=batch_invariant)
+@pytest.mark.parametrize("batch_invariant, replicate_max", [(True, 0), (True, 32), (False, 0), (False, 32)],
+                         ids=["through-the-cache", "through-the-cache-decodes-replicated", "ring",
+                              "ring-decodes-replicated"])
+def test_two_ranks_give_one_process_output_with_chunks_prefix_hits_and_samples(gqa, batch_invariant, replicate_max):
+    same_as_one_process(gqa, 2, mixed_requests(), chunk=16, batch_invariant=batch_invariant,
+                        replicate_max=replicate_max)
 
 
 def test_three_ranks_with_whole_prompts_in_one_step(gqa):
@@ -211,7 +245,7 @@ def test_two_ranks_preempt_and_recompute_to_the_same_output(gqa):
     requests = {f"r{i}": (p, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
                 for i, p in enumerate(prompts(3, (30,), seed=2))}
     # 20 blocks of 8 tokens (4 on each rank) against one process's 40 blocks of 4: the same token capacity
-    engine = same_as_one_process(gqa, 2, requests, ref_kw=dict(num_blocks=40, prefix=False, headroom=0.0),
+    engine = same_as_one_process(gqa, 2, requests, ref_kw={"num_blocks": 40, "prefix": False, "headroom": 0.0},
                                  num_blocks=20, prefix=False, headroom=0.0)
     assert engine.scheduler.num_preemptions > 0
 
@@ -228,7 +262,7 @@ def test_a_context_one_rank_cannot_hold_serves_on_two(gqa):
     alone = core(gqa, 1, num_blocks=8, max_len=64)
     with pytest.raises(ContextTooLong, match="capacity of 32 tokens.*--context-parallel-size"):
         admitted(alone)
-    engine = same_as_one_process(gqa, 2, {"r": (prompt, GREEDY)}, ref_kw=dict(max_len=64), num_blocks=8, max_len=64)
+    engine = same_as_one_process(gqa, 2, {"r": (prompt, GREEDY)}, ref_kw={"max_len": 64}, num_blocks=8, max_len=64)
     assert admitted(engine) == 12 and engine.cache_info.token_capacity == 64
 
 

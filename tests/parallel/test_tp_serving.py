@@ -1,4 +1,4 @@
-"""`tokenmill serve --tensor-parallel-size 2` (and `--pipeline-parallel-size 2`) for real: the answers of one
+"""`tokenmill serve --tensor-parallel-size 2` (and `--pipeline-parallel-size 2`, `--context-parallel-size 2`) for real: the answers of one
 process; a rank that dies mid-stream
 ends the stream with an error event and the server exits non-zero, and one that dies while the server idles turns
 /health to 503 within seconds (never a server that says it is healthy and hangs the next request)."""
@@ -74,6 +74,25 @@ def test_two_pipeline_stages_answer_as_one_process(model):
         assert got["choices"] == httpx.post(one.url + "/v1/completions", json=body, timeout=60).json()["choices"]
     finally:
         pp.stop()
+        one.stop()
+
+
+def test_two_context_parallel_ranks_answer_as_one_process_streamed_or_not(model):
+    with ThreadPoolExecutor(2) as pool:
+        cp, one = pool.map(lambda extra: start_server(*flags(model), *extra, api_key=None),
+                           (["--context-parallel-size", "2", "--no-batch-invariant"], ["--no-batch-invariant"]))
+    try:
+        assert len(worker_pids(cp)) == 1
+        body = {"prompt": ["Once upon a time", "The sea " * 30], "max_tokens": 16, "temperature": 0,
+                "ignore_eos": True}
+        got = httpx.post(cp.url + "/v1/completions", json=body, timeout=60).json()
+        assert got["choices"] == httpx.post(one.url + "/v1/completions", json=body, timeout=60).json()["choices"]
+        with httpx.Client(base_url=cp.url, timeout=60) as c, c.stream(
+                "POST", "/v1/completions", json={**body, "prompt": body["prompt"][1], "stream": True}) as r:
+            events = sse_events(list(r.iter_lines()))
+        assert "".join(e["choices"][0]["text"] for e in events[:-1]) == got["choices"][1]["text"]
+    finally:
+        cp.stop()
         one.stop()
 
 

@@ -173,7 +173,7 @@ class EngineCore:
                 pp = PipelineParallel(self.workers.group, PPStage.of(mc, pp_size, 0),
                                       config.pipeline_micro_batches or pp_size)
             if config.context_parallel_size > 1:
-                cp = ContextParallel(self.workers.group, cc.block_size)
+                cp = ContextParallel(self.workers.group, cc.block_size, num_blocks)
         try:
             self.runner = model_spec.build_runner(config, num_blocks, tp, pp, cp)
         except BaseException:

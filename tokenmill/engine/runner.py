@@ -119,7 +119,9 @@ class ModelRunner:
         self.model = model.eval()
         self.model.init_rotary(self.device)  # float32 tables, cast per step
         self.prepacked = self.backend.prepack(self.model)  # e.g. oneDNN layouts on CPU (model/backends/cpu.py)
-        shape = (num_blocks, cp.block_size if cp is not None else block_size, cfg.num_kv_heads, cfg.head_dim)
+        # context parallelism: block_size / C tokens per block here, and a spare block (parallel/context.py)
+        shape = ((num_blocks + 1, cp.block_size) if cp is not None else (num_blocks, block_size)) + (
+            cfg.num_kv_heads, cfg.head_dim)
         # Zeroed, not empty: masked-out slots are still multiplied by 0 and must not hold NaN bit patterns.
         # kv_dtype: the model's dtype by default, or FP8 e4m3 (--kv-cache-dtype fp8; written clamped to +-448)
         kv_dtype = kv_dtype or dtype

@@ -12,7 +12,9 @@ Attention needs every earlier token's K/V, which lives on all ranks:
   the next block's transfer overlaps this block's arithmetic;
 - every other token (decodes, later chunks, prompts after a prefix-cache hit: "paged") reads the cache: the step's
   paged queries are gathered on every rank, each rank attends all of them over its own share of the cache, and each
-  query's owner merges the C partial results by log-sum-exp.
+  query's owner merges the C partial results by log-sum-exp. A step of few paged tokens (decodes) has every rank
+  compute them all instead, each keeping only its own tokens' K/V: that saves the gathering collective, which costs
+  more than those tokens' layers.
 Rank 0 schedules, shards each step here like every rank, and gathers the final hidden states of all rows.
 """
 
@@ -28,15 +30,27 @@ from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.backends.reference import gather_blocks
 from tokenmill.parallel.driver import fatal
 from tokenmill.parallel.group import RankGroup
-from tokenmill.parallel.ring import causal_mask, merge, merge_many, partial_attention
+from tokenmill.parallel.ring import causal_attention, merge, merge_many, no_attention, partial_attention
+
+# a step with at most this many paged tokens (decodes) has every rank compute all of them, writing only its own
+# K/V: one collective per layer instead of two (on gloo each costs ~1 ms: BENCHMARKS.md "Context parallelism")
+REPLICATE_PAGED_MAX = 32
 
 
 @dataclass
 class ContextParallel:
-    """What a rank's runner needs: its group and the block size of its own cache (the scheduler's / C)."""
+    """What a rank's runner needs: its group, the blocks of its own cache and their size (the scheduler's / C)
+    (one more block beyond them takes the K/V a rank computes but does not keep), and when rank 0 has every rank
+    compute a step's paged tokens."""
 
     group: RankGroup
     block_size: int
+    num_blocks: int
+    replicate_max: int = REPLICATE_PAGED_MAX
+
+    @property
+    def spare_slot(self) -> int:
+        return self.num_blocks * self.block_size
 
     @property
     def size(self) -> int:
@@ -71,14 +85,18 @@ class ContextShard:
     cp: ContextParallel
     rows: list[torch.Tensor]  # per rank: the step's rows it computes, in order (paged rows first)
     num_paged: int  # the step's paged rows (the first rows of the step)
-    paged: list[torch.Tensor]  # per rank: which of the step's paged rows are its
+    paged: list[torch.Tensor]  # per rank: which of the step's paged rows it computes (replicated: all)
+    replicated: bool  # every rank computes every paged row
+    sent: list[torch.Tensor]  # per rank: the rows whose final hidden states it sends rank 0 (replicated: the
+    sent_from: int  # ... paged ones only from rank 0), from this row of its own on
     groups: list[PagedGroup]  # this rank's share of the cache, per block-table row
-    fresh_pos: list[torch.Tensor]  # per rank: its fresh rows' positions
-    fresh_seq: list[torch.Tensor]  # per rank: which fresh prefill each of those rows belongs to
+    # per rank: where each fresh prefill's tokens lie among its fresh rows ({prefill: (start, end)}), and how many
+    fresh: list[dict[int, tuple[int, int]]]
+    fresh_counts: list[int]
 
     @property
     def num_fresh(self) -> int:
-        return sum(len(p) for p in self.fresh_pos)
+        return sum(self.fresh_counts)
 
     # ---- attention ---------------------------------------------------------------------------------------------
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -95,10 +113,10 @@ class ContextShard:
 
     def attend_paged(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      scale: float) -> torch.Tensor:
-        """Decode-style: gather every rank's paged queries, attend all of them over this rank's cache, and merge
-        the ranks' partial results for this rank's own queries."""
+        """Decode-style: gather every rank's paged queries (replicated: every rank has them), attend all of them
+        over this rank's cache, and merge the ranks' partial results for this rank's queries."""
         group, me = self.cp.group, self.cp.rank
-        queries = group.all_gather_rows(q, self.paged, self.num_paged)  # [P, H, D], the step's order
+        queries = q if self.replicated else group.all_gather_rows(q, self.paged, self.num_paged)  # [P, H, D]
         out, lse = self.partial_over_cache(queries, k_cache, v_cache, scale)
         pieces = group.all_gather(torch.cat([out, lse.unsqueeze(-1)], dim=-1))  # [C, P, H, D + 1]
         mine = pieces[:, self.paged[me]]
@@ -121,20 +139,25 @@ class ContextShard:
 
     def ring_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """Prefill-style: this rank's fresh queries over every rank's fresh K/V, the blocks passed round the ring
-        (rank r sends to r + 1); the transfer of the next block runs while this one is attended."""
+        (rank r sends to r + 1); the transfer of the next block runs while this one is attended. Striped, rank
+        r's i-th token of a prompt is at position r + iC, so rank s's j-th is visible to it iff j <= i (s <= r) or
+        j < i (s > r): each hop is a causal attention per prompt."""
         group, size, me = self.cp.group, self.cp.size, self.cp.rank
-        q_pos, q_seq = self.fresh_pos[me], self.fresh_seq[me]
         block, owner = torch.stack([k, v]).contiguous(), me  # [2, n, KVH, D]
         out = lse = None
         for hop in range(size):
             incoming = None
             if hop < size - 1:  # the block the rank before holds now: rank (me - hop - 1)'s
                 source = (me - hop - 1) % size
-                incoming = torch.empty((2, len(self.fresh_pos[source]), *block.shape[2:]), dtype=block.dtype,
-                                       device=block.device)
+                incoming = block.new_empty((2, self.fresh_counts[source], *block.shape[2:]))
                 works = group.shift(block, incoming, tag=hop)
-            o, s = partial_attention(q, block[0], block[1],
-                                     causal_mask(q_pos, q_seq, self.fresh_pos[owner], self.fresh_seq[owner]), scale)
+            o, s = no_attention(*q.shape, q.device)
+            theirs = self.fresh[owner]
+            for prefill, (a, b) in self.fresh[me].items():
+                if prefill in theirs:
+                    c, d = theirs[prefill]
+                    o[a:b], s[a:b] = causal_attention(q[a:b], block[0, c:d], block[1, c:d], scale,
+                                                      strict=owner > me)
             out, lse = (o, s) if out is None else merge(out, lse, o, s)
             if incoming is not None:
                 for work in works:
@@ -143,20 +166,28 @@ class ContextShard:
         return out
 
 
-def shard_step(cp: ContextParallel, input_ids: torch.Tensor, positions: torch.Tensor,
-               meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+def shard_step(cp: ContextParallel, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+               replicate: bool = False) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """This rank's part of a step the runner built for the whole model: its token ids, positions and attention
-    metadata (cache slots in its own cache, the split in `context`)."""
+    metadata (cache slots in its own cache, the split in `context`). `replicate`: every rank computes every paged
+    row (keeping only its own K/V), the fresh rows still striped."""
     size, me, bs = cp.size, cp.rank, cp.block_size
     owner = positions % size
-    rows = [torch.nonzero(owner == r).squeeze(1) for r in range(size)]
+    striped = [torch.nonzero(owner == r).squeeze(1) for r in range(size)]
     p = meta.num_paged_tokens
     seq = torch.full_like(positions, -1)
     for i, (start, end) in enumerate(meta.fresh_spans):
         seq[start:end] = i
-    fresh = [r[r >= p] for r in rows]
-    shard = ContextShard(cp, rows, p, [r[r < p] for r in rows], [], [positions[f] for f in fresh],
-                         [seq[f] for f in fresh])
+    fresh_rows = [r[r >= p] for r in striped]
+    if replicate:
+        every = torch.arange(p, device=positions.device)
+        rows, paged = [torch.cat([every, f]) for f in fresh_rows], [every] * size
+        sent, sent_from = [rows[0], *fresh_rows[1:]], 0 if me == 0 else p
+    else:
+        rows, paged, sent, sent_from = striped, [r[r < p] for r in striped], striped, 0
+    fresh = [seq[f] for f in fresh_rows]
+    shard = ContextShard(cp, rows, p, paged, replicate, sent, sent_from, [], [_segments(f) for f in fresh],
+                         [len(f) for f in fresh])
     if p:
         # this rank's keys a paged query at position x sees: positions me, me + C, ... up to x
         kv_lens = (positions[:p] - me).div(size, rounding_mode="floor").add_(1).clamp_(min=0)
@@ -169,17 +200,29 @@ def shard_step(cp: ContextParallel, input_ids: torch.Tensor, positions: torch.Te
     mine = rows[me]
     slots = meta.slot_mapping[mine]  # the scheduler's slots: block * (bs * C) + offset in the block
     local = slots.div(bs * size, rounding_mode="floor") * bs + (slots % (bs * size)).div(size, rounding_mode="floor")
-    local_meta = replace(meta, slot_mapping=local, num_paged_tokens=len(shard.paged[me]), block_tables=None,
+    local[owner[mine] != me] = cp.spare_slot  # another rank's token (replicated): its K/V is not kept here
+    local_meta = replace(meta, slot_mapping=local, num_paged_tokens=len(paged[me]), block_tables=None,
                          q_rows=None, kv_lens=None, fresh_spans=[], derived={}, context=shard)
     return input_ids[mine], positions[mine], local_meta
 
 
+def _segments(prefills: torch.Tensor) -> dict[int, tuple[int, int]]:
+    """Runs of equal prefill ids (each prefill's rows are adjacent) -> {prefill: (start, end)}."""
+    ids, counts = torch.unique_consecutive(prefills, return_counts=True)
+    out, start = {}, 0
+    for i, n in zip(ids.tolist(), counts.tolist()):
+        out[i] = (start, start + n)
+        start += n
+    return out
+
+
 def forward(model: torch.nn.Module, cp: ContextParallel, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata, kv_caches: list) -> torch.Tensor | None:
+            meta: AttentionMetadata, kv_caches: list, replicate: bool = False) -> torch.Tensor | None:
     """Every rank's part of a step; rank 0 gets the final hidden states of all the step's rows, the others None."""
-    ids, pos, local = shard_step(cp, input_ids, positions, meta)
+    ids, pos, local = shard_step(cp, input_ids, positions, meta, replicate)
     hidden = model(ids, pos, local, kv_caches)
-    return cp.group.gather_rows_to_driver(hidden, local.context.rows, len(input_ids))
+    shard = local.context
+    return cp.group.gather_rows_to_driver(hidden[shard.sent_from:], shard.sent, len(input_ids))
 
 
 class ContextParallelBackend:
@@ -210,9 +253,10 @@ class ContextParallelDriver:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: list) -> torch.Tensor:
+        replicate = meta.num_paged_tokens <= self.cp.replicate_max
         with fatal("a context-parallel forward pass"):
-            self.cp.group.broadcast(("context", (input_ids, positions, meta)))
-            return forward(self.model, self.cp, input_ids, positions, meta, kv_caches)
+            self.cp.group.broadcast(("context", (input_ids, positions, meta, replicate)))
+            return forward(self.model, self.cp, input_ids, positions, meta, kv_caches, replicate)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)

@@ -43,7 +43,7 @@ def run_worker(rank: int, size: int, init_method: str, backend: str, timeout_s: 
         tp = TensorParallel(group, TPLayout(spec.config, tp_size, rank % tp_size)) if tp_size > 1 else None
         pp = (PipelineParallel(group, PPStage.of(spec.config, pp_size, rank // tp_size), 1) if pp_size > 1
               else None)
-        cp = ContextParallel(group, config.cache.block_size) if config.context_parallel_size > 1 else None
+        cp = ContextParallel(group, config.cache.block_size, num_blocks) if config.context_parallel_size > 1 else None
         runner = spec.build_runner(config, num_blocks, tp, pp, cp)
         with torch.inference_mode():  # as rank 0's runner: no autograd bookkeeping
             serve(group, runner)
@@ -68,7 +68,8 @@ def serve(group: RankGroup, runner: Any) -> None:
         elif command[0] == "pipeline":
             run_stage(group, runner, command[1])
         elif command[0] == "context":
-            context_forward(runner.model, runner.cp, *command[1], runner.kv_caches)
+            input_ids, positions, meta, replicate = command[1]
+            context_forward(runner.model, runner.cp, input_ids, positions, meta, runner.kv_caches, replicate)
         else:
             return
 
