@@ -22,6 +22,7 @@ CHANGED = {"model": ("m.gguf", "m.gguf"), "tokenizer": ("tok", "tok"), "dtype": 
            "priority_aging_s": ("5", 5.0), "new_token_ratio": ("0.5", 0.5), "slo_ttft_ms": ("800", 800.0),
            "slo_itl_ms": ("150", 150.0), "tensor_parallel_size": ("2", 2),
            "pipeline_parallel_size": ("2", 2), "pipeline_micro_batches": ("4", 4),
+           "distributed_executor_backend": ("ray", "ray"),
            "context_parallel_size": ("2", 2),
            "nnodes": ("2", 2), "node_rank": ("1", 1), "master_addr": ("10.0.0.1", "10.0.0.1"),
            "master_port": ("29500", 29500),

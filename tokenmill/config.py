@@ -336,6 +336,7 @@ class EngineConfig:
     pipeline_parallel_size: int = 1  # ranks each holding a contiguous range of the layers
     pipeline_micro_batches: int | None = None  # a step's micro-batches in flight (None: one per stage)
     context_parallel_size: int = 1  # ranks each holding the whole model and 1/C of every sequence's tokens and KV
+    distributed_executor_backend: str = "mp"  # ranks 1..N-1 as processes (mp) or Ray tasks (ray)
     # several hosts (torch.distributed's rendezvous): ranks split evenly over the nodes; node 0 runs the server and
     # ranks 0..k-1, node i (`tokenmill worker`) ranks i*k..(i+1)*k-1
     nnodes: int = 1
@@ -375,6 +376,12 @@ class EngineConfig:
         if self.context_parallel_size > 1 and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
             raise ConfigError("--context-parallel-size does not combine with --tensor-parallel-size / "
                               "--pipeline-parallel-size yet; use one kind of parallelism")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ConfigError("--distributed-executor-backend must be mp or ray, got "
+                              f"{self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "ray" and self.nnodes > 1:
+            raise ConfigError("--distributed-executor-backend ray places the ranks on the Ray cluster's nodes itself; "
+                              "drop --nnodes (or use mp with `tokenmill worker` on each node)")
         if self.pipeline_micro_batches is not None and self.pipeline_micro_batches < 1:
             raise ConfigError(f"--pipeline-micro-batches must be >= 1, got {self.pipeline_micro_batches}")
         if not isinstance(self.nnodes, int) or self.nnodes < 1 or self.parallel_size % self.nnodes:

@@ -133,6 +133,10 @@ class EngineArgs:
                                          "prompts prefill split by position with ring attention, decode merges the "
                                          "ranks' partial attention; a context C times one rank's KV memory serves",
                                       type=int)
+    distributed_executor_backend: str = _opt("mp", "how ranks 1..N-1 start: mp (processes on this host, and "
+                                                   "`tokenmill worker` on others) or ray (tasks on the Ray cluster "
+                                                   "at RAY_ADDRESS, or a local one; pip install ray)",
+                                             choices=("mp", "ray"))
     nnodes: int = _opt(1, "hosts the parallel ranks run on (each runs as many): node 0 runs `tokenmill serve`, the "
                           "others `tokenmill worker` with the same flags and their --node-rank", type=int)
     node_rank: int = _opt(0, "this host's index among the --nnodes", type=int)

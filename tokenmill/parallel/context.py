@@ -28,8 +28,7 @@ import torch
 
 from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.backends.reference import gather_blocks
-from tokenmill.parallel.driver import fatal
-from tokenmill.parallel.group import RankGroup
+from tokenmill.parallel.group import RankGroup, fatal
 from tokenmill.parallel.ring import causal_attention, merge, merge_many, no_attention, partial_attention
 
 # a step with at most this many paged tokens (decodes) has every rank compute all of them, writing only its own

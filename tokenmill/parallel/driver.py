@@ -9,30 +9,20 @@ exception in a call is fatal (ParallelFailure): the ranks are out of step, so th
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import subprocess
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.errors import ParallelFailure
-from tokenmill.parallel.group import RankGroup, backend_for
+from tokenmill.parallel.group import RankGroup, backend_for, fatal
 from tokenmill.parallel.launch import start_rank, torchrun_rank
+from tokenmill.parallel.ray_executor import RayRank, node_address
 
 log = logging.getLogger("tokenmill")
-
-
-@contextmanager
-def fatal(what: str) -> Iterator[None]:
-    """Any exception in a call the ranks make together leaves them out of step: the engine must stop."""
-    try:
-        yield
-    except Exception as e:
-        raise ParallelFailure(f"{what} failed ({type(e).__name__}: {e}); the ranks are out of step, so the engine "
-                              "stops") from e
 
 
 class DriverModel:
@@ -100,18 +90,24 @@ class Workers:
 
     def __init__(self, config: EngineConfig, num_blocks: int, size: int, timeout_s: float = 30.0):
         under_torchrun = torchrun_rank() is not None  # torchrun started every rank, and says where they meet
+        on_ray = config.distributed_executor_backend == "ray"  # Ray starts ranks 1..N-1, wherever it places them
         if under_torchrun:
             init = "env://"
-        elif config.master_port is None:  # one node: any free port for the rendezvous
+        elif config.master_port is None:  # any free port for the rendezvous: on loopback unless Ray spreads ranks
+            host = node_address() if on_ray else "127.0.0.1"
             with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+                s.bind(("0.0.0.0" if on_ray else host, 0))
+                init = f"tcp://{host}:{s.getsockname()[1]}"
         else:
             init = f"tcp://{config.master_addr}:{config.master_port}"
         backend = backend_for(config.device)
         self.group: RankGroup | None = None
-        local = range(1, 1 if under_torchrun else size // config.nnodes)
-        self.procs = [start_rank(r, size, init, backend, timeout_s) for r in local]
+        if on_ray:
+            threads = config.num_threads or max(1, (os.cpu_count() or 1) // size)
+            self.procs = [RayRank(r, size, init, backend, timeout_s, threads) for r in range(1, size)]
+        else:
+            local = range(1, 1 if under_torchrun else size // config.nnodes)
+            self.procs = [start_rank(r, size, init, backend, timeout_s) for r in local]
         try:
             self.group = RankGroup(0, size, init, backend, timeout_s)
             self.group.broadcast(("setup", (config, num_blocks)))
@@ -125,7 +121,7 @@ class Workers:
         requests must not wait for the next one to be found)."""
         for rank, p in enumerate(self.procs, start=1):
             if p.poll() is not None:
-                raise ParallelFailure(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.returncode}")
+                raise ParallelFailure(f"parallel rank {rank} ({p.pid}) exited with code {p.returncode}")
 
     def close(self) -> None:
         """Tell the workers to end, wait for them, leave the group."""

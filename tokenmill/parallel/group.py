@@ -11,13 +11,15 @@ the model's collectives, with a deadline (`timeout_s`), so a rank that hangs mid
 from __future__ import annotations
 
 import datetime
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tokenmill.errors import ConfigError
+from tokenmill.errors import ConfigError, ParallelFailure
 from tokenmill.parallel.layout import PPStage, TPLayout
 
 STARTUP_TIMEOUT_S = 600.0  # every rank loads its shard before the first command
@@ -40,6 +42,16 @@ def rank_device(device: str, rank: int, ranks_per_node: int) -> str:
         raise ConfigError(f"{ranks_per_node} parallel ranks per node need as many GPUs, this node has {found}; "
                           "lower --tensor-parallel-size / --pipeline-parallel-size or add --nnodes")
     return f"cuda:{rank % ranks_per_node}"
+
+
+@contextmanager
+def fatal(what: str) -> Iterator[None]:
+    """Any exception in a call the ranks make together leaves them out of step: the engine must stop."""
+    try:
+        yield
+    except Exception as e:
+        raise ParallelFailure(f"{what} failed ({type(e).__name__}: {e}); the ranks are out of step, so the engine "
+                              "stops") from e
 
 
 class RankGroup:
