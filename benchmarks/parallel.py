@@ -15,6 +15,9 @@ memory-bound) of 2 stages with 1, 2 and 4 micro-batches per step against one pro
 bubble, the share of the stages' time spent idle, estimated from the one-thread process's time split evenly over
 the stages: 1 - (T1 / stages) / T.
 
+Tensor parallelism twice: the ranks' collectives through shared memory (the default on one host) and through gloo
+(TOKENMILL_SHM_COLLECTIVES=0), and the all-reduce alone both ways.
+
 Measured: single-stream decode step time (one request, 128 tokens), batched output tokens/s (32 requests x 128
 tokens), weight bytes and resident memory per rank, and the collectives alone (gloo all-reduce of one decode step's
 hidden state [rows, 576] among the ranks), whose count per step is 2 per layer + 1 (the embedding) plus the
@@ -45,6 +48,7 @@ from tokenmill.engine.core import EngineCore
 from tokenmill.engine.messages import AddRequest
 from tokenmill.engine.runner import weight_bytes
 from tokenmill.model.cpu_kernels import cpu_isa
+from tokenmill.parallel.shm_collectives import ShmCollectives
 from tokenmill.sampling_params import SamplingParams
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -73,7 +77,15 @@ def run(engine: EngineCore, n: int, prompt_len: int, out_len: int) -> tuple[floa
     return n * out_len / (time.perf_counter() - start), steps
 
 
-def measure(tp: int, threads: int, runs: int, model: str | None, pp: int = 1, micro: int | None = None) -> dict:
+def collectives(shm: bool) -> None:
+    """The ranks' collectives on one host: shared memory (the default) or gloo's TCP loopback for all (the ranks
+    inherit the environment)."""
+    os.environ["TOKENMILL_SHM_COLLECTIVES"] = "1" if shm else "0"
+
+
+def measure(tp: int, threads: int, runs: int, model: str | None, pp: int = 1, micro: int | None = None,
+            shm: bool = True) -> dict:
+    collectives(shm)
     engine = EngineCore(EngineConfig(model=model, tensor_parallel_size=tp, num_threads=threads, quantization="none",
                                      pipeline_parallel_size=pp, pipeline_micro_batches=micro,
                                      cache=CacheConfig(kv_cache_memory=256 << 20)))
@@ -102,17 +114,27 @@ def _all_reduce_worker(rank: int, size: int, port: int, rows: list[int], iters: 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=60))
+    path = f"/dev/shm/tokenmill-bench-{port}"
+    if rank == 0:
+        ShmCollectives(path, 0, size, 60.0, create=True).close()
+    dist.barrier()
+    shm = ShmCollectives(path, rank, size, 60.0, create=False)
+    dist.barrier()
     result = {}
-    for r in rows:
-        x = torch.randn(r, 576).to(torch.bfloat16)
-        for _ in range(20):
-            dist.all_reduce(x)
-        times = []
-        for _ in range(iters):
-            t = time.perf_counter()
-            dist.all_reduce(x)
-            times.append(time.perf_counter() - t)
-        result[r] = statistics.median(times) * 1e6
+    for name, reduce in (("gloo", dist.all_reduce), ("shm", shm.all_reduce)):
+        for r in rows:
+            x = torch.randn(r, 576).to(torch.bfloat16)
+            for _ in range(20):
+                reduce(x)
+            times = []
+            for _ in range(iters):
+                t = time.perf_counter()
+                reduce(x)
+                times.append(time.perf_counter() - t)
+            result[name, r] = statistics.median(times) * 1e6
+    dist.barrier()
+    if rank == 0:
+        os.unlink(path)
     if rank == 0:
         out.put(result)
     dist.destroy_process_group()
@@ -161,18 +183,22 @@ def main() -> None:
                                     intermediate_size=1536, num_layers=30))
         name = "a random 8-head SmolLM2-sized model"
     one = measure(1, args.tp, args.runs, model)
+    over_gloo = measure(args.tp, 1, args.runs, model, shm=False)
     many = measure(args.tp, 1, args.runs, model)
     print(f"\n## Tensor parallelism: {args.tp} ranks x 1 thread vs 1 process x {args.tp} threads ({name}, "
           f"bfloat16 dense, median of {args.runs}; CPU {cpu_isa()})")
     print("| configuration | decode step, 1 stream | output tok/s, 32 x 128 | weights per rank | RSS per rank |")
     print("|---|---|---|---|---|")
-    for name, m in ((f"1 process, {args.tp} threads", one), (f"TP={args.tp}, 1 thread per rank", many)):
+    for name, m in ((f"1 process, {args.tp} threads", one), (f"TP={args.tp}, 1 thread per rank, gloo", over_gloo),
+                    (f"TP={args.tp}, 1 thread per rank, shared memory", many)):
         rss = " / ".join(f"{r:.0f}" for r in m["rss_mib"])
         print(f"| {name} | {m['step_ms']:.1f} ms | {m['tps']:.1f} | {m['weights_mib']:.0f} MiB | {rss} MiB |")
     ar = all_reduce_us(args.tp, [1, 32])
-    print(f"\ngloo all-reduce of a [rows, 576] bfloat16 hidden state among {args.tp} processes (median of 2,000): "
-          f"1 row {ar[1]:.0f} us, 32 rows {ar[32]:.0f} us; a decode step makes 61 of them (2 per layer x 30 + "
-          f"the embedding's): {61 * ar[1] / 1e3:.1f} ms at 1 row, {61 * ar[32] / 1e3:.1f} ms at 32 rows")
+    for how in ("gloo", "shm"):
+        print(f"\n{how} all-reduce of a [rows, 576] bfloat16 hidden state among {args.tp} processes (median of "
+              f"2,000): 1 row {ar[how, 1]:.0f} us, 32 rows {ar[how, 32]:.0f} us; a decode step makes 61 of them (2 per "
+              f"layer x 30 + the embedding's): {61 * ar[how, 1] / 1e3:.1f} ms at 1 row, "
+              f"{61 * ar[how, 32] / 1e3:.1f} ms at 32 rows")
 
 
 def pipeline(args) -> None:
@@ -196,8 +222,10 @@ def pipeline(args) -> None:
               f"{r['weights_mib']:.0f} MiB |")
 
 
-def long_prompt(cp: int, threads: int, batch_invariant: bool, lengths: list[int], runs: int) -> dict:
+def long_prompt(cp: int, threads: int, batch_invariant: bool, lengths: list[int], runs: int,
+                shm: bool = True) -> dict:
     """Per prompt length: prefill seconds (one chunk) and the median decode step after it, medians over runs."""
+    collectives(shm)
     engine = EngineCore(EngineConfig(context_parallel_size=cp, num_threads=threads, quantization="none",
                                      batch_invariant=batch_invariant, cache=CacheConfig(kv_cache_memory=512 << 20),
                                      scheduler=SchedulerConfig(max_num_batched_tokens=max(lengths),
@@ -224,6 +252,7 @@ def context(args) -> None:
     c = args.cp
     rows = [("1 process, 1 thread", long_prompt(1, 1, False, lengths, args.runs)),
             (f"1 process, {c} threads", long_prompt(1, c, False, lengths, args.runs)),
+            (f"CP={c}, ring attention (first chunk), gloo", long_prompt(c, 1, False, lengths, args.runs, shm=False)),
             (f"CP={c}, ring attention (first chunk)", long_prompt(c, 1, False, lengths, args.runs)),
             (f"1 process, {c} threads, batch-invariant", long_prompt(1, c, True, lengths, args.runs)),
             (f"CP={c}, through the sharded cache (batch-invariant)", long_prompt(c, 1, True, lengths, args.runs))]

@@ -11,6 +11,7 @@ the model's collectives, with a deadline (`timeout_s`), so a rank that hangs mid
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 from tokenmill.errors import ConfigError, ParallelFailure
 from tokenmill.parallel.layout import PPStage, TPLayout
+from tokenmill.parallel.shm_collectives import ShmCollectives, host_id, new_path
 
 STARTUP_TIMEOUT_S = 600.0  # every rank loads its shard before the first command
 IDLE_TIMEOUT = datetime.timedelta(days=30)
@@ -64,6 +66,26 @@ class RankGroup:
         self.pipe = dist.new_group(timeout=PIPE_TIMEOUT)
         self.tp_size = size
         self.compute = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
+        self.local = self._shared_memory() if backend == "gloo" else None  # the compute collectives on one host
+
+    def _shared_memory(self) -> ShmCollectives | None:
+        """Shared-memory collectives when every rank is on this host (parallel/shm_collectives.py), else None."""
+        hosts = [None] * self.size
+        dist.all_gather_object(hosts, host_id(), group=self.control)
+        if hosts[0] is None or len(set(hosts)) > 1:
+            return None
+        box = [new_path() if self.is_driver else None]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        path, local = box[0], None
+        if self.is_driver:
+            local = ShmCollectives(path, self.rank, self.size, self.timeout_s, create=True)
+        dist.barrier(group=self.control)  # created before the others open it
+        if not self.is_driver:
+            local = ShmCollectives(path, self.rank, self.size, self.timeout_s, create=False)
+        dist.barrier(group=self.control)  # every rank has it open (and its pid written): the name can go
+        if self.is_driver:
+            os.unlink(path)
+        return local
 
     def split_tensor_parallel(self, tp_size: int) -> None:
         """Tensor parallelism inside pipeline stages: ranks s*tp_size .. (s+1)*tp_size-1 make stage s, and the model's
@@ -77,6 +99,9 @@ class RankGroup:
                                  timeout=datetime.timedelta(seconds=self.timeout_s))
                   for s in range(self.size // tp_size)]
         self.tp_size, self.compute = tp_size, groups[self.rank // tp_size]
+        if self.local is not None:  # its slots span the whole world, not one stage: gloo within stages
+            self.local.close()
+            self.local = None
 
     def send(self, x: torch.Tensor, dst: int, tag: int) -> Any:
         """Start sending `x` to rank `dst` (a pipeline stage's output); returns the work to wait on."""
@@ -92,6 +117,8 @@ class RankGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place (the row-parallel layers' partial products)."""
+        if self.local is not None and self.local.fits(x):
+            return self.local.all_reduce(x)
         dist.all_reduce(x, group=self.compute)
         return x
 
@@ -99,12 +126,17 @@ class RankGroup:
         """Rank 0 gets every rank's `x` joined along the last dimension (the vocab-parallel LM head's logits);
         the others get None."""
         x = x.contiguous()
+        if self.local is not None and self.local.fits(x):
+            parts = self.local.gather(x)
+            return torch.cat(list(parts.unbind(0)), dim=-1) if parts is not None else None
         parts = [torch.empty_like(x) for _ in range(self.tp_size)] if self.is_driver else None
         dist.gather(x, parts, dst=0, group=self.compute)
         return torch.cat(parts, dim=-1) if self.is_driver else None
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's `x` (the same shape on each), stacked [size, ...] on every rank."""
+        if self.local is not None and self.local.fits(x):
+            return self.local.all_gather(x)
         out = x.new_empty((self.size, *x.shape))
         dist.all_gather(list(out.unbind(0)), x.contiguous(), group=self.compute)
         return out
@@ -116,8 +148,11 @@ class RankGroup:
     def gather_rows_to_driver(self, x: torch.Tensor, rows: list[torch.Tensor], total: int) -> torch.Tensor | None:
         """As all_gather_rows, on rank 0 only; the others get None."""
         padded = _padded(x, rows)
-        parts = padded.new_empty((self.size, *padded.shape)) if self.is_driver else None
-        dist.gather(padded, list(parts.unbind(0)) if parts is not None else None, dst=0, group=self.compute)
+        if self.local is not None and self.local.fits(padded):
+            parts = self.local.gather(padded)
+        else:
+            parts = padded.new_empty((self.size, *padded.shape)) if self.is_driver else None
+            dist.gather(padded, list(parts.unbind(0)) if parts is not None else None, dst=0, group=self.compute)
         return _placed(parts, rows, total) if parts is not None else None
 
     def shift(self, x: torch.Tensor, into: torch.Tensor, tag: int) -> list[Any]:
@@ -137,6 +172,9 @@ class RankGroup:
         return box[0]
 
     def close(self) -> None:
+        if self.local is not None:
+            self.local.close()
+            self.local = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
