@@ -131,6 +131,20 @@ def test_pipeline_parallel_splits_memory_not_latency():
     assert two.tokens_per_s_per_gpu == pytest.approx(one.tokens_per_s_per_gpu / 2)
 
 
+def test_context_parallel_splits_kv_and_prefill_not_weights():
+    """8B at 256k tokens: one device's KV cannot hold the sequence, 4 context-parallel ranks can."""
+    l8 = PRESETS["llama-3-8b"]
+    one = plan(l8, Deployment(hardware=GPUS["l40s"], context=262144))
+    four = plan(l8, Deployment(hardware=GPUS["l40s"], context=262144, cp=4))
+    assert not one.fits and four.fits and four.n_gpus == 4
+    assert four.weights_bytes_per_gpu == one.weights_bytes_per_gpu  # the whole model on every rank
+    assert four.kv_bytes_per_token_per_gpu == one.kv_bytes_per_token_per_gpu // 4
+    assert four.prefill_ms < one.prefill_ms / 3.5  # compute-bound, split 4 ways (the weights read whole)
+    assert four.decode_step_ms < one.decode_step_ms  # each rank reads a quarter of the KV
+    with pytest.raises(PlanError, match="--cp does not combine with --tp"):
+        plan(l8, Deployment(hardware=GPUS["l40s"], cp=2, tp=2))
+
+
 def test_prefill_of_long_prompt_is_compute_bound():
     p = plan(PRESETS["llama-3-8b"], Deployment(hardware=GPUS["h100"], context=8192))
     flops = 2 * PRESETS["llama-3-8b"].body_params * 8192 + 2 * 32 * 32 * 128 * 8192**2

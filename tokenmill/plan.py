@@ -33,7 +33,7 @@ from tokenmill.planner.roofline import (
 )
 
 DEFAULTS: dict[str, Any] = {
-    "model": None, "gpu": "h100", "tp": 1, "pp": 1, "dtype": None, "kv_dtype": "bf16", "context": 8192,
+    "model": None, "gpu": "h100", "tp": 1, "pp": 1, "cp": 1, "dtype": None, "kv_dtype": "bf16", "context": 8192,
     "batch": 1, "price_per_hour": None, "target_tpot_ms": None, "target_throughput": None,
     "bandwidth_efficiency": BANDWIDTH_EFFICIENCY, "compute_efficiency": COMPUTE_EFFICIENCY,
     "reserve_fraction": RUNTIME_RESERVE_FRACTION, "json": False, "list": False, "measure": False,
@@ -51,6 +51,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
       help="device kind; cpu is this machine (default: %(default)s)")
     a("--tp", type=int, default=1, help="tensor-parallel degree (default: 1)")
     a("--pp", type=int, default=1, help="pipeline-parallel stages (default: 1)")
+    a("--cp", type=int, default=1, help="context-parallel ranks: the whole model on each, every sequence's KV split "
+                                        "over them (default: 1)")
     a("--dtype", default=None, metavar="|".join(WEIGHT_DTYPES),
       help="weight dtype (default: bf16; a GGUF file's own tensor bytes)")
     a("--kv-dtype", default="bf16", metavar="|".join(KV_DTYPES), help="KV cache dtype (default: bf16)")
@@ -105,7 +107,7 @@ def build_report(args: argparse.Namespace) -> PlanReport:
     price = _opt(args, "price_per_hour")
     hardware = get_hardware(_opt(args, "gpu"), usd_per_hour=price)
     dep = Deployment(
-        hardware=hardware, tp=_opt(args, "tp"), pp=_opt(args, "pp"), dtype=_opt(args, "dtype"),
+        hardware=hardware, tp=_opt(args, "tp"), pp=_opt(args, "pp"), cp=_opt(args, "cp"), dtype=_opt(args, "dtype"),
         kv_dtype=_opt(args, "kv_dtype"), context=_opt(args, "context"), batch=_opt(args, "batch"),
         bandwidth_efficiency=_opt(args, "bandwidth_efficiency"),
         compute_efficiency=_opt(args, "compute_efficiency"), reserve_fraction=_opt(args, "reserve_fraction"),

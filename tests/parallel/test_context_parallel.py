@@ -309,6 +309,15 @@ def test_smollm2_on_two_ranks_gives_one_process_greedy_output():
     cp2 = engine(2)
     try:
         assert run(cp2, requests) == ref
+        # `tokenmill plan --cp 2` and the engine agree per rank: half of each token's KV, the whole weights
+        from tokenmill.cli import build_parser
+        from tokenmill.plan import build_report
+
+        plan = build_report(build_parser().parse_args(
+            ["plan", "--gpu", "cpu", "--cp", "2", "--dtype", "fp32", "--kv-dtype", "fp32"])).plan
+        assert cp2.cache_info.kv_bytes_per_token / 2 == plan.kv_bytes_per_token_per_gpu
+        params = sum(p.numel() * p.element_size() for p in cp2.runner.model.parameters())
+        assert abs(params - plan.weights_bytes_per_gpu) / plan.weights_bytes_per_gpu < 0.005
     finally:
         cp2.close()
 

@@ -40,7 +40,7 @@ def _money(x: float | None) -> str:
 
 def render_plan(console: Console, model: ModelShape, p: Plan) -> None:
     """Model, memory and timing sections for one deployment."""
-    t = _kv_table(f"{p.model} on {p.n_gpus} x {p.gpu_name} (tp={p.tp}, pp={p.pp})")
+    t = _kv_table(f"{p.model} on {p.n_gpus} x {p.gpu_name} (tp={p.tp}, pp={p.pp}{f', cp={p.cp}' if p.cp > 1 else ''})")
     t.add_row("parameters", f"{fmt_count(p.params)} ({model.num_layers} layers, hidden {model.hidden_size}, "
                             f"{model.num_heads} heads / {model.num_kv_heads} KV heads x {model.head_dim})")
     t.add_row("weights", f"{fmt_bytes(p.weights_bytes)} at {p.dtype} "

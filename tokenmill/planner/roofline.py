@@ -1,4 +1,4 @@
-"""Memory fit and roofline timing of one deployment: a model on `tp x pp` devices of one kind.
+"""Memory fit and roofline timing of one deployment: a model on `tp x pp` (or `cp`) devices of one kind.
 
 The model, stated once:
 
@@ -20,6 +20,10 @@ The model, stated once:
   given tp, and with one batch in flight the deployment's throughput is the same as without pp (a
   conservative choice: interleaving pp micro-batches could approach pp x, if the memory for pp x B
   sequences is there). Tokens/s per device therefore drops with pp; use pp only to fit.
+* Context parallelism (cp ranks, not combined with tp or pp) keeps the whole model on every device and splits
+  each sequence's tokens and KV over them: KV per token per device and attention FLOPs divide by cp, and prefill's
+  matmuls too (each rank computes its share of the prompt); a decode step's matmuls and weight reads do not (every
+  rank computes a decode token, parallel/context.py). It is for contexts one device cannot hold.
 * Prefill of L tokens (one prompt): 2 x params x L + 2 x layers x heads x head_dim x L^2 (causal
   attention) FLOPs against reading the weights once and writing L tokens of KV.
 * Efficiency: BANDWIDTH_EFFICIENCY and COMPUTE_EFFICIENCY scale the datasheet peaks. Both default to
@@ -51,6 +55,7 @@ class Deployment:
     hardware: Hardware
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     dtype: str | None = None  # None: the model's own (bf16, or a GGUF's actual tensor bytes)
     kv_dtype: str = "bf16"
     context: int = 8192
@@ -61,6 +66,11 @@ class Deployment:
 
     @property
     def n_devices(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    @property
+    def weight_shards(self) -> int:
+        """Devices the weights are split over (context-parallel ranks each hold them whole)."""
         return self.tp * self.pp
 
 
@@ -73,6 +83,7 @@ class Plan:
     gpu_name: str
     tp: int
     pp: int
+    cp: int
     n_gpus: int
     dtype: str
     kv_dtype: str
@@ -120,10 +131,12 @@ def valid_tp_degrees(model: ModelShape) -> list[int]:
 
 def validate(model: ModelShape, dep: Deployment) -> None:
     """Reject impossible deployments with a message naming the flag."""
-    sizes = (("--tp", dep.tp), ("--pp", dep.pp), ("--context", dep.context), ("--batch", dep.batch))
+    sizes = (("--tp", dep.tp), ("--pp", dep.pp), ("--cp", dep.cp), ("--context", dep.context), ("--batch", dep.batch))
     for flag, value in sizes:
         if not isinstance(value, int) or value < 1:
             raise PlanError(f"{flag} must be a positive integer, got {value}")
+    if dep.cp > 1 and dep.tp * dep.pp > 1:
+        raise PlanError("--cp does not combine with --tp / --pp (nor does the engine's --context-parallel-size yet)")
     if dep.tp not in valid_tp_degrees(model):
         raise PlanError(
             f"--tp {dep.tp} does not divide the {model.num_heads} attention heads "
@@ -154,18 +167,19 @@ def kv_heads_per_rank(model: ModelShape, tp: int) -> int:
     return max(model.num_kv_heads // tp, 1)
 
 
-def kv_bytes_per_token_per_gpu(model: ModelShape, tp: int, pp: int, kv_dtype: str) -> int:
-    """One token's KV on the most loaded device (pp stages split layers; the first stages get the extra)."""
+def kv_bytes_per_token_per_gpu(model: ModelShape, tp: int, pp: int, kv_dtype: str, cp: int = 1) -> int:
+    """One token's KV on the most loaded device (pp stages split layers; the first stages get the extra), on
+    average over a sequence's tokens under context parallelism (each rank keeps 1/cp of them)."""
     layers = math.ceil(model.num_layers / pp)
-    return 2 * layers * kv_heads_per_rank(model, tp) * model.head_dim * kv_bytes_per_element(kv_dtype)
+    return math.ceil(2 * layers * kv_heads_per_rank(model, tp) * model.head_dim * kv_bytes_per_element(kv_dtype) / cp)
 
 
 def memory_fit(model: ModelShape, dep: Deployment) -> tuple[int, int, int, int]:
     """(weights per device, reserve, bytes left for KV, sequences of length `context` that fit)."""
-    weights_per_gpu = math.ceil(model.weight_bytes(dep.dtype) / dep.n_devices)
+    weights_per_gpu = math.ceil(model.weight_bytes(dep.dtype) / dep.weight_shards)
     reserve = int(dep.hardware.memory_bytes * dep.reserve_fraction)
     budget = dep.hardware.memory_bytes - reserve - weights_per_gpu
-    per_seq = kv_bytes_per_token_per_gpu(model, dep.tp, dep.pp, dep.kv_dtype) * dep.context
+    per_seq = kv_bytes_per_token_per_gpu(model, dep.tp, dep.pp, dep.kv_dtype, dep.cp) * dep.context
     return weights_per_gpu, reserve, budget, max(budget // per_seq, 0)
 
 
@@ -193,9 +207,9 @@ def _decode_weight_bytes(model: ModelShape, dep: Deployment) -> float:
 def decode_cost(model: ModelShape, dep: Deployment, batch: int | None = None) -> tuple[float, float]:
     """(bytes, FLOPs) per device of one decode step, summed over the pipeline stages."""
     b = dep.batch if batch is None else batch
-    kv_rank = kv_bytes_per_token_per_gpu(model, dep.tp, 1, dep.kv_dtype)
+    kv_rank = kv_bytes_per_token_per_gpu(model, dep.tp, 1, dep.kv_dtype, dep.cp)
     nbytes = _decode_weight_bytes(model, dep) / dep.tp + b * dep.context * kv_rank
-    attn = 4 * model.num_layers * model.num_heads * model.head_dim * dep.context * b
+    attn = 4 * model.num_layers * model.num_heads * model.head_dim * dep.context * b / dep.cp
     flops = (2 * model.decode_params * b + attn) / dep.tp
     return nbytes, flops
 
@@ -212,8 +226,8 @@ def prefill_seconds(model: ModelShape, dep: Deployment) -> tuple[float, str]:
     """(seconds, bound) of prefilling one prompt of `context` tokens."""
     n = dep.context
     attn = 2 * model.num_layers * model.num_heads * model.head_dim * n * n
-    flops = (2 * model.body_params * n + 2 * model.lm_head_params + attn) / dep.tp
-    kv_write = n * kv_bytes_per_token_per_gpu(model, dep.tp, 1, dep.kv_dtype)
+    flops = (2 * model.body_params * n + 2 * model.lm_head_params + attn) / dep.tp / dep.cp
+    kv_write = n * kv_bytes_per_token_per_gpu(model, dep.tp, 1, dep.kv_dtype, dep.cp)
     nbytes = _decode_weight_bytes(model, dep) / dep.tp + kv_write
     bw, peak = _rates(model, dep)
     t_mem, t_compute = nbytes / bw, flops / peak
@@ -235,7 +249,7 @@ def plan(model: ModelShape, dep: Deployment) -> Plan:
     hw = dep.hardware
     weights_per_gpu, reserve, budget, max_seqs = memory_fit(model, dep)
     kv_tok = kv_bytes_per_token(model, dep.kv_dtype)
-    kv_tok_gpu = kv_bytes_per_token_per_gpu(model, dep.tp, dep.pp, dep.kv_dtype)
+    kv_tok_gpu = kv_bytes_per_token_per_gpu(model, dep.tp, dep.pp, dep.kv_dtype, dep.cp)
     step_s, bound = decode_step_seconds(model, dep)
     prefill_s, prefill_bound = prefill_seconds(model, dep)
     nbytes, flops = decode_cost(model, dep)
@@ -243,7 +257,7 @@ def plan(model: ModelShape, dep: Deployment) -> Plan:
     tps = dep.batch / step_s
     price = hw.usd_per_hour
     result = Plan(
-        model=model.name, gpu=hw.key, gpu_name=hw.name, tp=dep.tp, pp=dep.pp, n_gpus=dep.n_devices,
+        model=model.name, gpu=hw.key, gpu_name=hw.name, tp=dep.tp, pp=dep.pp, cp=dep.cp, n_gpus=dep.n_devices,
         dtype=model.dtype_label(dep.dtype), kv_dtype=dep.kv_dtype, context=dep.context, batch=dep.batch,
         params=model.params, weights_bytes=model.weight_bytes(dep.dtype),
         weights_bytes_per_gpu=weights_per_gpu,
