@@ -18,7 +18,7 @@ from tokenmill.sampling_params import SamplingParams
 log = logging.getLogger("tokenmill")
 
 # vLLM arguments that mean nothing on this engine; accepted so vLLM scripts run, with a warning.
-_IGNORED_VLLM_ARGS = {"gpu_memory_utilization", "enforce_eager", "trust_remote_code", "tensor_parallel_size",
+_IGNORED_VLLM_ARGS = {"gpu_memory_utilization", "enforce_eager", "trust_remote_code",
                       "swap_space", "disable_log_stats", "max_seq_len_to_capture", "download_dir"}
 
 Prompt = str | dict[str, Any]

@@ -310,3 +310,24 @@ def test_batch_invariant_backend_packs_float32_into_panels_and_holds_them_once()
     model = SimpleNamespace(linear_layers=lambda: [layer], backend_cache={})
     assert backend.prepack(model) and layer.weight.is_meta
     torch.testing.assert_close(layer(x), before, **tol(torch.float32, 40))
+
+
+def test_a_lock_left_by_a_killed_process_does_not_block_the_next_start(tmp_path):
+    """torch's build lock, left behind by a process killed while loading the kernels, must not make a later start
+    wait forever: a build already made for this CPU and these sources is imported without it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from tokenmill.model.cpu_kernels import build_name
+
+    lock = Path(_get_build_directory(build_name(), False)) / "lock"
+    lock.touch()
+    try:
+        out = subprocess.run([sys.executable, "-c", "from tokenmill.model.cpu_kernels import _extension; "
+                              "print(_extension() is not None)"], capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == "True", out.stderr[-2000:]
+    finally:
+        lock.unlink(missing_ok=True)

@@ -9,22 +9,18 @@ from __future__ import annotations
 import itertools
 import math
 import multiprocessing as mp
-import os
-import signal
 import socket
-import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tests.models.tiny import make_tiny_model
-from tests.parallel.test_tensor_parallel import prompts, run
+from tests.parallel.test_tensor_parallel import dying_rank_stops_the_engine, prompts, run
 from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.engine.admission import ContextLimits, admit
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.messages import AddRequest
-from tokenmill.errors import ConfigError, ContextTooLong, ParallelFailure
+from tokenmill.errors import ConfigError, ContextTooLong
 from tokenmill.model.attention import AttentionMetadata
 from tokenmill.parallel import ring
 from tokenmill.sampling_params import SamplingParams
@@ -202,13 +198,15 @@ def core(model, cp: int, *, chunk: int = 2048, num_blocks: int | None = None, pr
 
 
 def same_as_one_process(model, cp: int, requests, ref_kw=None, replicate_max: int | None = None,
-                        **kw) -> EngineCore:
+                        check=None, **kw) -> EngineCore:
     ref = run(core(model, 1, **(ref_kw or kw)), requests)
     engine = core(model, cp, **kw)
     if replicate_max is not None:  # rank 0 decides, per step, whether every rank computes the paged rows
         engine.runner.model.cp.replicate_max = replicate_max
     try:
         assert run(engine, requests) == ref
+        if check is not None:
+            check(engine)
     finally:
         engine.close()
     return engine
@@ -234,6 +232,15 @@ def mixed_requests():
 def test_two_ranks_give_one_process_output_with_chunks_prefix_hits_and_samples(gqa, batch_invariant, replicate_max):
     same_as_one_process(gqa, 2, mixed_requests(), chunk=16, batch_invariant=batch_invariant,
                         replicate_max=replicate_max)
+
+
+def test_two_ranks_over_gloo_alone(gqa, monkeypatch):
+    """Without the shared-memory collectives (as across hosts): the same output."""
+    monkeypatch.setenv("TOKENMILL_SHM_COLLECTIVES", "0")  # the worker ranks inherit it
+    def over_gloo(engine: EngineCore) -> None:
+        assert engine.workers.group.local is None
+
+    same_as_one_process(gqa, 2, mixed_requests(), chunk=16, replicate_max=0, check=over_gloo)
 
 
 def test_three_ranks_with_whole_prompts_in_one_step(gqa):
@@ -267,20 +274,7 @@ def test_a_context_one_rank_cannot_hold_serves_on_two(gqa):
 
 
 def test_a_rank_that_dies_mid_request_stops_the_engine_within_seconds(gqa):
-    engine = core(gqa, 2, chunk=8)
-    try:
-        engine.add_request(AddRequest("r", prompts(1, (200,))[0], GREEDY, 12, frozenset(), time.monotonic()))
-        engine.step()
-        worker = engine.workers.procs[0]
-        os.kill(worker.pid, signal.SIGKILL)
-        worker.wait(10)
-        start = time.monotonic()
-        with pytest.raises(ParallelFailure, match="out of step"):
-            for _ in range(100):
-                engine.step()
-        assert time.monotonic() - start < 10
-    finally:
-        engine.workers.kill()
+    dying_rank_stops_the_engine(core(gqa, 2, chunk=8))
 
 
 def test_layouts_are_refused_naming_the_flag(gqa):
@@ -338,3 +332,20 @@ def test_full_attention_reference_is_sdpa():
     sdpa = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
                                           enable_gqa=True).transpose(0, 1)
     torch.testing.assert_close(full_attention(q, k, v, mask, 8 ** -0.5), sdpa, rtol=1e-5, atol=1e-5)
+
+
+def test_the_offline_llm_takes_the_parallel_sizes(gqa):
+    """vLLM's `LLM(model, tensor_parallel_size=2)` is a real flag here, as is context_parallel_size."""
+    from tokenmill import LLM
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = {"prompt_token_ids": prompts(1, (20,))[0]}  # the tiny model's 256-token vocabulary
+    ref = LLM(str(gqa), dtype="float32", kv_cache_memory=4 << 20).generate(prompt, params,
+                                                                           use_tqdm=False)[0].outputs[0].token_ids
+    for sizes in ({"tensor_parallel_size": 2}, {"context_parallel_size": 2}):
+        llm = LLM(str(gqa), dtype="float32", kv_cache_memory=4 << 20, num_threads=1, **sizes)
+        try:
+            assert llm.engine.core.workers is not None
+            assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == ref
+        finally:
+            llm.engine.core.close()

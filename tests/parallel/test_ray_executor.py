@@ -10,10 +10,9 @@ import time
 import pytest
 
 from tests.models.tiny import make_tiny_model
-from tests.parallel.test_tensor_parallel import prompts, run
+from tests.parallel.test_tensor_parallel import dying_rank_stops_the_engine, prompts, run
 from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.messages import AddRequest
 from tokenmill.errors import ConfigError, ParallelFailure
 from tokenmill.parallel.ray_executor import RayRank
 from tokenmill.sampling_params import SamplingParams
@@ -58,19 +57,8 @@ def test_ray_ranks_give_one_process_output(ray_cluster, gqa, parallel):
 
 def test_a_ray_rank_that_dies_mid_request_stops_the_engine_within_seconds(ray_cluster, gqa):
     engine = core(gqa, "ray", tensor_parallel_size=2)
-    try:
-        engine.check_health()  # all ranks up
-        engine.add_request(AddRequest("r", prompts(1, (200,))[0], GREEDY, 12, frozenset(), time.monotonic()))
-        engine.step()
-        rank = engine.workers.procs[0]
-        rank.kill()  # the task's worker process is killed
-        start = time.monotonic()
-        with pytest.raises(ParallelFailure, match="out of step"):
-            for _ in range(100):
-                engine.step()
-        assert time.monotonic() - start < 10
-    finally:
-        engine.workers.kill()
+    engine.check_health()  # all ranks up
+    dying_rank_stops_the_engine(engine, kill=RayRank.kill)  # the task's worker process is killed
 
 
 def test_a_ray_rank_that_dies_while_idle_fails_the_health_check(ray_cluster, gqa):

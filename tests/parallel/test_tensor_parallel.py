@@ -80,6 +80,19 @@ def test_two_ranks_preempt_and_recompute_to_the_same_output(gqa):
     assert engine.scheduler.num_preemptions > 0
 
 
+def test_two_ranks_over_gloo_alone_give_the_same_output(gqa, monkeypatch):
+    """The collectives' other path: gloo for all (what ranks on several hosts use; here shared memory by default)."""
+    monkeypatch.setenv("TOKENMILL_SHM_COLLECTIVES", "0")  # the worker ranks inherit it
+    requests = {f"r{i}": (p, GREEDY) for i, p in enumerate(prompts(3))}
+    ref = run(core(gqa, 1, chunk=16), requests)
+    engine = core(gqa, 2, chunk=16)
+    try:
+        assert engine.workers.group.local is None
+        assert run(engine, requests) == ref
+    finally:
+        engine.close()
+
+
 def test_four_ranks_replicate_two_kv_heads(gqa):
     same_as_one_process(gqa, 4, {f"r{i}": (p, GREEDY) for i, p in enumerate(prompts(2))})
 
@@ -94,14 +107,17 @@ def test_int8_weights_quantize_each_rank_shard(gqa):
     same_as_one_process(gqa, 2, {f"r{i}": (p, GREEDY) for i, p in enumerate(prompts(2))}, quantization="int8")
 
 
-def test_a_rank_that_dies_mid_request_stops_the_engine_within_seconds(gqa):
-    engine = core(gqa, 2, chunk=8)
+def kill_process(rank) -> None:
+    os.kill(rank.pid, signal.SIGKILL)
+    rank.wait(10)
+
+
+def dying_rank_stops_the_engine(engine: EngineCore, kill=kill_process) -> None:
+    """Mid-request, `kill` rank 1: the next steps fail with ParallelFailure within seconds, never a hang."""
     try:
         engine.add_request(AddRequest("r", prompts(1, (200,))[0], GREEDY, 12, frozenset(), time.monotonic()))
         engine.step()
-        worker = engine.workers.procs[0]
-        os.kill(worker.pid, signal.SIGKILL)
-        worker.wait(10)
+        kill(engine.workers.procs[0])
         start = time.monotonic()
         with pytest.raises(ParallelFailure, match="out of step"):
             for _ in range(100):
@@ -109,6 +125,10 @@ def test_a_rank_that_dies_mid_request_stops_the_engine_within_seconds(gqa):
         assert time.monotonic() - start < 10
     finally:
         engine.workers.kill()
+
+
+def test_a_rank_that_dies_mid_request_stops_the_engine_within_seconds(gqa):
+    dying_rank_stops_the_engine(core(gqa, 2, chunk=8))
 
 
 def test_layouts_are_checked_before_any_rank_starts(gqa):

@@ -65,6 +65,9 @@ def _extension():
     """The compiled module, or None (then callers use the torch reference)."""
     if os.environ.get("TOKENMILL_NO_KERNELS"):
         return None
+    built = _built(build_name())
+    if built is not None:
+        return built
     try:
         from torch.utils.cpp_extension import load
 
@@ -74,6 +77,22 @@ def _extension():
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, unsupported platform: stay correct, only slower
         log.warning("fast CPU kernels unavailable (%s); using the PyTorch reference", e)
+        return None
+
+
+def _built(name: str):
+    """The module already built for this CPU and these sources (its name says both), imported straight away.
+    torch's `load` would first take the build directory's lock file, and a process killed while holding it (a rank
+    killed at start-up) leaves the lock behind: every later start would wait on it forever."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory, _import_module_from_library
+
+        directory = _get_build_directory(name, verbose=False)
+        if not os.path.exists(os.path.join(directory, f"{name}.so")):
+            return None
+        return _import_module_from_library(name, directory, True)
+    except Exception as e:  # noqa: BLE001 - torch's helpers moved, or a broken file: build as usual
+        log.debug("no usable prebuilt kernels (%s)", e)
         return None
 
 

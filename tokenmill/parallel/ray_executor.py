@@ -6,6 +6,7 @@ kill), so parallel/driver.py Workers treats both alike."""
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any
 
@@ -31,9 +32,10 @@ def node_address() -> str:
 
 
 def _worker_life(rank: int, size: int, init_method: str, backend: str, timeout_s: float) -> bool:
-    from tokenmill.parallel.worker import run_worker
-
-    return run_worker(rank, size, init_method, backend, timeout_s)
+    # the worker module named, as start_rank's `python -m tokenmill.parallel.worker` names it: it imports the
+    # engine, which imports this module
+    worker = importlib.import_module("tokenmill.parallel.worker")
+    return worker.run_worker(rank, size, init_method, backend, timeout_s)
 
 
 class RayRank:
