@@ -16,7 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from tests.models.tiny import make_tiny_model
-from tests.parallel.test_tensor_parallel import dying_rank_stops_the_engine, prompts, run
+from tests.parallel.test_tensor_parallel import (
+    dying_rank_stops_the_engine,
+    prompts,
+    run,
+    smollm2,
+    smollm2_requests,
+)
 from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.engine.admission import ContextLimits, admit
 from tokenmill.engine.core import EngineCore
@@ -288,19 +294,9 @@ def test_layouts_are_refused_naming_the_flag(gqa):
 
 @pytest.mark.slow
 def test_smollm2_on_two_ranks_gives_one_process_greedy_output():
-    from tokenmill.model.loader import default_model_path
-    from tokenmill.tokenizer import Tokenizer
-
-    tok = Tokenizer.load(default_model_path())
-    texts = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):"]
-    requests = {f"r{i}": (tok.encode(t), SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-                for i, t in enumerate(texts)}
-
-    def engine(cp: int) -> EngineCore:
-        return EngineCore(EngineConfig(dtype="float32", context_parallel_size=cp, num_threads=1,
-                                       cache=CacheConfig(kv_cache_memory=64 << 20)))
-    ref = run(engine(1), requests)
-    cp2 = engine(2)
+    requests = smollm2_requests()
+    ref = run(smollm2(), requests)
+    cp2 = smollm2(context_parallel_size=2)
     try:
         assert run(cp2, requests) == ref
         # `tokenmill plan --cp 2` and the engine agree per rank: half of each token's KV, the whole weights

@@ -138,21 +138,28 @@ def test_layouts_are_checked_before_any_rank_starts(gqa):
         core(gqa, 3)
 
 
-@pytest.mark.slow
-def test_smollm2_on_three_ranks_gives_one_process_greedy_output():
+def smollm2_requests() -> dict[str, tuple[list[int], SamplingParams]]:
+    """Three prompts of the real model, 16 greedy tokens each."""
     from tokenmill.model.loader import default_model_path
     from tokenmill.tokenizer import Tokenizer
 
     tok = Tokenizer.load(default_model_path())
     texts = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):"]
-    requests = {f"r{i}": (tok.encode(t), SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-                for i, t in enumerate(texts)}
+    return {f"r{i}": (tok.encode(t), SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+            for i, t in enumerate(texts)}
 
-    def engine(tp: int) -> EngineCore:
-        return EngineCore(EngineConfig(dtype="float32", tensor_parallel_size=tp, num_threads=1,
-                                       cache=CacheConfig(kv_cache_memory=64 << 20)))
-    ref = run(engine(1), requests)
-    tp3 = engine(3)
+
+def smollm2(**parallel) -> EngineCore:
+    """SmolLM2 in float32 (where the ranks' partial sums give one process's tokens), one thread per rank."""
+    return EngineCore(EngineConfig(dtype="float32", num_threads=1, cache=CacheConfig(kv_cache_memory=64 << 20),
+                                   **parallel))
+
+
+@pytest.mark.slow
+def test_smollm2_on_three_ranks_gives_one_process_greedy_output():
+    requests = smollm2_requests()
+    ref = run(smollm2(), requests)
+    tp3 = smollm2(tensor_parallel_size=3)
     try:
         assert "1 of 3 KV heads" in tp3.startup_summary()
         assert run(tp3, requests) == ref
