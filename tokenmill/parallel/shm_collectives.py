@@ -20,6 +20,7 @@ from __future__ import annotations
 import mmap
 import os
 import platform
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -32,6 +33,7 @@ LINE = 64  # each rank's sequence number and pid on their own cache line
 SPINS_BEFORE_YIELD = 200
 LIVENESS_EVERY_S = 0.05
 SHM_DIR = Path("/dev/shm")
+_FENCE = threading.Lock()
 
 
 def host_id() -> str | None:
@@ -97,7 +99,11 @@ class ShmCollectives:
         slots = self._slots[self.seq % 2]
         n = x.numel() * x.element_size()
         slots[self.rank, :n].copy_(x.contiguous().view(-1).view(torch.uint8))
-        self._seqs[self.rank] = self.seq  # after the data: x86 keeps stores in order
+        # x86 keeps ordinary stores in order, but a large copy may use non-temporal ones, which it does not: a
+        # locked instruction (taking an uncontended lock) orders them all before the sequence number is posted
+        with _FENCE:
+            pass
+        self._seqs[self.rank] = self.seq
         self._wait(self.seq)
         return slots[:, :n].view(x.dtype).view(self.size, *x.shape)
 
