@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.errors import ParallelFailure
+from tokenmill.errors import ConfigError, ParallelFailure
 from tokenmill.parallel.group import RankGroup, backend_for, fatal
 from tokenmill.parallel.launch import start_rank, torchrun_rank
 from tokenmill.parallel.ray_executor import RayRank, node_address
@@ -85,12 +85,15 @@ class PipelineDriver:
 
 
 class Workers:
-    """The other ranks of node 0 as processes on this host (the other nodes' come from `tokenmill worker`), and rank
-    0's group once every rank joined; then every rank gets the configuration and the block count."""
+    """The other ranks of node 0 as processes on this host (the other nodes' come from `tokenmill worker`), or all
+    of them as Ray tasks (parallel/ray_executor.py), and rank 0's group once every rank joined; then every rank gets
+    the configuration and the block count."""
 
     def __init__(self, config: EngineConfig, num_blocks: int, size: int, timeout_s: float = 30.0):
         under_torchrun = torchrun_rank() is not None  # torchrun started every rank, and says where they meet
         on_ray = config.distributed_executor_backend == "ray"  # Ray starts ranks 1..N-1, wherever it places them
+        if under_torchrun and on_ray:
+            raise ConfigError("under torchrun every rank is started already: drop --distributed-executor-backend ray")
         if under_torchrun:
             init = "env://"
         elif config.master_port is None:  # any free port for the rendezvous: on loopback unless Ray spreads ranks
