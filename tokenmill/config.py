@@ -394,8 +394,7 @@ class EngineConfig:
                               "address) that every node reaches")
         if self.parallel_size > 1 and (self.speculative is not None or self.kv_transfer is not None):
             raise ConfigError("--tensor-parallel-size / --pipeline-parallel-size / --context-parallel-size > 1 do not "
-                              "combine with --speculative-config or "
-                              "--kv-transfer-config yet; drop one of them")
+                              "combine with --speculative-config or --kv-transfer-config yet; drop one of them")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.parallel.context import ContextParallel
 from tokenmill.parallel.context import forward as context_forward
 from tokenmill.parallel.group import RankGroup, backend_for
 
@@ -31,7 +32,6 @@ def run_worker(rank: int, size: int, init_method: str, backend: str, timeout_s: 
     group = RankGroup(rank, size, init_method, backend, timeout_s)
     try:
         from tokenmill.engine.core import ModelSpec, threads_per_rank
-        from tokenmill.parallel.context import ContextParallel
         from tokenmill.parallel.group import PipelineParallel, TensorParallel
         from tokenmill.parallel.layout import PPStage, TPLayout
 
