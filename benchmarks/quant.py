@@ -88,9 +88,7 @@ def model_matmuls(ops, fmt: str):
             elif scales is None:
                 ops.bf16_linear(x, packed["qkv"], None)
                 ops.bf16_linear(x, packed["o"], None)
-                act = ops.amx_linear_silu(x, packed["gate_up"]) if ops.bf16_kernel() == "amx" else None
-                if act is not None:
-                    ops.bf16_linear(act, packed["down"], None)
+                ops.bf16_linear(ops.bf16_linear_silu(x, packed["gate_up"]), packed["down"], None)
             else:
                 fp8 = packed["o"].dtype == torch.float8_e4m3fn
                 linear, silu = (ops.fp8_linear, ops.fp8_linear_silu) if fp8 else (ops.int8_linear, ops.int8_linear_silu)
@@ -115,8 +113,8 @@ def random_blocks(fmt: str, n: int, k: int, g: torch.Generator) -> torch.Tensor:
 
 def matmul(rows: list[int], gbs: float) -> None:
     ops = _extension()
-    if ops is None or ops.bf16_kernel() != "amx":
-        print("matmul: the int8 kernel runs on AMX only; not on this CPU")
+    if ops is None or not ops.bf16_kernel():
+        print("matmul: the packed kernels run on AMX or AVX512-BF16 only; not on this CPU")
         return
     runs = {fmt: model_matmuls(ops, fmt) for fmt in FORMATS}
     print(f"matmul: {LAYERS} layers of SmolLM2 matmuls, ms (median of 7); floor = weight bytes / {gbs:.1f} GB/s")

@@ -14,8 +14,9 @@ from tokenmill.model.cpu_kernels import _extension
 from tokenmill.quant.fp8 import E4M3_MAX, E4M3_MIN_NORMAL, dequantize_fp8, quantize_fp8
 
 ops = _extension()
-AMX = ops is not None and ops.bf16_kernel() == "amx"
-needs_amx = pytest.mark.skipif(not AMX, reason="the FP8 tile kernel runs on AMX only; elsewhere the reference")
+TILES = ops is not None and ops.bf16_kernel() != ""  # AMX tiles or AVX512-BF16
+needs_tiles = pytest.mark.skipif(not TILES,
+                                 reason="the FP8 tile kernel runs on AMX or AVX512-BF16; elsewhere the reference")
 
 
 def test_quantize_fp8_keeps_to_normal_numbers_within_e4m3_precision():
@@ -33,7 +34,7 @@ def test_quantize_fp8_keeps_to_normal_numbers_within_e4m3_precision():
     assert (err <= w.abs() / 16 + E4M3_MIN_NORMAL * scale[:, None]).all()
 
 
-@needs_amx
+@needs_tiles
 def test_every_e4m3_code_widens_exactly():
     codes = torch.arange(256, dtype=torch.uint8)
     normal = ((codes & 0x7F) != 0x7F) & (((codes & 0x78) != 0) | ((codes & 0x7F) == 0))
@@ -43,7 +44,7 @@ def test_every_e4m3_code_widens_exactly():
     assert torch.equal(picked.t().float(), w.float())
 
 
-@needs_amx
+@needs_tiles
 @pytest.mark.parametrize("m", [1, 5, 17, 33, 100])
 @pytest.mark.parametrize("n,k", [(960, 576), (48, 64), (1040, 1536)])
 def test_fp8_linear_matches_dequantize_then_matmul(m, n, k):
@@ -59,7 +60,7 @@ def test_fp8_linear_matches_dequantize_then_matmul(m, n, k):
     assert torch.equal(ops.fp8_linear(x, ops.fp8_pack(q), scale, None), alone)  # batch-invariant
 
 
-@needs_amx
+@needs_tiles
 def test_fp8_gate_up_pairs_apply_silu_bit_for_bit_as_the_separate_ops():
     g = torch.Generator().manual_seed(4)
     q, scale = quantize_fp8(torch.randn(2 * 64, 96, generator=g))
@@ -76,7 +77,7 @@ def test_reference_fp8_linear_is_the_dequantized_product():
     torch.testing.assert_close(TorchBackend().fp8_linear(x, layer), F.linear(x, dequantize_fp8(q, scale), bias))
 
 
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs_amx)])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs_tiles)])
 def test_fp8_model_tracks_the_dense_model(tmp_path, dtype):
     """A whole model with FP8 weights: its first greedy token and logprob agree with the dense model's to FP8
     noise, batched outputs equal the same requests run alone, and no block leaks."""

@@ -21,8 +21,9 @@ from tokenmill.quant.gguf import Q4_Z, dequantize
 from tokenmill.quant.gguf_tiles import gguf_pack
 
 ops = _extension()
-AMX = ops is not None and ops.bf16_kernel() == "amx"
-needs_amx = pytest.mark.skipif(not AMX, reason="the block tile kernel runs on AMX only; elsewhere the reference")
+TILES = ops is not None and ops.bf16_kernel() != ""  # AMX tiles or AVX512-BF16
+needs_tiles = pytest.mark.skipif(not TILES,
+                                 reason="the block tile kernel runs on AMX or AVX512-BF16; elsewhere the reference")
 TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
 TILE_TYPES = [*TYPES, Q4_Z]  # and AWQ's groups (quant/awq_format.py), which no GGUF file holds
 KV = 64 << 20
@@ -37,7 +38,7 @@ def blocks_of(w: torch.Tensor, qtype: T | int) -> torch.Tensor:
     return torch.from_numpy(raw).view(w.shape[0], -1)
 
 
-@needs_amx
+@needs_tiles
 @pytest.mark.parametrize("qtype", TILE_TYPES)
 @pytest.mark.parametrize("m", [1, 3, 17, 33, 100])
 def test_kept_blocks_multiply_as_the_dequantized_weight_bit_for_bit(qtype, m):
@@ -53,7 +54,7 @@ def test_kept_blocks_multiply_as_the_dequantized_weight_bit_for_bit(qtype, m):
         assert torch.equal(ops.gguf_linear(x, packed, b), ops.bf16_linear(x, ops.bf16_pack(dense), b))
 
 
-@needs_amx
+@needs_tiles
 @pytest.mark.parametrize("qtype", TILE_TYPES)
 def test_kept_gate_up_pairs_apply_silu_as_the_dequantized_pairs(qtype):
     g = torch.Generator().manual_seed(5)
@@ -63,10 +64,10 @@ def test_kept_gate_up_pairs_apply_silu_as_the_dequantized_pairs(qtype):
     x = torch.randn(21, k, generator=g).to(torch.bfloat16)
     pairs = gguf_pack(raw, qtype, pairs=True)
     assert pairs.shape == (i // 16, 2, k // 32, ops.gguf_tile_bytes(qtype))
-    assert torch.equal(ops.gguf_linear_silu(x, pairs), ops.amx_linear_silu(x, ops.bf16_pack_gate_up(dense)))
+    assert torch.equal(ops.gguf_linear_silu(x, pairs), ops.bf16_linear_silu(x, ops.bf16_pack_gate_up(dense)))
     backend = CpuBackend(ops, ops.bf16_kernel())
     layer = SimpleNamespace(packed_weight=pairs, bias=None)
-    assert torch.equal(backend.gguf_linear(x, layer), ops.amx_linear(x, ops.bf16_pack(dense), None))
+    assert torch.equal(backend.gguf_linear(x, layer), ops.bf16_linear(x, ops.bf16_pack(dense), None))
 
 
 def test_reference_gguf_linear_is_the_dequantized_product():
@@ -84,7 +85,7 @@ def test_gguf_pack_needs_whole_tiles():
         gguf_pack(raw, T.Q8_0)
 
 
-@needs_amx
+@needs_tiles
 @pytest.mark.parametrize("qtype", TYPES)
 def test_tiny_gguf_kept_matches_dequantized_token_for_token_and_logprob_for_logprob(tmp_path, qtype):
     path, _, _ = _tiny_gguf(tmp_path, "llama", qtype, num_heads=4, num_kv_heads=2)
@@ -116,7 +117,7 @@ def test_float_gguf_with_gguf_quantization_stays_dense(tmp_path):
     assert len(out[0].outputs[0].token_ids) == 4
 
 
-@needs_amx
+@needs_tiles
 def test_smollm2_kept_blocks_match_the_dequantized_model(tmp_path):
     """The embedded default: Q4_1 layers and a Q8_0 embedding that is also the LM head."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
@@ -139,7 +140,7 @@ def test_gguf_blocks_are_kept_by_default_only_where_their_kernel_runs(tmp_path):
     from tokenmill.quant.methods import resolve_quantization
 
     gguf = default_model_path()
-    assert resolve_quantization(None, gguf, torch.bfloat16, "cpu") == ("gguf" if AMX else None)
+    assert resolve_quantization(None, gguf, torch.bfloat16, "cpu") == ("gguf" if TILES else None)
     assert resolve_quantization(None, gguf, torch.float32, "cpu") is None  # the kernel computes in bfloat16
     assert resolve_quantization(None, tmp_path, torch.bfloat16, "cpu") is None  # a Hugging Face directory
     assert resolve_quantization("none", gguf, torch.bfloat16, "cpu") is None

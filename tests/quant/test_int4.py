@@ -15,7 +15,7 @@ from tokenmill.quant.gguf import dequantize
 from tokenmill.quant.int4 import quantize_q4_1
 
 ops = _extension()
-AMX = ops is not None and ops.bf16_kernel() == "amx"
+TILES = ops is not None and ops.bf16_kernel() != ""  # AMX tiles or AVX512-BF16
 
 
 def test_quantize_q4_1_writes_valid_blocks_within_half_a_step():
@@ -34,7 +34,7 @@ def test_quantize_q4_1_writes_valid_blocks_within_half_a_step():
 
 
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
-    not AMX, reason="the block tile kernel runs on AMX only"))])
+    not TILES, reason="the block tile kernel runs on AMX or AVX512-BF16"))])
 def test_int4_model_runs_kept_blocks_and_tracks_the_dense_model(tmp_path, dtype):
     path, batch, params, dense = tiny_batch_and_dense(tmp_path, dtype, max_tokens=6)
     llm = LLM(path, dtype=dtype, quantization="int4", kv_cache_memory=KV)
@@ -45,7 +45,9 @@ def test_int4_model_runs_kept_blocks_and_tracks_the_dense_model(tmp_path, dtype)
     out = llm.generate(batch, params, use_tqdm=False)
     for a, b in zip(dense, out):
         ta, tb = a.outputs[0], b.outputs[0]
-        assert abs(ta.logprobs[0][ta.token_ids[0]] - tb.logprobs[0][ta.token_ids[0]]) < 0.5
+        # 4-bit rounding of random weights moves a tiny model's logprobs by up to ~0.4 nats (float32), bfloat16's
+        # own rounding by ~0.1 more; a wrong kernel moves them by several
+        assert abs(ta.logprobs[0][ta.token_ids[0]] - tb.logprobs[0][ta.token_ids[0]]) < 0.75
     alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in batch]
     assert alone == [o.outputs[0].token_ids for o in out]
     llm.engine.core.check_idle_invariants()

@@ -22,8 +22,9 @@ from tokenmill.model.cpu_kernels import _extension
 from tokenmill.quant.int8 import dequantize_int8, quantize_int8
 
 ops = _extension()
-AMX = ops is not None and ops.bf16_kernel() == "amx"
-needs_amx = pytest.mark.skipif(not AMX, reason="the int8 tile kernel runs on AMX only; elsewhere the reference")
+TILES = ops is not None and ops.bf16_kernel() != ""  # AMX tiles or AVX512-BF16
+needs_tiles = pytest.mark.skipif(not TILES,
+                                 reason="the int8 tile kernel runs on AMX or AVX512-BF16; elsewhere the reference")
 KV = 64 << 20
 
 
@@ -50,7 +51,7 @@ def test_quantize_int8_is_within_half_a_step_and_exact_on_the_grid():
 
 # ---- the kernel ----------------------------------------------------------------------------------------------
 
-@needs_amx
+@needs_tiles
 @pytest.mark.parametrize("m", [1, 3, 16, 17, 33, 100])
 @pytest.mark.parametrize("n,k", [(960, 576), (48, 64), (16, 32), (1040, 1536)])
 def test_int8_linear_matches_dequantize_then_matmul(m, n, k):
@@ -70,7 +71,7 @@ def test_int8_linear_matches_dequantize_then_matmul(m, n, k):
                        ops.int8_linear(strided.contiguous(), packed, scale, None))
 
 
-@needs_amx
+@needs_tiles
 def test_int8_linear_rows_do_not_depend_on_the_batch():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(130, 576, generator=g).to(torch.bfloat16)
@@ -81,7 +82,7 @@ def test_int8_linear_rows_do_not_depend_on_the_batch():
         assert torch.equal(ops.int8_linear(x[:m], packed, scale, None), alone[:m]), f"batch of {m}"
 
 
-@needs_amx
+@needs_tiles
 @pytest.mark.parametrize("m", [1, 17, 70])
 def test_int8_gate_up_pairs_apply_silu_bit_for_bit_as_the_separate_ops(m):
     g = torch.Generator().manual_seed(m)
@@ -154,9 +155,9 @@ def test_int8_on_grid_weights_matches_transformers_greedy(tmp_path):
     llm.engine.core.check_idle_invariants()
 
 
-@needs_amx
+@needs_tiles
 def test_int8_tiles_on_grid_weights_track_the_dense_bf16_model(tmp_path):
-    """bfloat16 on AMX: the int8 tiles and the dense bfloat16 tiles multiply the same weights (on the grid, with
+    """bfloat16 on the tile kernels: the int8 tiles and the dense bfloat16 tiles multiply the same weights (on the grid, with
     power-of-two scales, bfloat16 holds them exactly), so their logprobs agree to bfloat16 noise, and the int8
     model is batch-invariant like the dense one."""
     path = grid_model(tmp_path, num_heads=4, num_kv_heads=2, hidden_size=128, intermediate_size=256)

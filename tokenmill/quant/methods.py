@@ -23,8 +23,9 @@ def checkpoint_quantization(model_path: str | Path) -> str | None:
 def resolve_quantization(requested: str | None, model_path: str | Path, dtype: torch.dtype,
                          device: str | torch.device) -> str | None:
     """The weight format to serve: what was asked; by default an AWQ checkpoint's own groups, or a GGUF file's
-    blocks kept where their kernel runs (the same outputs, bit for bit, in a third of the memory: BENCHMARKS.md
-    "Quantized serving"), else the dequantized weights (None). `none` asks for the dequantized weights."""
+    blocks kept where their kernel runs (AMX or AVX512-BF16: the same outputs, bit for bit, in a third of the
+    memory: BENCHMARKS.md "Quantized serving"), else the dequantized weights (None). `none` asks for the
+    dequantized weights."""
     stored = checkpoint_quantization(model_path)
     if requested == "gguf" and not is_gguf(Path(model_path)):
         raise ConfigError(f"--quantization gguf keeps a GGUF file's blocks, and {model_path} is not a .gguf file; "
@@ -39,7 +40,7 @@ def resolve_quantization(requested: str | None, model_path: str | Path, dtype: t
     if not is_gguf(Path(model_path)) or torch.device(device).type != "cpu" or dtype != torch.bfloat16:
         return None
     ops = cpu_kernels._extension()
-    return "gguf" if ops is not None and ops.bf16_kernel() == "amx" else None
+    return "gguf" if ops is not None and ops.bf16_kernel() else None
 
 
 def linear_method(quantization: str | None) -> LinearMethod:

@@ -43,13 +43,13 @@ def auto_dtype(device: str | torch.device, quantization: str | None = None) -> s
     whose result for a row changes with the batch size (csrc/bf16_linear.cpp says why). Where it runs, both dtypes
     keep a request's greedy output bit-for-bit the same whatever else is batched, and the faster one on this CPU,
     measured (model/backends/dtype_probe.py), wins. Quantized weights (`quantization`) compute in bfloat16
-    wherever their kernels (AMX tiles) run: they are the only fast paths for them here."""
+    wherever their kernels (AMX tiles or AVX512-BF16) run: they are the only fast paths for them here."""
     if torch.device(device).type != "cpu":
         return "bfloat16"
     ops = cpu_kernels._extension()
     if ops is None or not ops.bf16_kernel():
         return "float32"
-    if quantization not in (None, "none") and ops.bf16_kernel() == "amx":
+    if quantization not in (None, "none"):
         return "bfloat16"
     if not ops.f32_panels_available():
         return "bfloat16"

@@ -184,16 +184,17 @@ class CpuBackend(TorchBackend):
             if packed.dim() == 5 and packed.dtype == torch.float8_e4m3fn:
                 return self.ops.fp8_linear_silu(x, packed, gate_up.weight_scale)
             if packed.dim() == 5:
-                return self.ops.amx_linear_silu(x, packed)  # SiLU-and-multiply in the matmul's epilogue
+                return self.ops.bf16_linear_silu(x, packed)  # SiLU-and-multiply in the matmul's epilogue
             if packed.dim() == 4 and packed.dtype == torch.uint8:
                 return self.ops.gguf_linear_silu(x, packed)
         return super().gate_up_silu(x, gate_up)
 
     def pack_int8(self, q: torch.Tensor, silu_pairs: bool = False) -> torch.Tensor | None:
         """An int8 or FP8 weight (quant/int8.py, quant/fp8.py) in csrc/int8_linear.cpp's tile layout, where that
-        kernel runs (AMX, and the model computes in bfloat16); None keeps the weight for the reference."""
+        kernel runs (AMX or AVX512-BF16, and the model computes in bfloat16); None keeps the weight for the
+        reference."""
         n, k = q.shape
-        if q.device.type != "cpu" or self.bf16_kernel != "amx" or n % 16 or k % 32:
+        if q.device.type != "cpu" or not self.bf16_kernel or n % 16 or k % 32:
             return None
         fp8 = q.dtype == torch.float8_e4m3fn
         if silu_pairs and n % 32 == 0:
@@ -202,14 +203,14 @@ class CpuBackend(TorchBackend):
 
     def pack_weight(self, weight: torch.Tensor, silu_pairs: bool = False) -> torch.Tensor | None:
         """`weight` in the layout this CPU multiplies fastest: for bfloat16 where the CPU has AMX or AVX512-BF16,
-        the tile layout of csrc/bf16_linear.cpp (one kernel for every row count: batch-invariant), and on AMX
-        a fused gate/up weight (`silu_pairs`) in gate/up pairs whose matmul applies SiLU-and-multiply itself
+        the tile layout of csrc/bf16_linear.cpp (one kernel for every row count: batch-invariant), and a fused
+        gate/up weight (`silu_pairs`) in gate/up pairs whose matmul applies SiLU-and-multiply itself
         (bit for bit the separate ops, without the [T, 2I] intermediate); else oneDNN's blocked layout; else None
         (keep the plain one)."""
         if weight.device.type != "cpu":
             return None
         n, k = weight.shape
-        if (silu_pairs and weight.dtype == torch.bfloat16 and self.bf16_kernel == "amx" and n % 32 == 0
+        if (silu_pairs and weight.dtype == torch.bfloat16 and self.bf16_kernel and n % 32 == 0
                 and k % 32 == 0):
             return self.ops.bf16_pack_gate_up(weight)
         if weight.dtype == torch.bfloat16 and self.bf16_kernel and n % 16 == 0 and k % 32 == 0:
@@ -229,7 +230,7 @@ class CpuBackend(TorchBackend):
         for m in model.linear_layers():
             pairs = getattr(m, "silu_pairs", False) and m.bias is None  # the fused epilogue adds no bias
             if getattr(m, "gguf_type", None) is not None:  # GGUF blocks: tiles, or the reference on the blocks
-                if model.norm.weight.dtype == torch.bfloat16 and self.bf16_kernel == "amx":
+                if model.norm.weight.dtype == torch.bfloat16 and self.bf16_kernel:
                     m.packed_weight = gguf_pack(m.gguf_blocks, m.gguf_type, pairs=pairs)
                     m.gguf_blocks = m.gguf_blocks.to("meta")
                     packed_any = True

@@ -19,64 +19,7 @@
 #include <cstring>
 #include <string>
 
-#include "amx_gemm.h"
-
-#if defined(__AVX512BF16__)
-#define TOKENMILL_DPBF16 1
-#include <immintrin.h>
-#endif
-
-namespace {
-#ifdef TOKENMILL_DPBF16
-// 16 float32 results (+ bias, in float32) rounded to bfloat16 (nearest-even, as torch rounds) at y.
-inline void store_bf16(__m512 v, const float* bias, uint16_t* y) {
-  if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(v));
-}
-
-// Rows [m0, m0 + Rows) x features [16 nb, 16 nb + 16 Cols) with AVX512-BF16: for each K pair, the pair of x
-// broadcast against a packed tile row (the same pair for 16 features) -- the VNNI layout serves this kernel
-// too. Every output element sums its K pairs in one fixed order, whatever the row count: batch-invariant.
-template <int Rows, int Cols>
-void dp_block(const uint16_t* x, int64_t K, const uint16_t* wp, int64_t KB, int64_t m0, int64_t nb,
-              const float* bias, uint16_t* y, int64_t N) {
-  __m512 acc[Rows][Cols];
-  for (int r = 0; r < Rows; ++r)
-    for (int c = 0; c < Cols; ++c) acc[r][c] = _mm512_setzero_ps();
-  const int64_t tile_elems = kTileRows * kTileK;
-  for (int64_t kb = 0; kb < KB; ++kb) {
-    const uint16_t* b = wp + (nb * KB + kb) * tile_elems;
-    for (int64_t rr = 0; rr < kTileRows; ++rr) {
-      __m512i bv[Cols];
-      for (int c = 0; c < Cols; ++c) bv[c] = _mm512_loadu_si512(b + c * KB * tile_elems + rr * 2 * kTileN);
-      for (int r = 0; r < Rows; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, x + (m0 + r) * K + kb * kTileK + 2 * rr, sizeof(pair));
-        const __m512i xv = _mm512_set1_epi32(pair);
-        for (int c = 0; c < Cols; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)xv, (__m512bh)bv[c]);
-      }
-    }
-  }
-  for (int r = 0; r < Rows; ++r)
-    for (int c = 0; c < Cols; ++c)
-      store_bf16(acc[r][c], bias == nullptr ? nullptr : bias + (nb + c) * kTileN, y + (m0 + r) * N + (nb + c) * kTileN);
-}
-
-template <int Cols>
-void dp_rows(const uint16_t* x, int64_t K, const uint16_t* wp, int64_t KB, int64_t M, int64_t nb, const float* bias,
-             uint16_t* y, int64_t N) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) dp_block<4, Cols>(x, K, wp, KB, m, nb, bias, y, N);
-  switch (M - m) {
-    case 3: dp_block<3, Cols>(x, K, wp, KB, m, nb, bias, y, N); break;
-    case 2: dp_block<2, Cols>(x, K, wp, KB, m, nb, bias, y, N); break;
-    case 1: dp_block<1, Cols>(x, K, wp, KB, m, nb, bias, y, N); break;
-    default: break;
-  }
-}
-#endif
-
-}  // namespace
+#include "tile_gemm.h"
 
 // The bfloat16 kernel this build and process run on packed weights: "amx" (built for a CPU with AMX-BF16 and
 // the OS granted the tile state), "avx512_bf16", or "" (none: packed bfloat16 weights are not used).
@@ -111,7 +54,7 @@ struct Bf16Problem {
   uint16_t* yp = nullptr;
 };
 
-// with_output: allocate y [M, N] (amx_linear_silu writes its own, narrower output instead).
+// with_output: allocate y [M, N] (bf16_linear_silu writes its own, narrower output instead).
 Bf16Problem setup(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                   bool with_output = true) {
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
@@ -130,8 +73,8 @@ Bf16Problem setup(const torch::Tensor& x, const torch::Tensor& packed, const c10
   return p;
 }
 
-#ifdef TOKENMILL_AMX
-// amx_tiles' weight source for a bf16_pack'ed weight: its tiles, read in place.
+#ifdef TOKENMILL_DPBF16
+// gemm_tiles' weight source for a bf16_pack'ed weight: its tiles, read in place.
 auto packed_tiles(const Bf16Problem& p) {
   return [wp = p.wp, KB = p.KB](int64_t nb, uint16_t*, int64_t) {
     return ContiguousTiles{wp + nb * KB * kTileElems, KB};
@@ -165,23 +108,23 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, co
   return p.y;
 }
 
-// silu(x @ gate.T) * (x @ up.T) on AMX tiles from bf16_pack_gate_up's layout: [M, K] -> [M, I], bit for bit
-// silu_mul(amx_linear(x, bf16_pack(w))) without the [M, 2I] intermediate (its write and read back, and a pass).
-torch::Tensor amx_linear_silu(const torch::Tensor& x, const torch::Tensor& packed) {
+// silu(x @ gate.T) * (x @ up.T) from bf16_pack_gate_up's layout, on this CPU's kernel: [M, K] -> [M, I], bit for
+// bit silu_mul(bf16_linear(x, bf16_pack(w))) without the [M, 2I] intermediate (its write and read back, and a pass).
+torch::Tensor bf16_linear_silu(const torch::Tensor& x, const torch::Tensor& packed) {
   TORCH_CHECK(packed.dim() == 5 && packed.size(1) == 2, "a weight packed by bf16_pack_gate_up");
   const int64_t blocks = packed.size(0);
   Bf16Problem p = setup(x, packed.view({2 * blocks, packed.size(2), packed.size(3), packed.size(4)}), c10::nullopt,
                         /*with_output=*/false);
   const int64_t I = blocks * kTileN;
   auto y = torch::empty({p.M, I}, x.options());
-#ifdef TOKENMILL_AMX
+#ifdef TOKENMILL_DPBF16
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const auto epilogue = [&](const float* c, int64_t m0, int64_t rows, int64_t nb, bool) {
     write_silu_rows(c, nullptr, nullptr, yp, I, m0, rows, (nb / 2) * kTileN);
   };
-  amx_tiles(x, p.K, p.NB, 0, packed_tiles(p), epilogue);
+  gemm_tiles(x, p.K, p.NB, 0, packed_tiles(p), epilogue);
 #else
-  TORCH_CHECK(false, "this build has no AMX kernels (the CPU it was built for lacks AMX-BF16)");
+  TORCH_CHECK(false, "this build has no AVX512-BF16 kernels (the CPU it was built for lacks them)");
 #endif
   return y;
 }
@@ -191,15 +134,10 @@ torch::Tensor dpbf16_linear(const torch::Tensor& x, const torch::Tensor& packed,
                             const c10::optional<torch::Tensor>& bias) {
   Bf16Problem p = setup(x, packed, bias);
 #ifdef TOKENMILL_DPBF16
-  auto xc = x.contiguous();
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  for_column_pairs(p.NB, [&](int64_t begin, int64_t end) {
-    for (int64_t q = begin; q < end; ++q) {
-      const int64_t nb = 2 * q;
-      if (nb + 1 < p.NB) dp_rows<2>(xp, p.K, p.wp, p.KB, p.M, nb, p.bias, p.yp, p.N);
-      else dp_rows<1>(xp, p.K, p.wp, p.KB, p.M, nb, p.bias, p.yp, p.N);
-    }
-  });
+  const auto epilogue = [&](const float* c, int64_t m0, int64_t rows, int64_t nb, bool two_cols) {
+    write_rows(c, nullptr, p.bias, p.yp, p.N, m0, rows, nb * kTileN, two_cols ? 2 * kTileN : kTileN);
+  };
+  dp_tiles(x, p.K, p.NB, 0, packed_tiles(p), epilogue);
 #else
   TORCH_CHECK(false, "this build has no AVX512-BF16 kernels (the CPU it was built for lacks them)");
 #endif

@@ -819,7 +819,7 @@ torch::Tensor bf16_pack(const torch::Tensor& w);
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias);
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias);
 torch::Tensor bf16_pack_gate_up(const torch::Tensor& w);
-torch::Tensor amx_linear_silu(const torch::Tensor& x, const torch::Tensor& packed);
+torch::Tensor bf16_linear_silu(const torch::Tensor& x, const torch::Tensor& packed);
 torch::Tensor dpbf16_linear(const torch::Tensor& x, const torch::Tensor& packed,
                             const c10::optional<torch::Tensor>& bias);
 // int8_linear.cpp: weight-only int8 (W8A16) on the same tiles.
@@ -869,7 +869,7 @@ torch::Tensor gate_up_silu(const torch::Tensor& x, const torch::Tensor& w, const
                            const torch::Tensor& scale) {
   const bool bytes = packed.scalar_type() == at::kByte;
   if (packed.dim() == 5 && packed.scalar_type() == at::kFloat8_e4m3fn) return fp8_linear_silu(x, packed, scale);
-  if (packed.dim() == 5) return bytes ? int8_linear_silu(x, packed, scale) : amx_linear_silu(x, packed);
+  if (packed.dim() == 5) return bytes ? int8_linear_silu(x, packed, scale) : bf16_linear_silu(x, packed);
   if (bytes && packed.dim() == 4 && scale.numel() == 0) return gguf_linear_silu(x, packed);
   return silu_mul(linear_any(x, w, packed, scale, c10::nullopt));
 }
@@ -910,18 +910,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &bf16_linear, "x @ w.T (+ b), w from bf16_pack, on bf16_kernel(); batch-invariant");
   m.def("amx_linear", &amx_linear, "bf16_linear on AMX tiles");
   m.def("bf16_pack_gate_up", &bf16_pack_gate_up, "a [2I, K] gate/up weight as [I/16, 2, K/32, 16, 32]: gate, up pairs");
-  m.def("amx_linear_silu", &amx_linear_silu, "silu(x @ gate.T) * (x @ up.T) on AMX tiles, from bf16_pack_gate_up");
+  m.def("bf16_linear_silu", &bf16_linear_silu, "silu(x @ gate.T) * (x @ up.T) from bf16_pack_gate_up");
   m.def("int8_pack", &int8_pack, "a [N, K] int8 weight as bytes q + 128 in bf16_pack's tile layout");
   m.def("int8_pack_gate_up", &int8_pack_gate_up, "a [2I, K] int8 gate/up weight in gate, up block pairs");
-  m.def("int8_linear", &int8_linear, "(x @ q.T) * scale (+ b), q from int8_pack, on AMX tiles; batch-invariant");
-  m.def("int8_linear_silu", &int8_linear_silu, "silu(gate) * up of int8 gate/up pairs on AMX tiles");
+  m.def("int8_linear", &int8_linear, "(x @ q.T) * scale (+ b), q from int8_pack; batch-invariant");
+  m.def("int8_linear_silu", &int8_linear_silu, "silu(gate) * up of int8 gate/up pairs");
   m.def("fp8_pack", &fp8_pack, "a [N, K] float8_e4m3fn weight in bf16_pack's tile layout");
   m.def("fp8_pack_gate_up", &fp8_pack_gate_up, "a [2I, K] float8_e4m3fn gate/up weight in gate, up block pairs");
-  m.def("fp8_linear", &fp8_linear, "(x @ q.T) * scale (+ b), q e4m3 from fp8_pack, on AMX tiles; batch-invariant");
-  m.def("fp8_linear_silu", &fp8_linear_silu, "silu(gate) * up of FP8 gate/up pairs on AMX tiles");
+  m.def("fp8_linear", &fp8_linear, "(x @ q.T) * scale (+ b), q e4m3 from fp8_pack; batch-invariant");
+  m.def("fp8_linear_silu", &fp8_linear_silu, "silu(gate) * up of FP8 gate/up pairs");
   m.def("gguf_tile_bytes", &gguf_tile_bytes, "packed bytes per 16 x 32 tile of a kept GGML type (0: not kept)");
   m.def("gguf_linear", &gguf_linear, "x @ w.T (+ b), w in GGML blocks packed as tiles; bit for bit the dequantized");
-  m.def("gguf_linear_silu", &gguf_linear_silu, "silu(gate) * up of GGML gate/up block pairs on AMX tiles");
+  m.def("gguf_linear_silu", &gguf_linear_silu, "silu(gate) * up of GGML gate/up block pairs");
   m.def("dpbf16_linear", &dpbf16_linear, "bf16_linear with AVX512-BF16 dot products");
   m.def("f32_panels_available", &f32_panels_available, "whether this build has the float32 panel matmul");
   m.def("f32_pack", &f32_pack, "a [N, K] float32 weight in 16-feature panels [N/16, K, 16]");

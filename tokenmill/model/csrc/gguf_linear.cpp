@@ -10,13 +10,14 @@
 //   Q4_Z: the Q4 nibbles, 16 float16 s, 16 uint8 zero points z (AWQ's (q - z) * s, quant/awq_format.py) = 304 bytes
 // A tile widens to bfloat16 with the arithmetic of the dequantize-at-load path (quant/gguf.py), in float32 in
 // the same order and without fused multiply-adds ((q - 8) * d; q * d + m; q * d; (q - z) * s), rounded to nearest-even:
-// the very bfloat16 weights that path loads. The tile loop is the bfloat16 kernel's (amx_gemm.h), so a kept
-// model's outputs are bit for bit those of the dequantized one, and batch-invariant like them.
+// the very bfloat16 weights that path loads. The loop is the bfloat16 kernel's (tile_gemm.h: AMX tiles, else
+// AVX512-BF16 dot products), so a kept model's outputs are bit for bit those of the dequantized one, and
+// batch-invariant like them.
 #include <torch/extension.h>
 
 #include <cstdint>
 
-#include "amx_gemm.h"
+#include "tile_gemm.h"
 
 namespace {
 
@@ -40,7 +41,7 @@ int64_t gguf_tile_bytes(int64_t type) {
   }
 }
 
-#ifdef TOKENMILL_AMX
+#ifdef TOKENMILL_DPBF16
 namespace {
 
 constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // explicit rounding: never contracted
@@ -133,12 +134,12 @@ void with_widener(int64_t tile_bytes, const Loop& loop) {
   }
 }
 
-// amx_tiles over a packed weight [NB, KB, tile bytes] with its type's widening.
+// gemm_tiles over a packed weight [NB, KB, tile bytes] with its type's widening.
 template <typename Epilogue>
 void block_tiles(const torch::Tensor& x, const torch::Tensor& packed, const Epilogue& epilogue) {
   const int64_t NB = packed.size(0), KB = packed.size(1), tile_bytes = packed.size(2);
   with_widener(tile_bytes, [&](auto widen) {
-    amx_tiles(x, KB * kTileK, NB, widened_scratch(KB),
+    gemm_tiles(x, KB * kTileK, NB, widened_scratch(KB),
               widened_weight(packed.data_ptr<uint8_t>(), NB, KB, tile_bytes, widen), epilogue);
   });
 }
@@ -158,7 +159,7 @@ void check_packed(const torch::Tensor& x, const torch::Tensor& packed) {
 // bfloat16.
 torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed,
                           const c10::optional<torch::Tensor>& bias) {
-#ifdef TOKENMILL_AMX
+#ifdef TOKENMILL_DPBF16
   check_packed(x, packed);
   const int64_t NB = packed.size(0), KB = packed.size(1), N = NB * kTileN, M = x.size(0);
   auto y = torch::empty({M, N}, x.options());
@@ -170,14 +171,14 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed,
   block_tiles(x, packed, epilogue);
   return y;
 #else
-  TORCH_CHECK(false, "this build has no AMX kernels (the CPU it was built for lacks AMX-BF16)");
+  TORCH_CHECK(false, "this build has no AVX512-BF16 kernels (the CPU it was built for lacks them)");
 #endif
 }
 
 // silu(x @ gate.T) * (x @ up.T) from a gate/up weight packed in gate, up block pairs ([I/16, 2, K/32, tile
-// bytes], gguf_pack with pairs): [M, K] -> [M, I], as amx_linear_silu for bfloat16.
+// bytes], gguf_pack with pairs): [M, K] -> [M, I], as bf16_linear_silu for bfloat16.
 torch::Tensor gguf_linear_silu(const torch::Tensor& x, const torch::Tensor& pairs) {
-#ifdef TOKENMILL_AMX
+#ifdef TOKENMILL_DPBF16
   TORCH_CHECK(pairs.dim() == 4 && pairs.size(1) == 2, "a gate/up weight packed by gguf_pack in pairs");
   const auto packed = pairs.view({2 * pairs.size(0), pairs.size(2), pairs.size(3)});
   check_packed(x, packed);
@@ -190,6 +191,6 @@ torch::Tensor gguf_linear_silu(const torch::Tensor& x, const torch::Tensor& pair
   block_tiles(x, packed, epilogue);
   return y;
 #else
-  TORCH_CHECK(false, "this build has no AMX kernels (the CPU it was built for lacks AMX-BF16)");
+  TORCH_CHECK(false, "this build has no AVX512-BF16 kernels (the CPU it was built for lacks them)");
 #endif
 }

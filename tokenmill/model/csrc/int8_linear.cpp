@@ -9,7 +9,7 @@
 // u = q + 128 (1..255), because an unsigned byte widens to its exact bfloat16 in three cheap vector ops (through
 // float16, see widen_biased) where a signed one takes twice the shuffle-port work, which bounds this kernel at
 // small M. For each 32-feature column pair the kernel widens the pair's tiles into a per-thread buffer, runs the
-// bfloat16 kernel's tile loop over every row block, and in the float32 epilogue takes the offset back out
+// bfloat16 kernel's loop (AMX tiles, else AVX512-BF16 dot products) over every row block, and in the float32 epilogue takes the offset back out
 // (x @ q = x @ u - 128 rowsum(x)) and applies the scale. The offset costs nothing measurable in accuracy: the
 // float32 sums carry ~1e-6 relative error against bfloat16's 4e-3. The widening is paid once per call, not per
 // row block, and, as for bfloat16, a row's result never depends on the batch it is in.
@@ -20,7 +20,7 @@
 #include <utility>
 #include <vector>
 
-#include "amx_gemm.h"
+#include "tile_gemm.h"
 
 namespace {
 
@@ -68,7 +68,7 @@ torch::Tensor int8_pack_gate_up(const torch::Tensor& q) {
   return int8_pack(paired).view({blocks, 2, K / kTileK, kTileRows, 2 * kTileN});
 }
 
-#ifdef TOKENMILL_AMX
+#ifdef TOKENMILL_DPBF16
 namespace {
 
 constexpr int kOffset = 128;  // packed byte = q + kOffset
@@ -121,7 +121,7 @@ std::vector<float> offset_sums(const torch::Tensor& x) {
   return out;
 }
 
-// amx_tiles' weight source for an int8_pack'ed (or fp8_pack'ed) weight of NB x KB tiles (512 bytes each).
+// gemm_tiles' weight source for an int8_pack'ed (or fp8_pack'ed) weight of NB x KB tiles (512 bytes each).
 template <bool Fp8>
 auto w8_tiles(const uint8_t* qp, int64_t NB, int64_t KB) {
   return widened_weight(qp, NB, KB, kTileElems,
@@ -161,7 +161,7 @@ Int8Problem setup_int8(const torch::Tensor& x, const torch::Tensor& packed, cons
 }  // namespace
 #endif
 
-#ifdef TOKENMILL_AMX
+#ifdef TOKENMILL_DPBF16
 namespace {
 
 // (x @ q.T) * scale (+ b) for either byte format; int8's bytes carry an offset the epilogue takes back out.
@@ -177,12 +177,12 @@ torch::Tensor w8_linear(const torch::Tensor& x, const torch::Tensor& packed, con
     if (!Fp8) remove_offset(c, offset, m0, rows);
     write_rows(c, p.scale, b.p, yp, p.N, m0, rows, nb * kTileN, two_cols ? 2 * kTileN : kTileN);
   };
-  amx_tiles(x, p.K, p.NB, widened_scratch(p.KB), w8_tiles<Fp8>(p.qp, p.NB, p.KB), epilogue);
+  gemm_tiles(x, p.K, p.NB, widened_scratch(p.KB), w8_tiles<Fp8>(p.qp, p.NB, p.KB), epilogue);
   return y;
 }
 
 // silu(x @ gate.T) * (x @ up.T) from gate/up pairs (int8_pack_gate_up, fp8_pack_gate_up) and the [2I] scales in
-// gate-then-up order: the 8-bit form of amx_linear_silu.
+// gate-then-up order: the 8-bit form of bf16_linear_silu.
 template <bool Fp8>
 torch::Tensor w8_linear_silu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale) {
   TORCH_CHECK(packed.dim() == 5 && packed.size(1) == 2, "a gate/up weight packed in pairs");
@@ -197,7 +197,7 @@ torch::Tensor w8_linear_silu(const torch::Tensor& x, const torch::Tensor& packed
     const int64_t n0 = (nb / 2) * kTileN;
     write_silu_rows(c, p.scale + n0, p.scale + I + n0, yp, I, m0, rows, n0);
   };
-  amx_tiles(x, p.K, p.NB, widened_scratch(p.KB), w8_tiles<Fp8>(p.qp, p.NB, p.KB), epilogue);
+  gemm_tiles(x, p.K, p.NB, widened_scratch(p.KB), w8_tiles<Fp8>(p.qp, p.NB, p.KB), epilogue);
   return y;
 }
 
@@ -205,7 +205,7 @@ torch::Tensor w8_linear_silu(const torch::Tensor& x, const torch::Tensor& packed
 #define TOKENMILL_W8(call) return call
 #else
 #define TOKENMILL_W8(call) \
-  TORCH_CHECK(false, "this build has no AMX kernels (the CPU it was built for lacks AMX-BF16)"); \
+  TORCH_CHECK(false, "this build has no AVX512-BF16 kernels (the CPU it was built for lacks them)"); \
   return torch::Tensor()
 #endif
 
