@@ -68,7 +68,8 @@ def model_matmuls(ops, fmt: str):
                       for n, w in ws.items()}
             layers.append((packed, None))
         elif fmt in ("q4_1", "q8_0"):
-            packed = {n: gguf_pack(random_blocks(fmt, *w.shape, g), GGML[fmt], pairs=n == "gate_up")
+            layout = "quads" if ops.gguf_kernel() == "vnni" else "tiles"  # as CpuBackend.prepack lays them out
+            packed = {n: gguf_pack(random_blocks(fmt, *w.shape, g), GGML[fmt], pairs=n == "gate_up", layout=layout)
                       for n, w in ws.items()}
             layers.append((packed, fmt))
         else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from tests.greedy import first_divergence
 from tests.models.tiny import make_tiny_model
 from tokenmill import LLM, SamplingParams
 
@@ -19,3 +20,30 @@ def tiny_batch_and_dense(tmp_path, dtype: str, max_tokens: int) -> tuple[str, li
     batch = [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=g).tolist()} for n in (6, 21, 40)]
     dense = LLM(str(path), dtype=dtype, kv_cache_memory=KV).generate(batch, params, use_tqdm=False)
     return str(path), batch, params, dense
+
+
+# Where kept blocks run on VNNI (csrc/gguf_vnni.cpp), x is rounded to int8 blocks: a logit moves by about one
+# bfloat16 step (1/8-1/4 at SmolLM2's logit sizes), so greedy may swap a pair of tokens that close, no more.
+CLOSE_LOGPROB = 0.3
+SWAP_GAP = 0.5
+
+
+def assert_kept_tracks_dense(dense: list, kept: list, exact: bool) -> None:
+    """Kept blocks against the dequantized model, request by request (outputs with logprobs >= 2). `exact` (the
+    AMX tiles widen to the very bfloat16 weights): the same tokens and logprobs. Else the same tokens up to a
+    step where the dense model's top two were within SWAP_GAP, and every logprob up to there within
+    CLOSE_LOGPROB: a wrong block decode moves logits by whole nats."""
+    for a, b in zip(dense, kept, strict=True):
+        a, b = a.outputs[0], b.outputs[0]
+        if exact:
+            assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+            continue
+        i = first_divergence(a.token_ids, b.token_ids)
+        upto = len(a.token_ids) if i is None else i
+        for j in range(upto):
+            token = a.token_ids[j]
+            assert abs(a.logprobs[j][token] - b.logprobs[j][token]) < CLOSE_LOGPROB, f"step {j}"
+        if i is not None:
+            top = sorted(a.logprobs[i].values(), reverse=True)
+            assert top[0] - top[1] <= SWAP_GAP, f"diverged at step {i} with a gap of {top[0] - top[1]:.3f}"
+            assert b.token_ids[i] in a.logprobs[i], "the kept model chose a token outside the dense model's top 2"

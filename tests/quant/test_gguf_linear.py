@@ -1,6 +1,7 @@
-"""GGUF blocks kept at run time (quant/gguf_linear.py, quant/gguf_tiles.py, csrc/gguf_linear.cpp): the tile
-kernel widens blocks to exactly the bfloat16 weights the dequantize-at-load path loads, so every output is bit
-for bit the dequantized model's."""
+"""GGUF blocks kept at run time (quant/gguf_linear.py, quant/gguf_tiles.py, csrc/gguf_linear.cpp,
+csrc/gguf_vnni.cpp): the tile kernel widens blocks to exactly the bfloat16 weights the dequantize-at-load path
+loads, so every output is bit for bit the dequantized model's; the VNNI kernel (no AMX) multiplies them with x
+rounded to int8 blocks, as llama.cpp does, so its outputs track the dequantized model's to that rounding."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants
 
 from tests.model.test_loader import _tiny_gguf
+from tests.quant.common import assert_kept_tracks_dense
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.backends import CpuBackend, TorchBackend
 from tokenmill.model.cpu_kernels import _extension
@@ -24,6 +26,10 @@ ops = _extension()
 TILES = ops is not None and ops.bf16_kernel() != ""  # AMX tiles or AVX512-BF16
 needs_tiles = pytest.mark.skipif(not TILES,
                                  reason="the block tile kernel runs on AMX or AVX512-BF16; elsewhere the reference")
+KEPT = ops.gguf_kernel() if ops is not None else ""  # amx, vnni, or "" (the reference)
+LAYOUT = "quads" if KEPT == "vnni" else "tiles"
+needs_kept = pytest.mark.skipif(not KEPT, reason="no kept-block kernel here (AMX or AVX512-VNNI); the reference")
+needs_vnni = pytest.mark.skipif(KEPT != "vnni", reason="the VNNI kernel runs where AVX512-VNNI is and AMX is not")
 TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
 TILE_TYPES = [*TYPES, Q4_Z]  # and AWQ's groups (quant/awq_format.py), which no GGUF file holds
 KV = 64 << 20
@@ -51,7 +57,7 @@ def test_kept_blocks_multiply_as_the_dequantized_weight_bit_for_bit(qtype, m):
     packed = gguf_pack(raw, qtype)
     assert packed.shape == (n // 16, k // 32, ops.gguf_tile_bytes(qtype))
     for b in (None, bias):
-        assert torch.equal(ops.gguf_linear(x, packed, b), ops.bf16_linear(x, ops.bf16_pack(dense), b))
+        assert torch.equal(ops.gguf_tiles_linear(x, packed, b), ops.bf16_linear(x, ops.bf16_pack(dense), b))
 
 
 @needs_tiles
@@ -64,10 +70,62 @@ def test_kept_gate_up_pairs_apply_silu_as_the_dequantized_pairs(qtype):
     x = torch.randn(21, k, generator=g).to(torch.bfloat16)
     pairs = gguf_pack(raw, qtype, pairs=True)
     assert pairs.shape == (i // 16, 2, k // 32, ops.gguf_tile_bytes(qtype))
-    assert torch.equal(ops.gguf_linear_silu(x, pairs), ops.bf16_linear_silu(x, ops.bf16_pack_gate_up(dense)))
+    assert torch.equal(ops.gguf_tiles_linear_silu(x, pairs), ops.bf16_linear_silu(x, ops.bf16_pack_gate_up(dense)))
+
+
+@needs_kept
+@pytest.mark.parametrize("qtype", TILE_TYPES)
+def test_kept_gate_up_pairs_give_the_plain_product_and_silu_on_this_cpus_kernel(qtype):
+    g = torch.Generator().manual_seed(6)
+    i, k = 48, 64
+    raw = blocks_of(torch.randn(2 * i, k, generator=g) * 0.05, qtype)
+    x = torch.randn(9, k, generator=g).to(torch.bfloat16)
+    plain = ops.gguf_linear(x, gguf_pack(raw, qtype, layout=LAYOUT), None)
+    pairs = gguf_pack(raw, qtype, pairs=True, layout=LAYOUT)
+    assert torch.equal(ops.gguf_linear_silu(x, pairs), ops.silu_mul(plain))
     backend = CpuBackend(ops, ops.bf16_kernel())
-    layer = SimpleNamespace(packed_weight=pairs, bias=None)
-    assert torch.equal(backend.gguf_linear(x, layer), ops.bf16_linear(x, ops.bf16_pack(dense), None))
+    assert torch.equal(backend.gguf_linear(x, SimpleNamespace(packed_weight=pairs, bias=None)), plain)
+
+
+def int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as csrc/gguf_vnni.cpp rounds it: per block of 32, to int8 steps of max|x| / 127 (float32 math)."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, 0)  # a true division (127 / t is 127 * (1 / t))
+    return (torch.round(blocks * inv) * (amax / 127)).view(m, k)
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", TILE_TYPES)
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 17, 100])
+def test_vnni_kernel_is_the_dequantized_weight_times_int8_blocks_of_x(qtype, m):
+    g = torch.Generator().manual_seed(m + 11)
+    n, k = 80, 96
+    raw = blocks_of(torch.randn(n, k, generator=g) * 0.05, qtype)
+    dense = dequantize(raw, qtype, (n, k), torch.float32)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    x[0, 32:64] = 0  # an all-zero block: scale 0, no division by it
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    packed = gguf_pack(raw, qtype, layout="quads")
+    assert packed.shape == (n // 16, k // 32, ops.gguf_tile_bytes(qtype))
+    for b in (None, bias):
+        exact = F.linear(int8_blocks(x).double(), dense.double(), None if b is None else b.double())
+        # integer block sums are exact; float32 scaling and one bfloat16 rounding of the result remain
+        torch.testing.assert_close(ops.gguf_vnni_linear(x, packed, b).double(), exact, rtol=2 ** -8, atol=1e-4)
+
+
+@needs_vnni
+def test_vnni_rows_do_not_depend_on_the_batch():
+    g = torch.Generator().manual_seed(3)
+    raw = blocks_of(torch.randn(96, 576, generator=g) * 0.05, T.Q4_1)
+    packed = gguf_pack(raw, T.Q4_1, layout="quads")
+    x = torch.randn(37, 576, generator=g).to(torch.bfloat16)
+    alone = torch.cat([ops.gguf_vnni_linear(x[i:i + 1], packed, None) for i in range(37)])
+    for m in (2, 4, 5, 16, 37):
+        assert torch.equal(ops.gguf_vnni_linear(x[:m], packed, None), alone[:m])
+    order = torch.randperm(37, generator=g)
+    assert torch.equal(ops.gguf_vnni_linear(x[order], packed, None), alone[order])
 
 
 def test_reference_gguf_linear_is_the_dequantized_product():
@@ -85,9 +143,10 @@ def test_gguf_pack_needs_whole_tiles():
         gguf_pack(raw, T.Q8_0)
 
 
-@needs_tiles
+@needs_kept
 @pytest.mark.parametrize("qtype", TYPES)
-def test_tiny_gguf_kept_matches_dequantized_token_for_token_and_logprob_for_logprob(tmp_path, qtype):
+def test_tiny_gguf_kept_tracks_the_dequantized_model(tmp_path, qtype):
+    """Token for token and logprob for logprob on AMX; to int8 rounding of x on VNNI."""
     path, _, _ = _tiny_gguf(tmp_path, "llama", qtype, num_heads=4, num_kv_heads=2)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     g = torch.Generator().manual_seed(0)
@@ -100,9 +159,8 @@ def test_tiny_gguf_kept_matches_dequantized_token_for_token_and_logprob_for_logp
     assert layer.mlp.gate_up_proj.packed_weight.dim() == 4  # gate/up pairs with SiLU in the epilogue
     assert kept.engine.core.runner.model.tied_head.packed_weight.dtype == torch.uint8
     assert kept.engine.core.runner.model.embed_tokens.weight.is_meta  # lookups decode the kept rows
-    for a, b in zip(dense.generate(batch, params, use_tqdm=False), kept.generate(batch, params, use_tqdm=False)):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert_kept_tracks_dense(dense.generate(batch, params, use_tqdm=False),
+                             kept.generate(batch, params, use_tqdm=False), exact=KEPT == "amx")
     kept.engine.core.check_idle_invariants()
 
 
@@ -117,10 +175,10 @@ def test_float_gguf_with_gguf_quantization_stays_dense(tmp_path):
     assert len(out[0].outputs[0].token_ids) == 4
 
 
-@needs_tiles
-def test_smollm2_kept_blocks_match_the_dequantized_model(tmp_path):
+@needs_kept
+def test_smollm2_kept_blocks_track_the_dequantized_model(tmp_path):
     """The embedded default: Q4_1 layers and a Q8_0 embedding that is also the LM head."""
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     prompts = ["The capital of France is", "def fibonacci(n):", "Owls are birds that"]
     dense = LLM(dtype="bfloat16", quantization="none", kv_cache_memory=KV)
     kept = LLM(dtype="bfloat16", kv_cache_memory=KV)  # the default where the kernel runs
@@ -130,9 +188,8 @@ def test_smollm2_kept_blocks_match_the_dequantized_model(tmp_path):
     # Q4_1 layers and the Q8_0 table (head and lookups): under 0.4 of the dequantized model's bytes (whose table
     # is held once too: its lookups read the packed head's tiles)
     assert weight_bytes(kept.engine.core.runner.model) < 0.4 * weight_bytes(dense.engine.core.runner.model)
-    for a, b in zip(dense.generate(prompts, params, use_tqdm=False), kept.generate(prompts, params, use_tqdm=False)):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert_kept_tracks_dense(dense.generate(prompts, params, use_tqdm=False),
+                             kept.generate(prompts, params, use_tqdm=False), exact=KEPT == "amx")
 
 
 def test_gguf_blocks_are_kept_by_default_only_where_their_kernel_runs(tmp_path):
@@ -140,7 +197,7 @@ def test_gguf_blocks_are_kept_by_default_only_where_their_kernel_runs(tmp_path):
     from tokenmill.quant.methods import resolve_quantization
 
     gguf = default_model_path()
-    assert resolve_quantization(None, gguf, torch.bfloat16, "cpu") == ("gguf" if TILES else None)
+    assert resolve_quantization(None, gguf, torch.bfloat16, "cpu") == ("gguf" if KEPT else None)
     assert resolve_quantization(None, gguf, torch.float32, "cpu") is None  # the kernel computes in bfloat16
     assert resolve_quantization(None, tmp_path, torch.bfloat16, "cpu") is None  # a Hugging Face directory
     assert resolve_quantization("none", gguf, torch.bfloat16, "cpu") is None

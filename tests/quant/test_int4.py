@@ -15,7 +15,7 @@ from tokenmill.quant.gguf import dequantize
 from tokenmill.quant.int4 import quantize_q4_1
 
 ops = _extension()
-TILES = ops is not None and ops.bf16_kernel() != ""  # AMX tiles or AVX512-BF16
+KEPT = ops is not None and ops.gguf_kernel() != ""  # AMX tiles or AVX512-VNNI
 
 
 def test_quantize_q4_1_writes_valid_blocks_within_half_a_step():
@@ -34,7 +34,7 @@ def test_quantize_q4_1_writes_valid_blocks_within_half_a_step():
 
 
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
-    not TILES, reason="the block tile kernel runs on AMX or AVX512-BF16"))])
+    not KEPT, reason="the kept-block kernel runs on AMX or AVX512-VNNI"))])
 def test_int4_model_runs_kept_blocks_and_tracks_the_dense_model(tmp_path, dtype):
     path, batch, params, dense = tiny_batch_and_dense(tmp_path, dtype, max_tokens=6)
     llm = LLM(path, dtype=dtype, quantization="int4", kv_cache_memory=KV)

@@ -15,8 +15,8 @@ from pathlib import Path
 log = logging.getLogger("tokenmill")
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in
-            ("cpu_kernels.cpp", "bf16_linear.cpp", "int8_linear.cpp", "gguf_linear.cpp", "f32_linear.cpp",
-             "amx_attention.cpp")]
+            ("cpu_kernels.cpp", "bf16_linear.cpp", "int8_linear.cpp", "gguf_linear.cpp", "gguf_vnni.cpp",
+             "f32_linear.cpp", "amx_attention.cpp")]
 # part of the build's name too: a change rebuilds
 _HEADERS = [Path(__file__).parent / "csrc" / name for name in ("simd.h", "tile_gemm.h")]
 
@@ -44,7 +44,7 @@ def cpu_tag() -> str:
     return hashlib.sha1(f"{model}|{flags}".encode()).hexdigest()[:12]
 
 
-_ISA_OF_NOTE = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "asimd", "sve")
+_ISA_OF_NOTE = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "asimd", "sve")
 
 
 def cpu_isa() -> str:
@@ -106,4 +106,5 @@ if __name__ == "__main__":  # `make setup` builds here, so the first start never
     ext = _extension()
     if ext is None:
         raise SystemExit("the CPU kernels did not build: tokenmill will run its PyTorch reference (slower)")
-    print(f"built {build_name()} for isa: {cpu_isa() or 'baseline'}; bf16 matmuls: {ext.bf16_kernel() or 'oneDNN'}")
+    print(f"built {build_name()} for isa: {cpu_isa() or 'baseline'}; bf16 matmuls: {ext.bf16_kernel() or 'oneDNN'}; "
+          f"GGUF blocks: {ext.gguf_kernel() or 'dequantized'}")

@@ -2,8 +2,11 @@
 serves them, instead of dequantized at load: Q4_0, Q4_1 and Q8_0 (SmolLM2's file: Q4_1 layers, a Q8_0 embedding
 that is also its LM head). Other types, and shapes the tiles do not fit, are dequantized as before.
 
-The kernel (csrc/gguf_linear.cpp) widens each block to the very bfloat16 values the dequantize-at-load path
-loads and multiplies them on the same tiles, so a kept model's output is bit for bit the dequantized model's."""
+Two kernels, one per CPU kind (ops.gguf_kernel(), the layout CpuBackend.prepack packs for): on AMX,
+csrc/gguf_linear.cpp widens each block to the very bfloat16 values the dequantize-at-load path loads and multiplies
+them on the same tiles, so a kept model's output is bit for bit the dequantized model's; elsewhere with
+AVX512-VNNI, csrc/gguf_vnni.cpp multiplies the blocks' integers with x rounded to int8 blocks, as llama.cpp does
+(2.1x bfloat16's one-stream decode on Zen4, at a measured perplexity cost: BENCHMARKS.md "Quantized serving")."""
 
 from __future__ import annotations
 

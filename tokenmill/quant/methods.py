@@ -40,7 +40,7 @@ def resolve_quantization(requested: str | None, model_path: str | Path, dtype: t
     if not is_gguf(Path(model_path)) or torch.device(device).type != "cpu" or dtype != torch.bfloat16:
         return None
     ops = cpu_kernels._extension()
-    return "gguf" if ops is not None and ops.bf16_kernel() else None
+    return "gguf" if ops is not None and ops.gguf_kernel() else None
 
 
 def linear_method(quantization: str | None) -> LinearMethod:

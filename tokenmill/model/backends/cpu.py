@@ -80,6 +80,8 @@ class CpuBackend(TorchBackend):
     def __init__(self, ops: Any, bf16_kernel: str = "", f32_panels: bool = False):
         self.ops = ops
         self.bf16_kernel = bf16_kernel  # ops.bf16_kernel(): "amx", "avx512_bf16", or "" (no packed bf16 kernel)
+        # kept GGUF blocks: "amx" (tiles, bit for bit the dequantized model), "vnni" (int8 activations), or ""
+        self.gguf_kernel = ops.gguf_kernel() if hasattr(ops, "gguf_kernel") else ""
         self.f32_panels = f32_panels  # float32 weights in csrc/f32_linear.cpp's panels (batch-invariant)
 
     def describe(self) -> str:
@@ -87,8 +89,9 @@ class CpuBackend(TorchBackend):
         f32 = "panels" if self.f32_panels else "oneDNN / skinny GEMV"
         amx = getattr(self.ops, "amx_attention_applies", None)
         attention = "AMX tiles for bf16 16-token blocks, else vectors" if amx and amx(16, 64, 2, 1) else "vectors"
+        gguf = {"amx": "AMX tiles", "vnni": "VNNI, int8 activations"}.get(self.gguf_kernel, "dequantized per call")
         return (f"cpu (C++ kernels, cpu {cpu_tag()}, isa: {cpu_isa() or 'baseline'}; matmuls: bf16 {bf16}, "
-                f"f32 {f32}; paged attention: {attention})")
+                f"f32 {f32}, GGUF blocks {gguf}; paged attention: {attention})")
 
     # ---- elementwise -----------------------------------------------------------------------------------
     def rms_norm(self, x, weight, eps):
@@ -229,9 +232,10 @@ class CpuBackend(TorchBackend):
         packed_any = False
         for m in model.linear_layers():
             pairs = getattr(m, "silu_pairs", False) and m.bias is None  # the fused epilogue adds no bias
-            if getattr(m, "gguf_type", None) is not None:  # GGUF blocks: tiles, or the reference on the blocks
-                if model.norm.weight.dtype == torch.bfloat16 and self.bf16_kernel:
-                    m.packed_weight = gguf_pack(m.gguf_blocks, m.gguf_type, pairs=pairs)
+            if getattr(m, "gguf_type", None) is not None:  # GGUF blocks: packed, or the reference on the blocks
+                if model.norm.weight.dtype == torch.bfloat16 and self.gguf_kernel:
+                    layout = "quads" if self.gguf_kernel == "vnni" else "tiles"
+                    m.packed_weight = gguf_pack(m.gguf_blocks, m.gguf_type, pairs=pairs, layout=layout)
                     m.gguf_blocks = m.gguf_blocks.to("meta")
                     packed_any = True
                 continue

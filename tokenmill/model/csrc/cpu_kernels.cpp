@@ -838,6 +838,14 @@ int64_t gguf_tile_bytes(int64_t type);
 torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed,
                           const c10::optional<torch::Tensor>& bias);
 torch::Tensor gguf_linear_silu(const torch::Tensor& x, const torch::Tensor& pairs);
+std::string gguf_kernel();
+torch::Tensor gguf_tiles_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                                const c10::optional<torch::Tensor>& bias);
+torch::Tensor gguf_tiles_linear_silu(const torch::Tensor& x, const torch::Tensor& pairs);
+// gguf_vnni.cpp: the same blocks times int8-quantized activations (AVX512-VNNI, no AMX), as llama.cpp.
+torch::Tensor gguf_vnni_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                               const c10::optional<torch::Tensor>& bias);
+torch::Tensor gguf_vnni_linear_silu(const torch::Tensor& x, const torch::Tensor& pairs);
 // f32_linear.cpp: the float32 matmul over 16-feature panels.
 bool f32_panels_available();
 torch::Tensor f32_pack(const torch::Tensor& w);
@@ -920,8 +928,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_linear", &fp8_linear, "(x @ q.T) * scale (+ b), q e4m3 from fp8_pack; batch-invariant");
   m.def("fp8_linear_silu", &fp8_linear_silu, "silu(gate) * up of FP8 gate/up pairs");
   m.def("gguf_tile_bytes", &gguf_tile_bytes, "packed bytes per 16 x 32 tile of a kept GGML type (0: not kept)");
-  m.def("gguf_linear", &gguf_linear, "x @ w.T (+ b), w in GGML blocks packed as tiles; bit for bit the dequantized");
-  m.def("gguf_linear_silu", &gguf_linear_silu, "silu(gate) * up of GGML gate/up block pairs");
+  m.def("gguf_linear", &gguf_linear, "x @ w.T (+ b), w in GGML blocks packed by gguf_pack for gguf_kernel()");
+  m.def("gguf_linear_silu", &gguf_linear_silu, "silu(gate) * up of GGML gate/up block pairs, on gguf_kernel()");
+  m.def("gguf_tiles_linear", &gguf_tiles_linear, "gguf_linear widened to bfloat16 tiles: bit for bit the dequantized");
+  m.def("gguf_tiles_linear_silu", &gguf_tiles_linear_silu, "gguf_linear_silu widened to bfloat16 tiles");
+  m.def("gguf_kernel", &gguf_kernel, "the kept-GGUF kernel here: amx (tiles), vnni (int8 activations) or none");
+  m.def("gguf_vnni_linear", &gguf_vnni_linear, "x @ w.T (+ b), w in GGML blocks packed as quads, x as int8 blocks");
+  m.def("gguf_vnni_linear_silu", &gguf_vnni_linear_silu, "silu(gate) * up of GGML gate/up block pairs as quads");
   m.def("dpbf16_linear", &dpbf16_linear, "bf16_linear with AVX512-BF16 dot products");
   m.def("f32_panels_available", &f32_panels_available, "whether this build has the float32 panel matmul");
   m.def("f32_pack", &f32_pack, "a [N, K] float32 weight in 16-feature panels [N/16, K, 16]");

@@ -16,6 +16,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <string>
 
 #include "tile_gemm.h"
 
@@ -157,7 +158,7 @@ void check_packed(const torch::Tensor& x, const torch::Tensor& packed) {
 
 // x [M, K] bfloat16, packed [N/16, K/32, tile bytes] (the type from the tile size), bias [N] or none -> [M, N]
 // bfloat16.
-torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed,
+torch::Tensor gguf_tiles_linear(const torch::Tensor& x, const torch::Tensor& packed,
                           const c10::optional<torch::Tensor>& bias) {
 #ifdef TOKENMILL_DPBF16
   check_packed(x, packed);
@@ -177,7 +178,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed,
 
 // silu(x @ gate.T) * (x @ up.T) from a gate/up weight packed in gate, up block pairs ([I/16, 2, K/32, tile
 // bytes], gguf_pack with pairs): [M, K] -> [M, I], as bf16_linear_silu for bfloat16.
-torch::Tensor gguf_linear_silu(const torch::Tensor& x, const torch::Tensor& pairs) {
+torch::Tensor gguf_tiles_linear_silu(const torch::Tensor& x, const torch::Tensor& pairs) {
 #ifdef TOKENMILL_DPBF16
   TORCH_CHECK(pairs.dim() == 4 && pairs.size(1) == 2, "a gate/up weight packed by gguf_pack in pairs");
   const auto packed = pairs.view({2 * pairs.size(0), pairs.size(2), pairs.size(3)});
@@ -193,4 +194,34 @@ torch::Tensor gguf_linear_silu(const torch::Tensor& x, const torch::Tensor& pair
 #else
   TORCH_CHECK(false, "this build has no AVX512-BF16 kernels (the CPU it was built for lacks them)");
 #endif
+}
+
+// The kept-GGUF kernel this build and process run: "amx" (tiles, bit for bit the dequantized model), "vnni" (int8
+// activations, gguf_vnni.cpp), or "" (none: the blocks are dequantized by the torch reference).
+std::string gguf_kernel() {
+#ifdef TOKENMILL_AMX
+  if (request_amx()) return "amx";
+#endif
+#ifdef TOKENMILL_VNNI
+  return "vnni";
+#else
+  return "";
+#endif
+}
+
+// gguf_vnni.cpp
+torch::Tensor gguf_vnni_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                               const c10::optional<torch::Tensor>& bias);
+torch::Tensor gguf_vnni_linear_silu(const torch::Tensor& x, const torch::Tensor& pairs);
+
+// The kept blocks' product on this process's kernel (gguf_kernel(); gguf_pack laid the weight out for it).
+torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                          const c10::optional<torch::Tensor>& bias) {
+  static const std::string kernel = gguf_kernel();
+  return kernel == "vnni" ? gguf_vnni_linear(x, packed, bias) : gguf_tiles_linear(x, packed, bias);
+}
+
+torch::Tensor gguf_linear_silu(const torch::Tensor& x, const torch::Tensor& pairs) {
+  static const std::string kernel = gguf_kernel();
+  return kernel == "vnni" ? gguf_vnni_linear_silu(x, pairs) : gguf_tiles_linear_silu(x, pairs);
 }

@@ -215,6 +215,10 @@ void dp_tiles(const torch::Tensor& x, int64_t K, int64_t NB, int64_t scratch_ele
 
 #endif  // TOKENMILL_DPBF16
 
+#if defined(TOKENMILL_DPBF16) && defined(__AVX512VNNI__)
+#define TOKENMILL_VNNI 1  // csrc/gguf_vnni.cpp
+#endif
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(TOKENMILL_DPBF16)
 #define TOKENMILL_AMX 1
 #include <immintrin.h>

@@ -1,0 +1,230 @@
+// Kept GGUF blocks multiplied as llama.cpp multiplies them, for CPUs with AVX512-VNNI but no AMX (Zen4, Ice Lake,
+// Cascade Lake): each row of x is quantized to int8 per block of 32 (a float32 scale dx = max|x| / 127, as
+// llama.cpp's Q8 activations), and each block's product is an exact integer dot product of the weight's quants
+// with x's (VPDPBUSD: 64 byte products per instruction), scaled in float32:
+//   Q4_0  (q - 8) * d       ->  d dx (sum q qx - 8 sum qx)
+//   Q4_1  q * d + m         ->  d dx sum q qx + m dx sum qx
+//   Q8_0  q * d             ->  d dx (sum (q + 128) qx - 128 sum qx)   (the bytes hold q + 128: VPDPBUSD's
+//                                                                         first operand is unsigned)
+//   Q4_Z  (q - z) * s       ->  s dx (sum q qx - z sum qx)             (AWQ's groups, quant/awq_format.py)
+// Widening every weight to bfloat16 (csrc/gguf_linear.cpp, bit for bit the dequantized model) costs ~16 vector ops
+// per 32 weights and made a one-row step slower than bfloat16's; this costs ~2, so a decode step is bound by
+// the bytes of the blocks (a third of bfloat16's). The price is x's rounding to 8 bits (measured in BENCHMARKS.md,
+// "Quantized serving"). Each output element is the same sequence of operations whatever the batch (the integer
+// sums are exact; the float32 ones run block after block), so a row's result never depends on its batch.
+//
+// Packed at load (quant/gguf_tiles.py, layout "quads") per 16 features x 32 K, with gguf_pack's fields:
+//   Q4: 4 x 64 bytes: vector t, dword lane j, byte i = feature j's quant byte 4t + i (its low nibble is K 4t + i,
+//       its high nibble K 16 + 4t + i), so one AND or one shift gives the unsigned bytes of four K quads.
+//   Q8_0: 8 x 64 bytes: vector t, lane j, byte i = feature j's q[4t + i] + 128.
+//   then the fields as in the tiles: 16 float16 d (s), Q4_1's 16 float16 m, Q4_Z's 16 uint8 z.
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "tile_gemm.h"
+
+#ifdef TOKENMILL_VNNI
+namespace {
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_Z = 256;  // as gguf_linear.cpp
+}
+#endif
+
+#ifdef TOKENMILL_VNNI
+namespace {
+
+// x [M, K] bfloat16 as int8 blocks of 32: q [M, K], per block the scale dx and the sum of its quants.
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> sum;
+};
+
+// Built without -ffast-math: 127 / max|x| must be a true division (not a reciprocal estimate), so x's rounding
+// is reproducible (a value at k + 0.5 rounds the same here and in a reference).
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+QuantizedRows quantize_rows(const torch::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), KB = K / 32;
+  const auto xs = x.stride(1) == 1 ? x : x.contiguous();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>());
+  QuantizedRows out{std::vector<int8_t>(M * K), std::vector<float>(M * KB), std::vector<int32_t>(M * KB)};
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        const uint16_t* src = xp + m * xs.stride(0) + kb * 32;
+        const __m512 a = bf16x16_to_ps(src), b = bf16x16_to_ps(src + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+        const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        // nearest, ties to even (the default rounding mode); |x| * 127 / amax rounds to at most 127
+        const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+        const __m512i hi = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+        int8_t* dst = out.q.data() + m * K + kb * 32;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(lo));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(hi));
+        out.scale[m * KB + kb] = d;
+        out.sum[m * KB + kb] = _mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi));
+      }
+    }
+  });
+  return out;
+}
+#pragma GCC pop_options
+
+// The int32 dot products of one 16-feature x 32-K tile's quants (8 vectors of unsigned quads) with a row's
+// 32 int8 activations: lane j = sum over K of feature j's quant times x's.
+inline __m512i tile_dot(const __m512i (&w)[8], const int8_t* qx) {
+  __m512i s = _mm512_setzero_si512();
+  for (int t = 0; t < 8; ++t) {
+    int32_t quad;
+    std::memcpy(&quad, qx + 4 * t, sizeof(quad));
+    s = _mm512_dpbusd_epi32(s, w[t], _mm512_set1_epi32(quad));
+  }
+  return s;
+}
+
+// A tile's quants as 8 vectors of unsigned bytes, vector t holding K quad t (K 4t .. 4t + 3) of each feature.
+template <int64_t Type>
+inline void load_quads(const uint8_t* tile, __m512i (&w)[8]) {
+  if constexpr (Type == kQ8_0) {
+    for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(tile + 64 * t);
+  } else {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int t = 0; t < 4; ++t) {
+      const __m512i v = _mm512_loadu_si512(tile + 64 * t);
+      w[t] = _mm512_and_si512(v, low);
+      w[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+  }
+}
+
+template <int64_t Type>
+constexpr int64_t quant_bytes() { return Type == kQ8_0 ? 512 : 256; }
+
+// Rows [m0, m0 + Rows) times column blocks nb (and nb + 1 if Cols == 2): float32 results into c [Rows x 32].
+template <int64_t Type, int Rows, int Cols>
+void vnni_block(const QuantizedRows& xq, int64_t K, int64_t m0, const uint8_t* w0, int64_t KB, int64_t tile_bytes,
+                float* c) {
+  __m512 acc[Rows][Cols];
+  for (int r = 0; r < Rows; ++r)
+    for (int j = 0; j < Cols; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    for (int j = 0; j < Cols; ++j) {
+      const uint8_t* tile = w0 + (j * KB + kb) * tile_bytes;
+      const uint8_t* fields = tile + quant_bytes<Type>();
+      __m512i w[8];
+      load_quads<Type>(tile, w);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(fields)));
+      __m512 mins = _mm512_setzero_ps();
+      __m512i zero_points = _mm512_set1_epi32(Type == kQ4_0 ? 8 : Type == kQ8_0 ? 128 : 0);
+      if constexpr (Type == kQ4_1)
+        mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(fields + 32)));
+      if constexpr (Type == kQ4_Z)
+        zero_points = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(fields + 32)));
+      for (int r = 0; r < Rows; ++r) {
+        const int64_t row = (m0 + r) * (K / 32) + kb;
+        const int8_t* qx = xq.q.data() + (m0 + r) * K + kb * 32;
+        const float dx = xq.scale[row];
+        const int32_t sx = xq.sum[row];
+        __m512i s = tile_dot(w, qx);
+        if constexpr (Type != kQ4_1) s = _mm512_sub_epi32(s, _mm512_mullo_epi32(zero_points, _mm512_set1_epi32(sx)));
+        acc[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(s), acc[r][j]);
+        if constexpr (Type == kQ4_1) acc[r][j] = _mm512_fmadd_ps(mins, _mm512_set1_ps(dx * sx), acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int j = 0; j < Cols; ++j) _mm512_storeu_ps(c + r * 32 + j * 16, acc[r][j]);
+}
+
+template <int64_t Type, int Cols>
+void vnni_rows(const QuantizedRows& xq, int64_t K, int64_t m0, int64_t rows, const uint8_t* w0, int64_t KB,
+               int64_t tile_bytes, float* c) {
+  switch (rows) {
+    case 4: vnni_block<Type, 4, Cols>(xq, K, m0, w0, KB, tile_bytes, c); break;
+    case 3: vnni_block<Type, 3, Cols>(xq, K, m0, w0, KB, tile_bytes, c); break;
+    case 2: vnni_block<Type, 2, Cols>(xq, K, m0, w0, KB, tile_bytes, c); break;
+    default: vnni_block<Type, 1, Cols>(xq, K, m0, w0, KB, tile_bytes, c); break;
+  }
+}
+
+// The loop over 32-feature column pairs and 4-row blocks of x [M, K], as dp_tiles: float32 results of rows
+// [m0, m0 + rows) and column blocks nb, nb + 1 go to epilogue(c, m0, rows, nb, two_cols).
+template <int64_t Type, typename Epilogue>
+void vnni_tiles(const torch::Tensor& x, const torch::Tensor& packed, const Epilogue& epilogue) {
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), KB = packed.size(1), tile_bytes = packed.size(2);
+  if (M == 0) return;
+  const QuantizedRows xq = quantize_rows(x);
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  for_column_pairs(NB, [&](int64_t begin, int64_t end) {
+    alignas(64) float c[kDpRows * 32];
+    for (int64_t q = begin; q < end; ++q) {
+      const int64_t nb = 2 * q;
+      const bool two_cols = nb + 1 < NB;
+      const uint8_t* w0 = wp + nb * KB * tile_bytes;
+      for (int64_t m0 = 0; m0 < M; m0 += kDpRows) {
+        const int64_t rows = std::min(kDpRows, M - m0);
+        if (two_cols) vnni_rows<Type, 2>(xq, K, m0, rows, w0, KB, tile_bytes, c);
+        else vnni_rows<Type, 1>(xq, K, m0, rows, w0, KB, tile_bytes, c);
+        epilogue(c, m0, rows, nb, two_cols);
+      }
+    }
+  });
+}
+
+template <typename Epilogue>
+void vnni_any(const torch::Tensor& x, const torch::Tensor& packed, const Epilogue& epilogue) {
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "a weight packed by gguf_pack(layout='quads'): [N/16, K/32, tile bytes] uint8");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "[M, K] bfloat16 input");
+  TORCH_CHECK(x.size(1) == packed.size(1) * 32, "input has ", x.size(1), " features, the weight ",
+              packed.size(1) * 32);
+  switch (packed.size(2)) {
+    case 256 + 32: vnni_tiles<kQ4_0>(x, packed, epilogue); break;
+    case 256 + 64: vnni_tiles<kQ4_1>(x, packed, epilogue); break;
+    case 512 + 32: vnni_tiles<kQ8_0>(x, packed, epilogue); break;
+    case 256 + 48: vnni_tiles<kQ4_Z>(x, packed, epilogue); break;
+    default: TORCH_CHECK(false, "not a packed Q4_0, Q4_1, Q8_0 or Q4_Z weight (tiles of ", packed.size(2), " bytes)");
+  }
+}
+
+}  // namespace
+#endif
+
+// x [M, K] bfloat16, packed [N/16, K/32, tile bytes] in the quads layout, bias [N] or none -> [M, N] bfloat16.
+torch::Tensor gguf_vnni_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                               const c10::optional<torch::Tensor>& bias) {
+#ifdef TOKENMILL_VNNI
+  const int64_t N = packed.size(0) * kTileN;
+  auto y = torch::empty({x.size(0), N}, x.options());
+  const FloatBias b = float_bias(bias);
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  vnni_any(x, packed, [&](const float* c, int64_t m0, int64_t rows, int64_t nb, bool two_cols) {
+    write_rows(c, nullptr, b.p, yp, N, m0, rows, nb * kTileN, two_cols ? 2 * kTileN : kTileN);
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "this build has no AVX512-VNNI kernels (the CPU it was built for lacks them)");
+  return torch::Tensor();
+#endif
+}
+
+// silu(x @ gate.T) * (x @ up.T) from gate/up block pairs in the quads layout ([I/16, 2, K/32, tile bytes]).
+torch::Tensor gguf_vnni_linear_silu(const torch::Tensor& x, const torch::Tensor& pairs) {
+#ifdef TOKENMILL_VNNI
+  TORCH_CHECK(pairs.dim() == 4 && pairs.size(1) == 2, "a gate/up weight packed by gguf_pack in pairs");
+  const int64_t I = pairs.size(0) * kTileN;
+  auto y = torch::empty({x.size(0), I}, x.options());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  vnni_any(x, pairs.view({2 * pairs.size(0), pairs.size(2), pairs.size(3)}),
+           [&](const float* c, int64_t m0, int64_t rows, int64_t nb, bool) {
+             write_silu_rows(c, nullptr, nullptr, yp, I, m0, rows, (nb / 2) * kTileN);
+           });
+  return y;
+#else
+  TORCH_CHECK(false, "this build has no AVX512-VNNI kernels (the CPU it was built for lacks them)");
+  return torch::Tensor();
+#endif
+}
