@@ -343,6 +343,13 @@ def dequantize(raw: np.ndarray | torch.Tensor, ggml_type: int, shape: Sequence[i
     return out
 
 
+def decode_rows(rows: torch.Tensor, ggml_type: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """Whole rows of blocks [n, row bytes] uint8 -> [n, cols] in `dtype`, the values `dequantize` gives them,
+    without its checks and chunks: a kept embedding's lookup, once per step (one row's lookup 0.17 -> 0.13 ms
+    of a 4 ms decode step)."""
+    return _decode(rows.reshape(-1), int(ggml_type), (rows.shape[0], cols)).to(dtype)
+
+
 def _decode(raw_u8: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor:
     """float32 values of `shape` from exactly the bytes they take."""
     fn = _DEQUANTIZERS.get(ggml_type)

@@ -17,7 +17,7 @@ from torch import nn
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.linear import DenseLinearMethod, Linear, copy_checked
-from tokenmill.quant.gguf import GGMLBlocks, dequantize
+from tokenmill.quant.gguf import GGMLBlocks, decode_rows
 from tokenmill.quant.gguf import kept_gguf_type as kept
 
 
@@ -29,7 +29,7 @@ def embedding_rows(blocks: GGMLBlocks, dtype: torch.dtype) -> Callable[[torch.Te
     def rows(ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         picked = data.index_select(0, flat.to(data.device))
-        return dequantize(picked, blocks.ggml_type, (flat.numel(), cols), dtype).to(ids.device).view(*ids.shape, cols)
+        return decode_rows(picked, blocks.ggml_type, cols, dtype).to(ids.device).view(*ids.shape, cols)
 
     return rows
 
