@@ -73,9 +73,10 @@ def attention(batch: int, context: int) -> None:
         return
     cases = [(f"decode {batch} x {context} keys", [(context, 1)] * batch),
              ("prefill 4 x 128 tokens at 128", [(256, 128)] * 4), ("prefill 512 tokens at 0", [(512, 512)])]
-    amx = ops.amx_attention_applies(16, 64, 9, 3)
+    dots = ops.tile_attention_applies(16, 64, 9, 3)
+    kind = "AMX tiles" if ops.amx_attention_applies(16, 64, 9, 3) else "AVX512-BF16 dot products"
     print("paged attention, GQA 9/3, head_dim 64, 16-token blocks scattered over the pool, ms per layer")
-    print("case | float32 | bfloat16 vectors | bfloat16 AMX tiles")
+    print(f"case | float32 | bfloat16 vectors | bfloat16 {kind}")
     for name, contexts in cases:
         blocks = [(ctx + 15) // 16 for ctx, _ in contexts]
         pool = sum(blocks) + 8
@@ -93,9 +94,9 @@ def attention(batch: int, context: int) -> None:
         q32 = torch.randn(len(rows), 9, 64)
         cells = []
         for dtype, fn in ((torch.float32, ops.paged_attention), (torch.bfloat16, ops.paged_attention_vectors),
-                          (torch.bfloat16, ops.paged_attention if amx else None)):
+                          (torch.bfloat16, ops.paged_attention if dots else None)):
             if fn is None:
-                cells.append("n/a (no AMX)")
+                cells.append("n/a (no AMX or AVX512-BF16)")
                 continue
             q, k, v = q32.to(dtype), k32.to(dtype), v32.to(dtype)
             cells.append(f"{best_ms(lambda: fn(q, k, v, tables, rows_t, lens_t, 0.125), iters=10):.3f}")

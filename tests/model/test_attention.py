@@ -275,23 +275,27 @@ def test_paged_attention_only_paged_tokens_and_only_fresh_spans(backend):
         torch.testing.assert_close(out2[i:i + 1].double(), want, atol=1e-5, rtol=1e-5)
 
 
-# ---- the AMX tile kernel (csrc/amx_attention.cpp): bfloat16 caches, 16-token blocks -----------------------------
+# ---- the bf16 dot-product kernel (csrc/tile_attention.cpp: AMX tiles, else AVX512-BF16): bfloat16 caches, 16-token
+# blocks ------------------------------------------------------------------------------------------------------------
 
-AMX_ATTENTION = _extension() is not None and _extension().amx_attention_applies(16, 64, 9, 3)
-needs_amx = pytest.mark.skipif(not AMX_ATTENTION, reason="no AMX on this CPU: paged attention runs the vector kernel")
+TILE_ATTENTION = _extension() is not None and _extension().tile_attention_applies(16, 64, 9, 3)
+needs_tiles = pytest.mark.skipif(not TILE_ATTENTION,
+                               reason="no AMX or AVX512-BF16 on this CPU: paged attention runs the vector kernel")
 
 
-def test_amx_attention_applies_where_the_cpu_has_amx():
+def test_tile_attention_applies_where_the_cpu_has_bf16_dot_products():
     ops = _extension()
+    assert ops.tile_attention_applies(16, 64, 9, 3) == (ops.bf16_kernel() != "")
     assert ops.amx_attention_applies(16, 64, 9, 3) == (ops.bf16_kernel() == "amx")
-    assert not ops.amx_attention_applies(32, 64, 9, 3)  # tiles hold 16 keys
-    assert not ops.amx_attention_applies(16, 80, 8, 2)  # head_dim in 32-element tile rows
-    assert not ops.amx_attention_applies(16, 64, 34, 2)  # at most 16 query heads per tile
+    for applies in (ops.tile_attention_applies, ops.amx_attention_applies):
+        assert not applies(32, 64, 9, 3)  # tiles hold 16 keys
+        assert not applies(16, 80, 8, 2)  # head_dim in 32-element tile rows
+        assert not applies(16, 64, 34, 2)  # at most 16 query heads per tile
 
 
-@needs_amx
+@needs_tiles
 @pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 4), (64, 1), (32, 16)])
-def test_amx_attention_rows_do_not_depend_on_their_tile(head_dim, group):
+def test_tile_attention_rows_do_not_depend_on_their_tile(head_dim, group):
     """A prefill chunk's tokens share tiles of up to 16 / group tokens; each token's output is bit-identical
     to the token computed alone (a decode), and to the chunk split at other points."""
     kernel = paged_attention_kernel()
@@ -308,8 +312,8 @@ def test_amx_attention_rows_do_not_depend_on_their_tile(head_dim, group):
     torch.testing.assert_close(together.double(), exact, atol=2e-2, rtol=1e-2)
 
 
-@needs_amx
-def test_amx_attention_agrees_with_the_vector_kernel():
+@needs_tiles
+def test_tile_attention_agrees_with_the_vector_kernel():
     """Tiles round the probabilities to bfloat16 before P.V (as PyTorch's CPU flash attention does); the vector
     kernel keeps them in float32. Both stay within a bfloat16 rounding or two of each other."""
     ops = _extension()
@@ -319,8 +323,8 @@ def test_amx_attention_agrees_with_the_vector_kernel():
     torch.testing.assert_close(tiles.float(), vectors.float(), atol=2e-2, rtol=2e-2)
 
 
-@needs_amx
-def test_amx_attention_never_reads_stale_slots_of_a_partial_block():
+@needs_tiles
+def test_tile_attention_never_reads_stale_slots_of_a_partial_block():
     """Cache slots past kv_len in a request's last block hold whatever was there (here NaN and huge values):
     the output does not change."""
     kernel = paged_attention_kernel()
@@ -335,8 +339,8 @@ def test_amx_attention_never_reads_stale_slots_of_a_partial_block():
     assert torch.equal(kernel(q, kc, vc, tables, rows, lens, scale), before)
 
 
-@needs_amx
-def test_amx_attention_large_scores_are_stable():
+@needs_tiles
+def test_tile_attention_large_scores_are_stable():
     kernel = paged_attention_kernel()
     args = make_paged_batch(3, torch.bfloat16, 3, 64, 16, contexts_for(16), q_gain=60.0)
     got = kernel(*args)

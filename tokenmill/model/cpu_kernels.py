@@ -16,7 +16,7 @@ log = logging.getLogger("tokenmill")
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in
             ("cpu_kernels.cpp", "bf16_linear.cpp", "int8_linear.cpp", "gguf_linear.cpp", "gguf_vnni.cpp",
-             "f32_linear.cpp", "amx_attention.cpp")]
+             "f32_linear.cpp", "tile_attention.cpp")]
 # part of the build's name too: a change rebuilds
 _HEADERS = [Path(__file__).parent / "csrc" / name for name in ("simd.h", "tile_gemm.h")]
 

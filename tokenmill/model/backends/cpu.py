@@ -88,7 +88,9 @@ class CpuBackend(TorchBackend):
         bf16 = self.bf16_kernel or "oneDNN / skinny GEMV"
         f32 = "panels" if self.f32_panels else "oneDNN / skinny GEMV"
         amx = getattr(self.ops, "amx_attention_applies", None)
-        attention = "AMX tiles for bf16 16-token blocks, else vectors" if amx and amx(16, 64, 2, 1) else "vectors"
+        dots = getattr(self.ops, "tile_attention_applies", None)
+        attention = ("AMX tiles for bf16 16-token blocks, else vectors" if amx and amx(16, 64, 2, 1) else
+                     "AVX512-BF16 for bf16 16-token blocks, else vectors" if dots and dots(16, 64, 2, 1) else "vectors")
         gguf = {"amx": "AMX tiles", "vnni": "VNNI, int8 activations"}.get(self.gguf_kernel, "dequantized per call")
         return (f"cpu (C++ kernels, cpu {cpu_tag()}, isa: {cpu_isa() or 'baseline'}; matmuls: bf16 {bf16}, "
                 f"f32 {f32}, GGUF blocks {gguf}; paged attention: {attention})")

@@ -466,17 +466,19 @@ void attend(const T* q, const C* k_cache, const C* v_cache, const int64_t* block
 
 }  // namespace
 
-// csrc/amx_attention.cpp, for C = uint16_t (a bfloat16 cache) and uint8_t (FP8 e4m3 codes)
+// csrc/tile_attention.cpp, for C = uint16_t (a bfloat16 cache) and uint8_t (FP8 e4m3 codes)
 template <typename C>
-bool amx_attention(const uint16_t* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
+bool tile_attention(const uint16_t* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                    const int64_t* q_rows, const int64_t* kv_lens, uint16_t* out, int64_t num_tokens, int64_t num_heads,
                    int64_t num_kv_heads, int64_t D, int64_t block_size, int64_t max_blocks, float scale);
 
 bool amx_attention_applies(int64_t block_size, int64_t head_dim, int64_t num_heads, int64_t num_kv_heads);
+bool tile_attention_applies(int64_t block_size, int64_t head_dim, int64_t num_heads, int64_t num_kv_heads);
 
 // q [T, H, D]; k_cache, v_cache [blocks, block_size, KVH, D]; block_tables [R, max_blocks] int64;
 // q_rows [T] int64 (row of block_tables per query token); kv_lens [T] int64; returns [T, H, D].
-// tiles: a bfloat16 cache goes to the AMX kernel where it applies (false: always the vector kernel below).
+// tiles: a bfloat16 cache goes to the bf16 dot-product kernel (AMX or AVX512-BF16) where it applies (false:
+// always the vector kernel below).
 torch::Tensor attention_on(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                            torch::Tensor q_rows, torch::Tensor kv_lens, double scale, bool tiles) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
@@ -490,11 +492,11 @@ torch::Tensor attention_on(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = k_cache.size(2), BS = k_cache.size(1), MB = block_tables.size(1);
   TORCH_CHECK(H % KVH == 0, "heads must be a multiple of KV heads");
-  if (fp8) {  // AMX tiles over rows widened to bfloat16 where they apply, else the vector kernel (a table decode)
+  if (fp8) {  // bf16 products over rows widened to bfloat16 where they apply, else the vector kernel
     const uint8_t* kc = reinterpret_cast<const uint8_t*>(k_cache.data_ptr());
     const uint8_t* vc = reinterpret_cast<const uint8_t*>(v_cache.data_ptr());
     if (tiles && q.scalar_type() == at::kBFloat16 &&
-        amx_attention(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), kc, vc,
+        tile_attention(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), kc, vc,
                       block_tables.data_ptr<int64_t>(), q_rows.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(),
                       reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), T, H, KVH, D, BS, MB,
                       static_cast<float>(scale)))
@@ -507,13 +509,13 @@ torch::Tensor attention_on(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     return out;
   }
   if (tiles && q.scalar_type() == at::kBFloat16 &&
-      amx_attention(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
+      tile_attention(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
                     reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
                     reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()),
                     block_tables.data_ptr<int64_t>(), q_rows.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(),
                     reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), T, H, KVH, D, BS, MB,
                     static_cast<float>(scale)))
-    return out;  // AMX tiles (csrc/amx_attention.cpp)
+    return out;  // AMX tiles or AVX512-BF16 (csrc/tile_attention.cpp)
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     attend<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                      block_tables.data_ptr<int64_t>(), q_rows.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(),
@@ -528,7 +530,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   return attention_on(q, k_cache, v_cache, block_tables, q_rows, kv_lens, scale, true);
 }
 
-// The vector kernel whatever the dtype (benchmarks and tests compare it with the AMX one).
+// The vector kernel whatever the dtype (benchmarks and tests compare it with the bf16 dot-product one).
 torch::Tensor paged_attention_vectors(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_tables, torch::Tensor q_rows, torch::Tensor kv_lens,
                                       double scale) {
@@ -939,8 +941,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_panels_available", &f32_panels_available, "whether this build has the float32 panel matmul");
   m.def("f32_pack", &f32_pack, "a [N, K] float32 weight in 16-feature panels [N/16, K, 16]");
   m.def("f32_linear", &f32_linear, "x @ w.T (+ b), w from f32_pack; batch-invariant");
-  m.def("paged_attention_vectors", &paged_attention_vectors, "paged_attention on the vector kernel, never AMX tiles");
+  m.def("paged_attention_vectors", &paged_attention_vectors, "paged_attention on the float32 vector kernel only");
   m.def("amx_attention_applies", &amx_attention_applies,
         "whether paged_attention runs on AMX tiles for a bf16 cache of this block size, head_dim and heads");
+  m.def("tile_attention_applies", &tile_attention_applies,
+        "whether paged_attention runs bf16 dot products (AMX or AVX512-BF16) for a bf16 cache of this shape");
   m.def("decoder_layer", &decoder_layer, "a whole decoder layer for an all-paged batch, residual updated in place");
 }

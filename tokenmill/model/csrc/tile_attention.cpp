@@ -1,6 +1,7 @@
-// Paged attention over a bfloat16 KV cache on Intel AMX tiles: the product of the query heads with a block's
-// keys, and of the probabilities with its values, are tile dot products (bf16 in, float32 out) instead of one
-// key at a time in float32 vectors. The online softmax between them stays in float32 vectors.
+// Paged attention over a bfloat16 KV cache with bfloat16 dot products: the product of the query heads with a
+// block's keys, and of the probabilities with its values, are bf16-in, float32-out dot products, on Intel AMX
+// tiles where the CPU has them, else with AVX512-BF16 (Zen4, Cooper Lake), instead of one key at a time in float32
+// vectors with every cache element converted. The online softmax between them stays in float32 vectors.
 //
 // A work item is a KV head of a tile of query tokens: up to 16 / G consecutive tokens of one request (a prefill
 // chunk; a decode token is a tile of one), whose M = tokens x G query heads are the columns of S^T and the
@@ -11,6 +12,8 @@
 //   P           = exp(S * scale - running max), rounded to bfloat16 (as PyTorch's CPU flash attention rounds
 //                 its probabilities before the second product), 0 for keys a row does not see;
 //   O [M x D]  += P [M x 16] . V          V's rows interleaved in pairs (VNNI), 16 output dims per tile.
+// Without AMX the same products run on AVX512-BF16 (`Dots`): S row by row with the keys in the vector lanes
+// (each 32-dim chunk of K transposed into dim pairs once per block), P.V row by row with 16 dims in the lanes.
 // Every row is its own computation: a tile dot product computes each output element from its own A row and B
 // column, and a row's softmax never looks at another row. A token walks its blocks in the same order with the
 // same masks alone or in a tile (blocks past its context add exact zeros), so decode and prefill, alone or
@@ -30,21 +33,25 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define TOKENMILL_AMX_ATTENTION 1
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define TOKENMILL_DP_ATTENTION 1
 #include <immintrin.h>
 
 #include "simd.h"
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define TOKENMILL_AMX_ATTENTION 1
+#endif
 #endif
 
 std::string bf16_kernel();  // bf16_linear.cpp: "amx" once the OS has granted this process the tile state
 
 namespace {
 
-#ifdef TOKENMILL_AMX_ATTENTION
+#ifdef TOKENMILL_DP_ATTENTION
 constexpr int64_t kKeys = 16;     // keys per cache block: the rows of K, the columns of S
 constexpr int64_t kMaxDim = 256;  // head_dim this kernel takes (a multiple of 32)
 
+#ifdef TOKENMILL_AMX_ATTENTION
 // Tiles: 0 K (A, 16 keys x 32 dims), 1 Q^T (B, 16 dim pairs x M), 2 S^T (C, 16 keys x M), 3 P (A, M x 16 keys),
 // 4 V (B, 8 key pairs x 16 dims), 5 P.V (C, M x 16 dims).
 void configure_tiles(int64_t M) {
@@ -59,6 +66,7 @@ void configure_tiles(int64_t M) {
   }
   _tile_loadconfig(&cfg);
 }
+#endif
 
 // Transpose of a 16 x 16 matrix of 32-bit elements held as 16 rows.
 inline void transpose16(__m512i r[16]) {
@@ -111,6 +119,7 @@ inline __m512i e4m3_to_bf16(const uint8_t* src) {
 struct Scratch {
   alignas(64) uint32_t qt[kMaxDim / 32][16][16];    // B per 32 dims: [dim pair][row] (bf16 pairs of Q)
   alignas(64) float st[16][16];                     // S^T: [key][row]
+  alignas(64) uint32_t kt[kMaxDim / 32][16][16];    // K per 32 dims: [dim pair][key] (Dots)
   alignas(64) float s[16][16];                      // S: [row][key]
   alignas(64) uint16_t p[16][16];                   // P in bfloat16: [row][key]
   alignas(64) uint16_t v[kMaxDim / 16][8][32];      // B per 16 dims: [key pair][dim][2]
@@ -160,12 +169,21 @@ inline void rows_of(Scratch& w, int64_t M) {
 
 }  // namespace
 
-// Whether amx_attention takes a bfloat16 cache of this shape on this machine.
+// Whether tile_attention takes a bfloat16 cache of this shape on this machine (AMX or AVX512-BF16).
+bool tile_attention_applies(int64_t block_size, int64_t head_dim, int64_t num_heads, int64_t num_kv_heads) {
+#ifdef TOKENMILL_DP_ATTENTION
+  return block_size == kKeys && head_dim % 32 == 0 && head_dim <= kMaxDim && num_kv_heads > 0 &&
+         num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= 16;
+#else
+  return false;
+#endif
+}
+
+// ... and does so on AMX tiles.
 bool amx_attention_applies(int64_t block_size, int64_t head_dim, int64_t num_heads, int64_t num_kv_heads) {
 #ifdef TOKENMILL_AMX_ATTENTION
   static const bool amx = bf16_kernel() == "amx";
-  return amx && block_size == kKeys && head_dim % 32 == 0 && head_dim <= kMaxDim && num_kv_heads > 0 &&
-         num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= 16;
+  return amx && tile_attention_applies(block_size, head_dim, num_heads, num_kv_heads);
 #else
   return false;
 #endif
@@ -173,10 +191,76 @@ bool amx_attention_applies(int64_t block_size, int64_t head_dim, int64_t num_hea
 
 namespace {
 #ifdef TOKENMILL_AMX_ATTENTION
-// attend() (cpu_kernels.cpp) on AMX tiles for a bfloat16 cache (C = uint16_t, bf16 bits) or an FP8 e4m3 one
+// A block's two products on AMX tiles.
+struct Tiles {
+  int64_t configured = -1;
+  void start(int64_t M) {
+    if (M != configured) configure_tiles(M);
+    configured = M;
+  }
+  // S [M x 16] = Q . K^T: S^T = K [16 x D] . Q^T on tiles (rows past n are stale cache slots: their scores are
+  // masked), then turned into rows.
+  void scores(Scratch& w, const uint16_t* k_rows, int64_t rows_stride, int64_t M, int64_t D) const {
+    _tile_zero(2);
+    for (int64_t c = 0; c < D / 32; ++c) {
+      _tile_loadd(0, k_rows + 32 * c, rows_stride * sizeof(uint16_t));
+      _tile_loadd(1, w.qt[c], 64);
+      _tile_dpbf16ps(2, 0, 1);
+    }
+    _tile_stored(2, w.st, 64);
+    rows_of(w, M);
+  }
+  // pv [M x 16] = P [M x 16 keys] . V for dims [16 sl, 16 sl + 16) (P is loaded once, at sl = 0).
+  void values(Scratch& w, int64_t sl, int64_t) const {
+    if (sl == 0) _tile_loadd(3, w.p, 32);
+    _tile_zero(5);
+    _tile_loadd(4, w.v[sl], 64);
+    _tile_dpbf16ps(5, 3, 4);
+    _tile_stored(5, w.pv, 64);
+  }
+  void finish() const { _tile_release(); }
+};
+#endif
+
+#ifdef TOKENMILL_DP_ATTENTION
+// The same products with AVX512-BF16 dot products, row by row.
+struct Dots {
+  void start(int64_t) const {}
+  // S row r: the 16 keys in the lanes, summed over Q's dim pairs against K transposed into dim pairs.
+  void scores(Scratch& w, const uint16_t* k_rows, int64_t rows_stride, int64_t M, int64_t D) const {
+    for (int64_t c = 0; c < D / 32; ++c) {
+      __m512i r[16];  // key j's 16 dim pairs of this chunk
+      for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(k_rows + j * rows_stride + 32 * c);
+      transpose16(r);  // r[i]: dim pair i of the 16 keys
+      for (int i = 0; i < 16; ++i) _mm512_store_si512(w.kt[c][i], r[i]);
+    }
+    for (int64_t row = 0; row < M; ++row) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t c = 0; c < D / 32; ++c)
+        for (int i = 0; i < 16; ++i)
+          acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(w.qt[c][i][row])),
+                                 (__m512bh)_mm512_load_si512(w.kt[c][i]));
+      _mm512_store_ps(w.s[row], acc);
+    }
+  }
+  // pv row r for dims [16 sl, 16 sl + 16): the dims in the lanes, summed over P's key pairs.
+  void values(Scratch& w, int64_t sl, int64_t M) const {
+    for (int64_t row = 0; row < M; ++row) {
+      const uint32_t* pairs = reinterpret_cast<const uint32_t*>(w.p[row]);
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t pr = 0; pr < kKeys / 2; ++pr)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[pr])),
+                               (__m512bh)_mm512_load_si512(w.v[sl][pr]));
+      _mm512_store_ps(w.pv[row], acc);
+    }
+  }
+  void finish() const {}
+};
+
+// attend() (cpu_kernels.cpp) with bfloat16 products (Products: Tiles or Dots) for a bfloat16 cache (C = uint16_t, bf16 bits) or an FP8 e4m3 one
 // (C = uint8_t codes: each block's rows are widened to bfloat16 first, exactly, so the products are the very
 // ones of a bfloat16 cache holding the same values).
-template <typename C>
+template <typename Products, typename C>
 void attend_tiles(const uint16_t* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                   const int64_t* q_rows, const int64_t* kv_lens, uint16_t* out, int64_t num_tokens, int64_t num_heads,
                   int64_t num_kv_heads, int64_t D, int64_t max_blocks, float scale) {
@@ -195,14 +279,11 @@ void attend_tiles(const uint16_t* q, const C* k_cache, const C* v_cache, const i
   const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1;
   at::parallel_for(0, num_tiles * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     auto w = std::make_unique<Scratch>();
-    int64_t configured = -1;
+    Products products;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t tile = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t t0 = tiles[tile], ntok = tiles[tile + 1] - t0, M = ntok * G;
-      if (M != configured) {
-        configure_tiles(M);
-        configured = M;
-      }
+      products.start(M);
       for (int64_t r = 0; r < M; ++r) {  // Q^T in bf16 pairs: qt[chunk][pair][row]
         const uint32_t* qr = reinterpret_cast<const uint32_t*>(q + ((t0 + r / G) * num_heads + h * G + r % G) * D);
         for (int64_t c = 0; c < D / 32; ++c)
@@ -234,15 +315,8 @@ void attend_tiles(const uint16_t* q, const C* k_cache, const C* v_cache, const i
         } else {
           k_rows = k_cache + base, v_rows = v_cache + base, rows_stride = stride;
         }
-        _tile_zero(2);
-        for (int64_t c = 0; c < D / 32; ++c) {  // rows past n are stale cache slots: their scores are masked
-          _tile_loadd(0, k_rows + 32 * c, rows_stride * sizeof(uint16_t));
-          _tile_loadd(1, w->qt[c], 64);
-          _tile_dpbf16ps(2, 0, 1);
-        }
-        _tile_stored(2, w->st, 64);
+        products.scores(*w, k_rows, rows_stride, M, D);
         load_values(*w, v_rows, rows_stride, n, D);
-        rows_of(*w, M);
         for (int64_t r = 0; r < M; ++r) {  // online softmax, one row (query head) at a time
           const int64_t seen = kv_lens[t0 + r / G] - start;  // keys of this block the row sees
           const __mmask16 mask = seen >= kKeys ? __mmask16(0xFFFF) : seen <= 0 ? __mmask16(0) : __mmask16((1u << seen) - 1);
@@ -262,12 +336,8 @@ void attend_tiles(const uint16_t* q, const C* k_cache, const C* v_cache, const i
           w->l[r] = w->l[r] * w->corr[r] + _mm512_reduce_add_ps(rounded);
           w->m[r] = new_m;
         }
-        _tile_loadd(3, w->p, 32);
         for (int64_t sl = 0; sl < D / 16; ++sl) {
-          _tile_zero(5);
-          _tile_loadd(4, w->v[sl], 64);
-          _tile_dpbf16ps(5, 3, 4);
-          _tile_stored(5, w->pv, 64);
+          products.values(*w, sl, M);
           for (int64_t r = 0; r < M; ++r) {
             float* a = w->acc[r] + 16 * sl;
             _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_load_ps(a), _mm512_set1_ps(w->corr[r]), _mm512_load_ps(w->pv[r])));
@@ -283,35 +353,43 @@ void attend_tiles(const uint16_t* q, const C* k_cache, const C* v_cache, const i
         }
       }
     }
-    _tile_release();
+    products.finish();
   });
 }
 #endif
 
 }  // namespace
 
-// attend_tiles for a bfloat16 cache (C = uint16_t, raw bf16 bits) or an FP8 e4m3 one (C = uint8_t codes); q and
-// out are bfloat16 bits. Returns false (and computes nothing) where this kernel does not apply: no AMX here, a
-// block size other than 16, head_dim not a multiple of 32 up to 256, or more than 16 query heads per KV head.
-// Arguments as paged_attention's.
+// attend_tiles for a bfloat16 cache (C = uint16_t, raw bf16 bits) or an FP8 e4m3 one (C = uint8_t codes), on AMX
+// tiles where this process has them, else AVX512-BF16; q and out are bfloat16 bits. Returns false (and computes
+// nothing) where this kernel does not apply: no AVX512-BF16 here, a block size other than 16, head_dim not a
+// multiple of 32 up to 256, or more than 16 query heads per KV head. Arguments as paged_attention's.
 template <typename C>
-bool amx_attention(const uint16_t* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
-                   const int64_t* q_rows, const int64_t* kv_lens, uint16_t* out, int64_t num_tokens, int64_t num_heads,
-                   int64_t num_kv_heads, int64_t D, int64_t block_size, int64_t max_blocks, float scale) {
+bool tile_attention(const uint16_t* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
+                    const int64_t* q_rows, const int64_t* kv_lens, uint16_t* out, int64_t num_tokens,
+                    int64_t num_heads, int64_t num_kv_heads, int64_t D, int64_t block_size, int64_t max_blocks,
+                    float scale) {
+#ifdef TOKENMILL_DP_ATTENTION
+  if (!tile_attention_applies(block_size, D, num_heads, num_kv_heads)) return false;
 #ifdef TOKENMILL_AMX_ATTENTION
-  if (!amx_attention_applies(block_size, D, num_heads, num_kv_heads)) return false;
-  attend_tiles(q, k_cache, v_cache, block_tables, q_rows, kv_lens, out, num_tokens, num_heads, num_kv_heads, D,
-               max_blocks, scale);
+  if (amx_attention_applies(block_size, D, num_heads, num_kv_heads)) {
+    attend_tiles<Tiles>(q, k_cache, v_cache, block_tables, q_rows, kv_lens, out, num_tokens, num_heads,
+                        num_kv_heads, D, max_blocks, scale);
+    return true;
+  }
+#endif
+  attend_tiles<Dots>(q, k_cache, v_cache, block_tables, q_rows, kv_lens, out, num_tokens, num_heads, num_kv_heads,
+                     D, max_blocks, scale);
   return true;
 #else
   return false;
 #endif
 }
 
-#define TOKENMILL_AMX_ATTENTION_FOR(C)                                                                          \
-  template bool amx_attention<C>(const uint16_t*, const C*, const C*, const int64_t*, const int64_t*,          \
-                                 const int64_t*, uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, \
-                                 float);
-TOKENMILL_AMX_ATTENTION_FOR(uint16_t)
-TOKENMILL_AMX_ATTENTION_FOR(uint8_t)
-#undef TOKENMILL_AMX_ATTENTION_FOR
+#define TOKENMILL_TILE_ATTENTION_FOR(C)                                                                          \
+  template bool tile_attention<C>(const uint16_t*, const C*, const C*, const int64_t*, const int64_t*,          \
+                                  const int64_t*, uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, \
+                                  float);
+TOKENMILL_TILE_ATTENTION_FOR(uint16_t)
+TOKENMILL_TILE_ATTENTION_FOR(uint8_t)
+#undef TOKENMILL_TILE_ATTENTION_FOR
