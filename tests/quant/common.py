@@ -31,8 +31,8 @@ SWAP_GAP = 0.5
 def assert_kept_tracks_dense(dense: list, kept: list, exact: bool) -> None:
     """Kept blocks against the dequantized model, request by request (outputs with logprobs >= 2). `exact` (the
     AMX tiles widen to the very bfloat16 weights): the same tokens and logprobs. Else the same tokens up to a
-    step where the dense model's top two were within SWAP_GAP, and every logprob up to there within
-    CLOSE_LOGPROB: a wrong block decode moves logits by whole nats."""
+    step where the kept model chose a token the dense model rated within SWAP_GAP of its best (among its top
+    logprobs), and every logprob up to there within CLOSE_LOGPROB: a wrong block decode moves logits by nats."""
     for a, b in zip(dense, kept, strict=True):
         a, b = a.outputs[0], b.outputs[0]
         if exact:
@@ -43,7 +43,8 @@ def assert_kept_tracks_dense(dense: list, kept: list, exact: bool) -> None:
         for j in range(upto):
             token = a.token_ids[j]
             assert abs(a.logprobs[j][token] - b.logprobs[j][token]) < CLOSE_LOGPROB, f"step {j}"
-        if i is not None:
-            top = sorted(a.logprobs[i].values(), reverse=True)
-            assert top[0] - top[1] <= SWAP_GAP, f"diverged at step {i} with a gap of {top[0] - top[1]:.3f}"
-            assert b.token_ids[i] in a.logprobs[i], "the kept model chose a token outside the dense model's top 2"
+        if i is not None:  # the kept model's choice was a near-tie in the dense model too
+            chosen = a.logprobs[i].get(b.token_ids[i])
+            assert chosen is not None, f"step {i}: the kept model chose a token outside the dense model's top logprobs"
+            gap = max(a.logprobs[i].values()) - chosen
+            assert gap <= SWAP_GAP, f"diverged at step {i} with a gap of {gap:.3f}"

@@ -178,7 +178,7 @@ def test_float_gguf_with_gguf_quantization_stays_dense(tmp_path):
 @needs_kept
 def test_smollm2_kept_blocks_track_the_dequantized_model(tmp_path):
     """The embedded default: Q4_1 layers and a Q8_0 embedding that is also the LM head."""
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
     prompts = ["The capital of France is", "def fibonacci(n):", "Owls are birds that"]
     dense = LLM(dtype="bfloat16", quantization="none", kv_cache_memory=KV)
     kept = LLM(dtype="bfloat16", kv_cache_memory=KV)  # the default where the kernel runs

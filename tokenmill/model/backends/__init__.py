@@ -32,7 +32,8 @@ def select_backend(device: str | torch.device, use_kernels: bool = True, batch_i
     if use_kernels and device.type == "cpu":
         ops = cpu_kernels._extension()
         if ops is not None:
-            backend = CpuBackend(ops, ops.bf16_kernel(), f32_panels=batch_invariant and ops.f32_panels_available())
+            backend = CpuBackend(ops, ops.bf16_kernel(), f32_panels=batch_invariant and ops.f32_panels_available(),
+                                 gguf_kernel=ops.gguf_kernel())
     _log_once(f"backend: {backend.describe()} on {device}")
     return backend
 

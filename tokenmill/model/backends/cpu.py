@@ -77,11 +77,12 @@ class CpuBackend(TorchBackend):
 
     name = "cpu"
 
-    def __init__(self, ops: Any, bf16_kernel: str = "", f32_panels: bool = False):
+    def __init__(self, ops: Any, bf16_kernel: str = "", f32_panels: bool = False, gguf_kernel: str = ""):
         self.ops = ops
         self.bf16_kernel = bf16_kernel  # ops.bf16_kernel(): "amx", "avx512_bf16", or "" (no packed bf16 kernel)
-        # kept GGUF blocks: "amx" (tiles, bit for bit the dequantized model), "vnni" (int8 activations), or ""
-        self.gguf_kernel = ops.gguf_kernel() if hasattr(ops, "gguf_kernel") else ""
+        # ops.gguf_kernel(), for kept GGUF blocks: "amx" (tiles, bit for bit the dequantized model), "vnni" (int8
+        # activations), or "" (the reference dequantizes them)
+        self.gguf_kernel = gguf_kernel
         self.f32_panels = f32_panels  # float32 weights in csrc/f32_linear.cpp's panels (batch-invariant)
 
     def describe(self) -> str:

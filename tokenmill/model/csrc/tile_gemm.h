@@ -31,6 +31,15 @@ void for_column_pairs(int64_t NB, const F& body) {
 }
 
 
+// A thread's scratch of n bfloat16 elements, aligned to 64 bytes: whole-line vector stores.
+struct AlignedScratch {
+  std::vector<uint16_t> store;
+  uint16_t* data;
+  explicit AlignedScratch(int64_t n)
+      : store(n + 32),
+        data(reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(store.data()) + 63) & ~uintptr_t{63})) {}
+};
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define TOKENMILL_DPBF16 1
 #include <immintrin.h>
@@ -187,9 +196,8 @@ void dp_tiles(const torch::Tensor& x, int64_t K, int64_t NB, int64_t scratch_ele
   const int64_t ld = xs.stride(0), row_blocks = (M + kDpRows - 1) / kDpRows;
   for_column_pairs(NB, [&](int64_t begin, int64_t end) {
     alignas(64) float c[kDpRows * 32];
-    std::vector<uint16_t> scratch_store(scratch_elems + 32);  // aligned to 64 bytes: whole-line vector stores
-    uint16_t* scratch = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(scratch_store.data()) + 63) &
-                                                    ~uintptr_t{63});
+    AlignedScratch buffer(scratch_elems);
+    uint16_t* scratch = buffer.data;
     for (int64_t q = begin; q < end; ++q) {
       const int64_t nb = 2 * q;
       const bool two_cols = nb + 1 < NB;
@@ -295,9 +303,8 @@ void amx_tiles(const torch::Tensor& x, int64_t K, int64_t NB, int64_t scratch_el
   for_column_pairs(NB, [&](int64_t begin, int64_t end) {
     configure_gemm_tiles();
     alignas(64) float c[32 * 32];  // the epilogue may work in it
-    std::vector<uint16_t> scratch_store(scratch_elems + 32);  // aligned to 64 bytes: whole-line vector stores
-    uint16_t* scratch = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(scratch_store.data()) + 63) &
-                                                    ~uintptr_t{63});
+    AlignedScratch buffer(scratch_elems);
+    uint16_t* scratch = buffer.data;
     for (int64_t q = begin; q < end; ++q) {
       const int64_t nb = 2 * q;
       const bool two_cols = nb + 1 < NB;
