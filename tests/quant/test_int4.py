@@ -45,9 +45,7 @@ def test_int4_model_runs_kept_blocks_and_tracks_the_dense_model(tmp_path, dtype)
     out = llm.generate(batch, params, use_tqdm=False)
     for a, b in zip(dense, out):
         ta, tb = a.outputs[0], b.outputs[0]
-        # 4-bit rounding of random weights moves a tiny model's logprobs by up to ~0.4 nats (float32), bfloat16's
-        # own rounding by ~0.1 more; a wrong kernel moves them by several
-        assert abs(ta.logprobs[0][ta.token_ids[0]] - tb.logprobs[0][ta.token_ids[0]]) < 0.75
+        assert abs(ta.logprobs[0][ta.token_ids[0]] - tb.logprobs[0][ta.token_ids[0]]) < 0.5
     alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in batch]
     assert alone == [o.outputs[0].token_ids for o in out]
     llm.engine.core.check_idle_invariants()
