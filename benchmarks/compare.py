@@ -193,6 +193,16 @@ def llama_server_version(binary: str) -> str:
     return lines[0] if lines else ""
 
 
+def weights_line(log: Path) -> str:
+    """What tokenmill's start-up said of its weights ('weights: gguf (bfloat16 compute), 96 MiB'): the format it
+    chose for this CPU, read back rather than assumed."""
+    try:
+        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return "weights: unknown (no server log)"
+    return next((ln.strip() for ln in lines if ln.startswith("weights:")), "weights: unknown (not in the server log)")
+
+
 def _rate_slug(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
@@ -215,7 +225,7 @@ def make_peers(args: argparse.Namespace, out: Path) -> tuple[list[Peer], list[st
              "--max-waiting-requests", "100000", "--max-waiting-tokens", str(1 << 30),
              *shlex.split(args.tokenmill_flags)],
             env={"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"},
-            notes=f"GGUF Q4_1 dequantized, dtype auto; {args.tokenmill_flags or 'default flags'}"))
+            notes=f"the same GGUF (Q4_1), {{weights}}; {args.tokenmill_flags or 'default flags'}"))
     if "llamacpp" in wanted:
         binary = args.llama_server
         if Path(binary).is_file() and os.access(binary, os.X_OK):
@@ -473,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         files.append(run_hf(args, out))
 
     results = [load_result(f) for f in files]
-    notes = [f"- {p.label}: {p.notes}" for p in peers]
+    notes = [f"- {p.label}: {p.notes.replace('{weights}', weights_line(out / f'{p.name}.log'))}" for p in peers]
     notes += [f"- {r['label']} @ {_rate_slug(rate_from_json(r.get('request_rate')))} req/s: {r['short_outputs']} "
               f"of {r['completed']} requests returned fewer tokens than asked" for r in results if r.get("short_outputs")]
     md = "\n".join([workload_line(args, results), "", markdown_table(results), "", *notes,

@@ -65,13 +65,15 @@ def matmul(rows: list[int]) -> None:
 
 
 def attention(batch: int, context: int) -> None:
-    """Decode (`batch` tokens over `context` keys each) and prefill (4 chunks of 128 tokens at 128, 1 of 512 at 0)
+    """Decode (`batch` tokens over `context` keys each, then over context / 4 to 7 context / 4) and prefill (4 chunks of 128 tokens at 128, 1 of 512 at 0)
     in float32 and bfloat16; bfloat16 on the vector kernel and, where the CPU has AMX, on tiles."""
     ops = _extension()
     if ops is None:
         print("no C++ kernels; skipping attention")
         return
+    uneven = [max(1, context // 4 + (3 * context // 2) * i // max(batch - 1, 1)) for i in range(batch)]
     cases = [(f"decode {batch} x {context} keys", [(context, 1)] * batch),
+             (f"decode {batch} x {min(uneven)}-{max(uneven)} keys", [(ctx, 1) for ctx in uneven]),
              ("prefill 4 x 128 tokens at 128", [(256, 128)] * 4), ("prefill 512 tokens at 0", [(512, 512)])]
     dots = ops.tile_attention_applies(16, 64, 9, 3)
     kind = "AMX tiles" if ops.amx_attention_applies(16, 64, 9, 3) else "AVX512-BF16 dot products"

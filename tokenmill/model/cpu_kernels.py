@@ -18,7 +18,7 @@ _SOURCES = [Path(__file__).parent / "csrc" / name for name in
             ("cpu_kernels.cpp", "bf16_linear.cpp", "int8_linear.cpp", "gguf_linear.cpp", "gguf_vnni.cpp",
              "f32_linear.cpp", "tile_attention.cpp")]
 # part of the build's name too: a change rebuilds
-_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("simd.h", "tile_gemm.h")]
+_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("simd.h", "tile_gemm.h", "work_split.h")]
 
 
 def _cpu_info() -> tuple[str, str]:

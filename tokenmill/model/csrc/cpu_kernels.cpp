@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "simd.h"
+#include "work_split.h"
 
 namespace {
 
@@ -406,7 +407,13 @@ void attend(const T* q, const C* k_cache, const C* v_cache, const int64_t* block
   }
   tiles.push_back(num_tokens);
   const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1;
-  at::parallel_for(0, num_tiles * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  std::vector<int64_t> costs(num_tiles * num_kv_heads);  // per block: each K/V row loaded, then scored per head
+  for (int64_t tile = 0; tile < num_tiles; ++tile) {
+    const int64_t blocks = (kv_lens[tiles[tile + 1] - 1] + bs - 1) / bs;
+    const int64_t heads = (tiles[tile + 1] - tiles[tile]) * group;
+    std::fill_n(costs.begin() + tile * num_kv_heads, num_kv_heads, 1 + blocks * (2 + heads));
+  }
+  parallel_for_balanced(costs, [&](int64_t begin, int64_t end) {
     const int64_t heads_max = 2 * group;
     std::vector<float> qf(heads_max * D), acc(heads_max * D), scores(heads_max * bs), m(heads_max), l(heads_max);
     std::vector<float> res(D), kbuf(std::is_same_v<C, float> ? 0 : bs * D), vbuf(kbuf.size());

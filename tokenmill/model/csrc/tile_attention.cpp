@@ -38,6 +38,7 @@
 #include <immintrin.h>
 
 #include "simd.h"
+#include "work_split.h"
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define TOKENMILL_AMX_ATTENTION 1
 #endif
@@ -277,7 +278,13 @@ void attend_tiles(const uint16_t* q, const C* k_cache, const C* v_cache, const i
   }
   tiles.push_back(num_tokens);
   const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1;
-  at::parallel_for(0, num_tiles * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  std::vector<int64_t> costs(num_tiles * num_kv_heads);  // per block: K's transpose or tile loads, then M rows
+  for (int64_t tile = 0; tile < num_tiles; ++tile) {
+    const int64_t blocks = (kv_lens[tiles[tile + 1] - 1] + kKeys - 1) / kKeys;
+    const int64_t rows = (tiles[tile + 1] - tiles[tile]) * G;
+    std::fill_n(costs.begin() + tile * num_kv_heads, num_kv_heads, 1 + blocks * (4 + rows));
+  }
+  parallel_for_balanced(costs, [&](int64_t begin, int64_t end) {
     auto w = std::make_unique<Scratch>();
     Products products;
     for (int64_t item = begin; item < end; ++item) {
