@@ -155,6 +155,10 @@ class SchedulerConfig:
     # while requests decode, a step carries at most this many prompt tokens besides them (None: no cap), so the
     # decodes' steps stay short (inter-token latency) at the cost of prompts taking more steps
     max_prefill_tokens_while_decoding: int | None = None
+    # while requests decode, a step that carries prompt chunks beside them takes at most this many times what the
+    # decodes alone take (by the measured step cost; at least 50 ms): an inter-token latency p99 within a few TPOTs
+    # without a target to set. None or 0: off
+    max_decode_slowdown: float | None = 3.0
     # latency targets for requests that give none (SamplingParams.slo_*): with an ITL target, a step carries no
     # more prompt tokens than the measured step cost allows within it (engine/scheduler.py)
     slo_ttft_ms: float | None = None
@@ -173,6 +177,8 @@ class SchedulerConfig:
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
             raise ConfigError(
                 f"--long-prefill-token-threshold must be >= 1, got {self.long_prefill_token_threshold}")
+        if self.max_decode_slowdown and self.max_decode_slowdown < 1:
+            raise ConfigError(f"--max-decode-slowdown must be >= 1 (or 0: off), got {self.max_decode_slowdown}")
         if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 1:
             raise ConfigError("--max-prefill-tokens-while-decoding must be >= 1, got "
                               f"{self.max_prefill_tokens_while_decoding}")

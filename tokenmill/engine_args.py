@@ -94,6 +94,11 @@ class EngineArgs:
         None, "while requests decode, at most this many prompt tokens share a step with them (default: no cap "
               "beyond --max-num-batched-tokens): shorter steps for the decodes (inter-token latency p99), more "
               "steps for the prompts", type=int, config="scheduler")
+    max_decode_slowdown: float | None = _opt(
+        3.0, "while requests decode, a step that carries prompt chunks beside them takes at most this many times "
+             "what their decodes alone take (the measured step cost; 50 ms at least), so inter-token latency p99 "
+             "stays within a few TPOTs; prompts take more, shorter steps. 0: off (steps up to "
+             "--max-num-batched-tokens)", type=float, config="scheduler")
     max_model_len: int | None = _opt(None, "context window (default: the model's)", type=int, config="scheduler")
     scheduling_policy: str = _opt("continuous", "continuous: first come first served; priority: lower `priority` "
                                                 "(a request field) first, preempting running requests of a worse "

@@ -7,6 +7,7 @@ import pytest
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache import BlockPool, KVCacheManager
 from tokenmill.engine.scheduler import SampledTokens, Scheduler
+from tokenmill.engine.step_cost import DECODE_STEP_FLOOR_S, StepCost
 from tokenmill.errors import ConfigError
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
@@ -85,6 +86,54 @@ def test_prompt_tokens_beside_decodes_are_capped_when_asked():
         assert [s.num_new_tokens for s in decodes] == [1, 1, 1]  # every decode still runs
         assert out.num_tokens - 3 <= 10
     check_blocks_match_tokens(sched)
+
+
+class FixedCost:
+    """A step cost model whose fit never changes (the engine's is fitted from measured steps)."""
+
+    def __init__(self, cost: StepCost):
+        self.fit = cost
+
+
+@pytest.mark.parametrize("slowdown", [3.0, 0.0])
+def test_steps_beside_decodes_stay_within_the_slowdown(slowdown):
+    """--max-decode-slowdown (default 3): while requests decode, a step with prompt tokens beside them is predicted
+    to take at most that many times the decodes alone (here 3 x 22 ms: 11 prompt tokens at 4 ms each); every decode
+    still runs and the prompt keeps moving. 0 turns it off: the prompt's chunk is cut by tokens only."""
+    kv = KVCacheManager(256, 4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_decode_slowdown=slowdown), kv)
+    cost = StepCost(fixed=0.010, per_token=0.004)
+    sched.step_cost = FixedCost(cost)
+    for i in range(3):
+        sched.add_request(make_request(f"d{i}", 4, 30))
+    run_step(sched)
+    sched.add_request(make_request("p", 200, 5))
+    for _ in range(4):
+        out, _ = run_step(sched)
+        decodes = [s.num_new_tokens for s in out.scheduled if s.request.request_id.startswith("d")]
+        assert decodes == [1, 1, 1]
+        prompt = out.num_tokens - 3
+        if slowdown:
+            assert prompt == 11
+            assert cost.seconds(out.num_tokens) <= slowdown * cost.seconds(3) + 1e-9
+        else:
+            assert prompt >= 16  # the long-prefill share (a quarter of the budget), not cut by step time
+    check_blocks_match_tokens(sched)
+
+
+def test_fast_decodes_still_leave_a_prompt_the_floor():
+    """Decodes alone taking 13 ms would allow a 39 ms step at 3x: the 50 ms floor (DECODE_STEP_FLOOR_S) gives the
+    prompt 37 ms, so one or two quick streams do not starve a newcomer's prefill."""
+    kv = KVCacheManager(256, 4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv)
+    cost = StepCost(fixed=0.010, per_token=0.001)
+    sched.step_cost = FixedCost(cost)
+    for i in range(3):
+        sched.add_request(make_request(f"d{i}", 4, 30))
+    run_step(sched)
+    sched.add_request(make_request("p", 200, 5))
+    out, _ = run_step(sched)
+    assert out.num_tokens - 3 == round((DECODE_STEP_FLOOR_S - cost.seconds(3)) / cost.per_token)
 
 
 def test_preemption_frees_blocks_and_resumes_by_recompute():

@@ -4,7 +4,14 @@ import random
 
 import pytest
 
-from tokenmill.engine.step_cost import StepCost, StepCostModel, attention_pairs, predict_ttft
+from tokenmill.engine.step_cost import (
+    DECODE_STEP_FLOOR_S,
+    StepCost,
+    StepCostModel,
+    attention_pairs,
+    predict_ttft,
+    stretched_step_seconds,
+)
 
 
 def fitted(fixed: float, per_token: float) -> StepCostModel:
@@ -102,3 +109,14 @@ def test_the_overrun_is_how_much_longer_than_the_fit_recent_sized_steps_took():
     for _ in range(200):
         model.observe(1, 0.0101)  # steps of the fixed cost alone do not count
     assert model.fit.overrun > 1.2
+
+
+def test_stretched_step_is_a_multiple_of_the_decodes_own_with_a_floor():
+    cost = StepCost(fixed=0.020, per_token=0.001, per_pair=1e-6)
+    own = cost.seconds(16, 16_000)  # 16 decodes over 1,000 keys each: 52 ms
+    assert stretched_step_seconds(cost, 3.0, 16, 16_000) == pytest.approx(3 * own)
+    assert stretched_step_seconds(cost, 1.5, 1, 100) == DECODE_STEP_FLOOR_S  # 1.5 x 21 ms is under the floor
+    assert stretched_step_seconds(cost, 0.0, 16, 16_000) is None  # off
+    assert stretched_step_seconds(cost, None, 16, 16_000) is None
+    assert stretched_step_seconds(cost, 3.0, 0, 0) is None  # nothing decodes: no limit
+    assert stretched_step_seconds(None, 3.0, 16, 16_000) is None  # no fit yet

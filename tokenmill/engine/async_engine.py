@@ -28,7 +28,7 @@ from tokenmill.engine.output_processor import MetricsObserver, OutputProcessor, 
 from tokenmill.engine.policy import ITL_STEP_SHARE, aged_level
 from tokenmill.engine.process_client import EngineDeadError, EngineProcessClient
 from tokenmill.engine.scheduler import SchedulerStats
-from tokenmill.engine.step_cost import predict_ttft
+from tokenmill.engine.step_cost import predict_ttft, stretched_step_seconds
 from tokenmill.errors import InvalidRequest, ServerOverloaded, TokenmillError
 from tokenmill.model.paths import resolve_model_path
 from tokenmill.sampling_params import SamplingParams
@@ -211,7 +211,7 @@ class AsyncEngine:
         """Seconds until the first token of a request with `new_tokens` prompt tokens, from the engine's measured
         step cost: the prompt tokens ahead of it (waiting, and the rest of prefills under way; under policy
         priority only those of requests at its level or better, aging counted) and the running decodes, in steps
-        no bigger than an ITL target lets them be (the request's, else the server's), plus the bias learnt from
+        no bigger than an ITL target lets them be (the request's, else the server's) or --max-decode-slowdown, plus the bias learnt from
         earlier first tokens at its priority (`ttft_bias`: what the step cost does not see); None until the engine has
         measured its steps."""
         sc, stats, now = self.config.scheduler, self.stats, time.monotonic()
@@ -220,8 +220,11 @@ class AsyncEngine:
                  if not by_rank or aged_level(p, arrival, now, sc.priority_aging_s) <= priority]
         under_way = sum(t for level, t in stats.prefill_tokens_by_level.items() if not by_rank or level <= priority)
         itl_ms = itl_ms or sc.slo_itl_ms
+        limits = [ITL_STEP_SHARE * itl_ms / 1e3 if itl_ms else None,
+                  stretched_step_seconds(stats.step_cost, sc.max_decode_slowdown, stats.num_running,
+                                         stats.running_context_tokens)]
         model = predict_ttft(new_tokens, [under_way, *ahead], stats.num_running, stats.running_context_tokens,
-                             stats.step_cost, ITL_STEP_SHARE * itl_ms / 1e3 if itl_ms else None,
+                             stats.step_cost, min((x for x in limits if x is not None), default=None),
                              sc.max_num_batched_tokens)
         return None if model is None else max(model + self.ttft_bias.get(priority, 0.0), 0.0)
 

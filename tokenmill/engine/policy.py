@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from tokenmill.engine.step_cost import StepCost
+from tokenmill.engine.step_cost import StepCost, attention_pairs, stretched_step_seconds
 from tokenmill.request import Request
 
 LPM_MAX_QUEUE = 128  # longest waiting queue ranked by cached prefix; longer ones are served first come first
@@ -183,19 +183,28 @@ class StepBudget:
 
 
 def step_budget(running: list[Request], tokens: int, policy: FcfsPolicy, prefill_cap: int | None,
-                cost: StepCost | None) -> StepBudget:
+                cost: StepCost | None, slowdown: float | None = None) -> StepBudget:
     """The step's budget under the caps that keep decodes' inter-token latency: a fixed number of prompt tokens
-    besides them (--max-prefill-tokens-while-decoding), and the measured step cost within ITL_STEP_SHARE of the
-    smallest ITL target of the requests decoding, less the cost's recent overrun. The decodes it protects
-    (policy.protects) always fit."""
+    besides them (--max-prefill-tokens-while-decoding); the measured step cost within ITL_STEP_SHARE of the
+    smallest ITL target of the requests decoding, less the cost's recent overrun (the decodes policy.protects
+    always fit); and within `slowdown` times the decodes' own step (--max-decode-slowdown: every decode fits),
+    whichever is tighter."""
     decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
     if not decoding:
         return StepBudget(tokens)
     if prefill_cap is not None:
         tokens = min(tokens, sum(1 + len(r.spec_token_ids) for r in decoding) + prefill_cap)
-    target = min((r.itl_target for r in decoding if r.itl_target), default=None)
-    if target is None or cost is None:
+    if cost is None:
         return StepBudget(tokens)
-    return StepBudget(tokens, target * ITL_STEP_SHARE / cost.overrun, cost,
-                      [r for r in decoding if policy.protects(r)])
+    seconds, reserved = None, []
+    target = min((r.itl_target for r in decoding if r.itl_target), default=None)
+    if target is not None:
+        seconds, reserved = target * ITL_STEP_SHARE / cost.overrun, [r for r in decoding if policy.protects(r)]
+    stretched = stretched_step_seconds(
+        cost, slowdown, sum(1 + len(r.spec_token_ids) for r in decoding),
+        sum(attention_pairs(1 + len(r.spec_token_ids), r.num_computed_tokens) for r in decoding))
+    if stretched is not None and (seconds is None or stretched < seconds):
+        seconds, reserved = stretched, decoding
+    return StepBudget(tokens) if seconds is None else StepBudget(tokens, seconds, cost, reserved)
+
 

@@ -180,8 +180,8 @@ class Scheduler:
         if policy.ranked and self.waiting:
             self._preempt_for_priority(out, now, threshold)
         cost = self.step_cost.fit if self.step_cost is not None else None
-        budget = (step_budget(self.running, tokens, policy, self.config.max_prefill_tokens_while_decoding, cost)
-                  if admitting else StepBudget(tokens))
+        budget = (step_budget(self.running, tokens, policy, self.config.max_prefill_tokens_while_decoding, cost,
+                              self.config.max_decode_slowdown) if admitting else StepBudget(tokens))
         running = policy.order_running(self.running, now)
         short_of_blocks = False
         i = 0

@@ -139,6 +139,21 @@ def _det3(m: list[list[float]]) -> float:
             + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
 
 
+# a step may always take this long, however fast its decodes alone are (--max-decode-slowdown): a gap between tokens
+# this short goes unnoticed in a stream, and a prompt beside one or two fast decodes still gets a useful chunk
+DECODE_STEP_FLOOR_S = 0.05
+
+
+def stretched_step_seconds(cost: StepCost | None, slowdown: float | None, decode_tokens: int,
+                           decode_pairs: int) -> float | None:
+    """How long a step that carries prompt chunks beside decodes (`decode_tokens` tokens attending over
+    `decode_pairs` pairs) may take under --max-decode-slowdown: `slowdown` times what the decodes alone take, and at
+    least DECODE_STEP_FLOOR_S. None: no limit (no slowdown set, no decodes, or no fit yet)."""
+    if cost is None or not slowdown or decode_tokens <= 0:
+        return None
+    return max(slowdown * cost.seconds(decode_tokens, decode_pairs), DECODE_STEP_FLOOR_S)
+
+
 def predict_ttft(prompt_tokens: int, ahead: list[int], running: int, running_context: int, cost: StepCost | None,
                  step_seconds: float | None, max_tokens: int) -> float | None:
     """Seconds until a new prompt's first token. The prompts ahead of it (`ahead`: the tokens each still has to
