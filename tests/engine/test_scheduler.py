@@ -121,26 +121,6 @@ def test_steps_beside_decodes_stay_within_the_slowdown(slowdown):
     check_blocks_match_tokens(sched)
 
 
-def test_a_burst_of_arrivals_is_not_held_to_the_slowdown():
-    """While more requests wait for a first token than decode, the step serves them: the whole token budget goes
-    to prompts (a burst); once the decodes are the majority, the slowdown cuts the prompt chunks again."""
-    kv = KVCacheManager(512, 4)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, long_prefill_token_threshold=64), kv)
-    cost = StepCost(fixed=0.010, per_token=0.004)
-    sched.step_cost = FixedCost(cost)
-    sched.add_request(make_request("d0", 4, 60))
-    run_step(sched)
-    for i in range(3):
-        sched.add_request(make_request(f"p{i}", 30, 60))
-    out, _ = run_step(sched)  # 1 decoding, 3 waiting: a burst
-    assert out.num_tokens == 64
-    while any(r.num_tokens - r.num_computed_tokens > 1 for r in sched.running) or sched.waiting:
-        out, _ = run_step(sched)
-    sched.add_request(make_request("late", 200, 5))  # 4 decoding, 1 waiting
-    out, _ = run_step(sched)
-    assert out.num_tokens - 4 == round((3 * cost.seconds(4) - cost.seconds(4)) / cost.per_token)
-
-
 def test_fast_decodes_still_leave_a_prompt_the_floor():
     """Decodes alone taking 13 ms would allow a 39 ms step at 3x: the 50 ms floor (DECODE_STEP_FLOOR_S) gives the
     prompt 37 ms, so one or two quick streams do not starve a newcomer's prefill."""

@@ -220,10 +220,9 @@ class AsyncEngine:
                  if not by_rank or aged_level(p, arrival, now, sc.priority_aging_s) <= priority]
         under_way = sum(t for level, t in stats.prefill_tokens_by_level.items() if not by_rank or level <= priority)
         itl_ms = itl_ms or sc.slo_itl_ms
-        decodes_rule = len(self._unstarted) + 1 <= stats.num_running  # the slowdown's majority rule (policy.py)
         limits = [ITL_STEP_SHARE * itl_ms / 1e3 if itl_ms else None,
                   stretched_step_seconds(stats.step_cost, sc.max_decode_slowdown, stats.num_running,
-                                         stats.running_context_tokens) if decodes_rule else None]
+                                         stats.running_context_tokens)]
         model = predict_ttft(new_tokens, [under_way, *ahead], stats.num_running, stats.running_context_tokens,
                              stats.step_cost, min((x for x in limits if x is not None), default=None),
                              sc.max_num_batched_tokens)

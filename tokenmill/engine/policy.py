@@ -183,14 +183,12 @@ class StepBudget:
 
 
 def step_budget(running: list[Request], tokens: int, policy: FcfsPolicy, prefill_cap: int | None,
-                cost: StepCost | None, slowdown: float | None = None, num_waiting: int = 0) -> StepBudget:
+                cost: StepCost | None, slowdown: float | None = None) -> StepBudget:
     """The step's budget under the caps that keep decodes' inter-token latency: a fixed number of prompt tokens
     besides them (--max-prefill-tokens-while-decoding); the measured step cost within ITL_STEP_SHARE of the
     smallest ITL target of the requests decoding, less the cost's recent overrun (the decodes policy.protects
     always fit); and within `slowdown` times the decodes' own step (--max-decode-slowdown: every decode fits),
-    whichever is tighter. The slowdown holds only while the decoding requests are at least as many as those
-    waiting for a first token (`num_waiting` queued, and prefills under way): in a burst of arrivals the step
-    serves the many waiting for a first token, in steady serving the many waiting for their next one."""
+    whichever is tighter."""
     decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
     if not decoding:
         return StepBudget(tokens)
@@ -202,8 +200,7 @@ def step_budget(running: list[Request], tokens: int, policy: FcfsPolicy, prefill
     target = min((r.itl_target for r in decoding if r.itl_target), default=None)
     if target is not None:
         seconds, reserved = target * ITL_STEP_SHARE / cost.overrun, [r for r in decoding if policy.protects(r)]
-    prefilling = num_waiting + sum(1 for r in running if r.num_tokens - r.num_computed_tokens > 1)
-    stretched = None if prefilling > len(decoding) else stretched_step_seconds(
+    stretched = stretched_step_seconds(
         cost, slowdown, sum(1 + len(r.spec_token_ids) for r in decoding),
         sum(attention_pairs(1 + len(r.spec_token_ids), r.num_computed_tokens) for r in decoding))
     if stretched is not None and (seconds is None or stretched < seconds):
