@@ -95,19 +95,24 @@ class FixedCost:
         self.fit = cost
 
 
-@pytest.mark.parametrize("slowdown", [3.0, 0.0])
-def test_steps_beside_decodes_stay_within_the_slowdown(slowdown):
-    """--max-decode-slowdown (default 3): while requests decode, a step with prompt tokens beside them is predicted
-    to take at most that many times the decodes alone (here 3 x 22 ms: 11 prompt tokens at 4 ms each); every decode
-    still runs and the prompt keeps moving. 0 turns it off: the prompt's chunk is cut by tokens only."""
-    kv = KVCacheManager(256, 4)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_decode_slowdown=slowdown), kv)
-    cost = StepCost(fixed=0.010, per_token=0.004)
+def three_decodes_and_a_prompt(config: SchedulerConfig, cost: StepCost) -> Scheduler:
+    """A scheduler whose step cost is `cost`, with three requests decoding and a 200-token prompt just queued."""
+    sched = Scheduler(config, KVCacheManager(256, 4))
     sched.step_cost = FixedCost(cost)
     for i in range(3):
         sched.add_request(make_request(f"d{i}", 4, 30))
     run_step(sched)
     sched.add_request(make_request("p", 200, 5))
+    return sched
+
+
+@pytest.mark.parametrize("slowdown", [3.0, 0.0])
+def test_steps_beside_decodes_stay_within_the_slowdown(slowdown):
+    """--max-decode-slowdown (default 3): while requests decode, a step with prompt tokens beside them is predicted
+    to take at most that many times the decodes alone (here 3 x 22 ms: 11 prompt tokens at 4 ms each); every decode
+    still runs and the prompt keeps moving. 0 turns it off: the prompt's chunk is cut by tokens only."""
+    cost = StepCost(fixed=0.010, per_token=0.004)
+    sched = three_decodes_and_a_prompt(SchedulerConfig(max_num_batched_tokens=64, max_decode_slowdown=slowdown), cost)
     for _ in range(4):
         out, _ = run_step(sched)
         decodes = [s.num_new_tokens for s in out.scheduled if s.request.request_id.startswith("d")]
@@ -124,15 +129,8 @@ def test_steps_beside_decodes_stay_within_the_slowdown(slowdown):
 def test_fast_decodes_still_leave_a_prompt_the_floor():
     """Decodes alone taking 13 ms would allow a 39 ms step at 3x: the 50 ms floor (DECODE_STEP_FLOOR_S) gives the
     prompt 37 ms, so one or two quick streams do not starve a newcomer's prefill."""
-    kv = KVCacheManager(256, 4)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv)
     cost = StepCost(fixed=0.010, per_token=0.001)
-    sched.step_cost = FixedCost(cost)
-    for i in range(3):
-        sched.add_request(make_request(f"d{i}", 4, 30))
-    run_step(sched)
-    sched.add_request(make_request("p", 200, 5))
-    out, _ = run_step(sched)
+    out, _ = run_step(three_decodes_and_a_prompt(SchedulerConfig(max_num_batched_tokens=64), cost))
     assert out.num_tokens - 3 == round((DECODE_STEP_FLOOR_S - cost.seconds(3)) / cost.per_token)
 
 
