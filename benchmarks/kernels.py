@@ -118,6 +118,12 @@ def sampler(rows: int, vocab: int) -> None:
         sample_rows = [SamplingRow(params, [1], [2], g) for g in gens]
         ours = best_ms(lambda: Sampler()(logits, sample_rows), iters=3)
         line = f"sampler, {rows} rows x {vocab}, {kw}: {ours:.2f} ms"
+        ops = _extension()
+        if ops is not None and kw["temperature"]:
+            from tokenmill.model.backends.cpu import CpuBackend
+
+            fused = Sampler(CpuBackend(ops))
+            line += f", with the CPU backend's fused weights {best_ms(lambda: fused(logits, sample_rows), iters=3):.2f} ms"
         if kw["temperature"] == 1.0:
             def multinomial():
                 probs = logits.softmax(dim=1)

@@ -224,3 +224,47 @@ def test_top_k_applies_to_its_own_rows_in_a_mixed_batch():
     tokens = [t for t, _ in Sampler()(logits, rows)]
     assert set(tokens[1::2]) == {0, 1}
     assert len(set(tokens[0::2])) > 4  # the unfiltered rows still reach past the top two
+
+
+def cpu_backend():
+    from tokenmill.model.backends.cpu import CpuBackend
+    from tokenmill.model.cpu_kernels import _extension
+
+    ops = _extension()
+    assert ops is not None  # the kernels build on every machine the tests run on (tests/model/test_attention.py)
+    return CpuBackend(ops)
+
+
+@pytest.mark.parametrize("vocab", [49_152, 1_003])  # SmolLM2's; and one with vector tails
+def test_fused_weights_are_the_torch_ops_weights(vocab):
+    """The CPU backend's fused kernel (max, shift, temperature, exp, the LOWEST_LOGIT cut in two passes) gives the
+    torch ops' weights to float32 rounding, leaves the logits as they were, and seeded rows draw the same tokens."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(24, vocab, generator=g) * 4
+    logits[3, :500] = float("-inf")  # filtered tokens weigh nothing
+    temps = [0.3, 1.0, 1.7] * 8
+    params = [SamplingParams(temperature=t, max_tokens=4) for t in temps]
+    fused = Sampler(cpu_backend())
+    before = logits.clone()
+    ours = fused._weights(logits, params)
+    assert torch.equal(logits, before)
+    reference = Sampler()._weights(logits, params)
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-30)  # an exponent near -80 carries its rounding
+    assert (ours[3, :500] == 0).all()
+    for seed in range(3):
+        rows = [SamplingRow(p, [], [], torch.Generator().manual_seed(seed * 100 + i)) for i, p in enumerate(params)]
+        twin = [SamplingRow(p, [], [], torch.Generator().manual_seed(seed * 100 + i)) for i, p in enumerate(params)]
+        assert [t for t, _ in fused(logits, rows)] == [t for t, _ in Sampler()(logits, twin)]
+
+
+def test_fused_weights_refuse_non_finite_logits_and_reuse_their_buffer():
+    fused = Sampler(cpu_backend())
+    params = [SamplingParams(temperature=1.0, max_tokens=4)] * 2
+    bad = torch.zeros(2, 40)
+    bad[1, 7] = float("nan")
+    with pytest.raises(SamplingError):
+        fused(bad, [row(p, seed=i) for i, p in enumerate(params)])
+    small = fused._weights(torch.zeros(2, 40), params)
+    assert torch.equal(small, torch.ones(2, 40))  # every logit at the max: weight exp(0)
+    big = fused._weights(torch.zeros(3, 100), params + params[:1])
+    assert big.shape == (3, 100) and fused._buffer.numel() >= 300

@@ -127,7 +127,7 @@ class ModelRunner:
         kv_dtype = kv_dtype or dtype
         self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=self.device),
                            torch.zeros(shape, dtype=kv_dtype, device=self.device)) for _ in range(cfg.num_layers)]
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.backend)
         self.base_seeds: dict[str, int] = {}  # unseeded requests: a base seed drawn from the engine's seed
         # a draft model's distributions q [drafts, V] for the drafts it drew (spec/draft_model.py), by request
         self.draft_probs: dict[str, torch.Tensor] = {}

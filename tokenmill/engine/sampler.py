@@ -15,10 +15,14 @@ that would remove every token is not applied, and temperature divides logits shi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.model.backends.base import Backend
 
 
 @dataclass
@@ -200,6 +204,29 @@ def _random_weights(sub: torch.Tensor, params: list[SamplingParams]) -> torch.Te
 
 
 class Sampler:
+    def __init__(self, backend: Backend | None = None):
+        """`backend`: the model's (model/backends), whose fused kernel computes the weights of rows that sample
+        without filters, where it has one; None: torch ops only."""
+        self.backend = backend
+        self._buffer = torch.empty(0)  # the fused kernel's output, kept: a fresh [R, V] each step pays page faults
+
+    def _weights(self, sub: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """_random_weights(sub, params), through the backend's fused kernel when no row filters (as vLLM's
+        benchmark client asks: temperature 1, nothing else). The result may be this sampler's buffer: it is read
+        before the next call."""
+        if self.backend is None or any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+            return _random_weights(sub, params)
+        sub = sub.float().contiguous()
+        if self._buffer.numel() < sub.numel() or self._buffer.device != sub.device:
+            self._buffer = torch.empty(sub.numel(), device=sub.device)
+        out = self._buffer[:sub.numel()].view(sub.shape)
+        top = self.backend.sampling_weights(sub, torch.tensor([p.temperature for p in params]), LOWEST_LOGIT, out)
+        if top is None:
+            return _random_weights(sub, params)
+        if not bool(torch.isfinite(top).all()):
+            raise SamplingError("the model produced non-finite logits")
+        return out
+
     def probabilities(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """[R, V] float32: the distribution each row samples from, after every adjustment (greedy rows: one-hot
         on the argmax), so that two models' rows processed the same way can be compared (spec/rejection.py)."""
@@ -211,7 +238,7 @@ class Sampler:
             idx = torch.tensor(greedy_rows, device=logits.device)
             probs[idx, first_argmax(logits[idx])] = 1.0
         if random_rows:
-            w = _random_weights(logits[random_rows], [rows[i].params for i in random_rows])
+            w = self._weights(logits[random_rows], [rows[i].params for i in random_rows])
             probs[random_rows] = w / w.sum(dim=1, keepdim=True)
         return probs
 
@@ -231,7 +258,7 @@ class Sampler:
             if greedy_rows:
                 tokens[greedy_rows] = first_argmax(logits[greedy_rows])
             sub = logits if len(random_rows) == len(rows) else logits[random_rows]
-            weights = _random_weights(sub, [rows[i].params for i in random_rows])
+            weights = self._weights(sub, [rows[i].params for i in random_rows])
             tokens[random_rows] = draw(weights, [rows[i].generator for i in random_rows])
 
         token_list = tokens.tolist()

@@ -105,6 +105,14 @@ class Backend(ABC):
         decode step is tiny and per-op Python overhead would dominate it."""
         return None
 
+    def sampling_weights(self, logits: torch.Tensor, temperature: torch.Tensor, lowest: float, out: torch.Tensor
+                         ) -> torch.Tensor | None:
+        """Optional fast path for the sampler (engine/sampler.py): from float32 logits [R, V] into `out`, per row
+        exp((x - max) / temperature), 0 where that exponent is below `lowest`; returns each row's max [R] (NaN if
+        the row has a NaN; such rows of `out` are not written), or None, meaning "not here: the sampler's torch
+        ops"."""
+        return None
+
     def describe(self) -> str:
         """One line for the start-up log: which backend, and on what."""
         return self.name

@@ -97,6 +97,12 @@ class CpuBackend(TorchBackend):
                 f"f32 {f32}, GGUF blocks {gguf}; paged attention: {attention})")
 
     # ---- elementwise -----------------------------------------------------------------------------------
+    def sampling_weights(self, logits, temperature, lowest, out):
+        fused = getattr(self.ops, "sampling_weights", None)
+        if fused is None or logits.dtype != torch.float32 or not logits.is_contiguous():
+            return None
+        return fused(logits, temperature, lowest, out)
+
     def rms_norm(self, x, weight, eps):
         if _rows(x) and weight.dtype == x.dtype and weight.is_contiguous():
             return self.ops.rms_norm(x, weight, eps)
