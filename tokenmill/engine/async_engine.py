@@ -208,12 +208,12 @@ class AsyncEngine:
         return None
 
     def predicted_ttft(self, new_tokens: int, priority: int = 0, itl_ms: float | None = None) -> float | None:
-        """Seconds until the first token of a request with `new_tokens` prompt tokens, from the engine's measured
-        step cost: the prompt tokens ahead of it (waiting, and the rest of prefills under way; under policy
-        priority only those of requests at its level or better, aging counted) and the running decodes, in steps
-        no bigger than an ITL target lets them be (the request's, else the server's) or --max-decode-slowdown, plus the bias learnt from
-        earlier first tokens at its priority (`ttft_bias`: what the step cost does not see); None until the engine has
-        measured its steps."""
+        """Seconds until the first token of a request with `new_tokens` prompt tokens, from the engine's measured step
+        cost: the prompt tokens ahead of it (waiting, and the rest of prefills under way; under policy priority only
+        those of requests at its level or better, aging counted) and the running decodes, in steps no bigger than an
+        ITL target lets them be (the request's, else the server's) or --max-decode-slowdown, plus the bias learnt
+        from earlier first tokens at its priority (`ttft_bias`: what the step cost does not see); None until the
+        engine has measured its steps."""
         sc, stats, now = self.config.scheduler, self.stats, time.monotonic()
         by_rank = sc.policy == "priority"
         ahead = [t for t, p, arrival in self._unstarted.values()
