@@ -95,6 +95,13 @@ class FixedCost:
         self.fit = cost
 
 
+def drain_and_check_pool(sched: Scheduler) -> None:
+    """Run every request to its end: the pool is whole again (no block leaked)."""
+    while sched.has_unfinished:
+        run_step(sched)
+    assert sched.kv.num_free_blocks == sched.kv.pool.num_blocks
+
+
 def three_decodes_and_a_prompt(config: SchedulerConfig, cost: StepCost) -> Scheduler:
     """A scheduler whose step cost is `cost`, with three requests decoding and a 200-token prompt just queued."""
     sched = Scheduler(config, KVCacheManager(256, 4))
@@ -124,14 +131,17 @@ def test_steps_beside_decodes_stay_within_the_slowdown(slowdown):
         else:
             assert prompt >= 16  # the long-prefill share (a quarter of the budget), not cut by step time
     check_blocks_match_tokens(sched)
+    drain_and_check_pool(sched)
 
 
 def test_fast_decodes_still_leave_a_prompt_the_floor():
     """Decodes alone taking 13 ms would allow a 39 ms step at 3x: the 50 ms floor (DECODE_STEP_FLOOR_S) gives the
     prompt 37 ms, so one or two quick streams do not starve a newcomer's prefill."""
     cost = StepCost(fixed=0.010, per_token=0.001)
-    out, _ = run_step(three_decodes_and_a_prompt(SchedulerConfig(max_num_batched_tokens=64), cost))
+    sched = three_decodes_and_a_prompt(SchedulerConfig(max_num_batched_tokens=64), cost)
+    out, _ = run_step(sched)
     assert out.num_tokens - 3 == round((DECODE_STEP_FLOOR_S - cost.seconds(3)) / cost.per_token)
+    drain_and_check_pool(sched)
 
 
 def test_preemption_frees_blocks_and_resumes_by_recompute():

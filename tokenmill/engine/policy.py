@@ -200,10 +200,10 @@ def step_budget(running: list[Request], tokens: int, policy: FcfsPolicy, prefill
     target = min((r.itl_target for r in decoding if r.itl_target), default=None)
     if target is not None:
         seconds, reserved = target * ITL_STEP_SHARE / cost.overrun, [r for r in decoding if policy.protects(r)]
-    stretched = stretched_step_seconds(
+    stretched = slowdown and stretched_step_seconds(  # the sums only when the slowdown is on
         cost, slowdown, sum(1 + len(r.spec_token_ids) for r in decoding),
         sum(attention_pairs(1 + len(r.spec_token_ids), r.num_computed_tokens) for r in decoding))
-    if stretched is not None and (seconds is None or stretched < seconds):
+    if stretched and (seconds is None or stretched < seconds):
         seconds, reserved = stretched, decoding
     return StepBudget(tokens) if seconds is None else StepBudget(tokens, seconds, cost, reserved)
 
