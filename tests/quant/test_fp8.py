@@ -91,3 +91,23 @@ def test_fp8_model_tracks_the_dense_model(tmp_path, dtype):
     alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in batch]
     assert [o.token_ids for o in alone] == [o.outputs[0].token_ids for o in fp8]
     llm.engine.core.check_idle_invariants()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_fp8_keeps_the_lm_head_dense(tmp_path, tied):
+    """As vLLM's fp8: every decoder matmul is e4m3, the LM head (a tied embedding included) stays in the model's
+    dtype, so the logits are the dense head's product of the same hidden states, bit for bit."""
+    from tests.models.tiny import make_tiny_model
+    from tokenmill.quant.fp8 import Fp8LinearMethod
+
+    path = make_tiny_model(tmp_path, vocab_size=512, hidden_size=128, intermediate_size=256, num_heads=4,
+                           num_kv_heads=2, tie_word_embeddings=tied)
+    model, dense = (LLM(str(path), dtype="float32", quantization=q, kv_cache_memory=KV).engine.core.runner.model
+                    for q in ("fp8", None))
+    assert all(isinstance(m.method, Fp8LinearMethod) for m in model.layers[0].modules() if hasattr(m, "method"))
+    head = model.tied_head if tied else model.lm_head
+    assert not isinstance(head.method, Fp8LinearMethod) and head.weight.dtype == torch.float32
+    assert not hasattr(head, "qweight")
+    hidden = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model.compute_logits(hidden), dense.compute_logits(hidden), rtol=0, atol=0)
+    assert model.embed_tokens.weight.dtype == torch.float32  # lookups read the dense table

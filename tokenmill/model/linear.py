@@ -41,6 +41,8 @@ class LinearMethod(ABC):
     parameters (e.g. packed integers and scales), `weight_loader` quantizes a checkpoint shard or copies its
     blocks as they are, `apply` calls a backend op that reads them."""
 
+    quantizes_lm_head = True  # False: the LM head (and a tied embedding) stays dense in the model's dtype
+
     @abstractmethod
     def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
         """Register the layer's parameters on the current device (meta while the runner builds the model)."""

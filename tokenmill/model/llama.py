@@ -92,9 +92,10 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, dtype)
         self.rotary: RotaryEmbedding | None = None  # built by init_rotary once the model is on its device
         untied, tied = self.first and not cfg.tie_word_embeddings, self.first and cfg.tie_word_embeddings
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, backend=backend, method=method,
+        head_method = method if method is None or method.quantizes_lm_head else None
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, backend=backend, method=head_method,
                               dtype=dtype) if untied else None
-        self.tied_head = TiedLMHead(self.embed_tokens, backend, method) if tied else None
+        self.tied_head = TiedLMHead(self.embed_tokens, backend, head_method) if tied else None
         self.backend_cache: dict[str, object] = {}  # the backend's per-model state; emptied when weights change
 
     def init_rotary(self, device: torch.device) -> None:

@@ -37,6 +37,9 @@ class Fp8LinearMethod(Int8LinearMethod):
     """As Int8LinearMethod, with e4m3 weights (`qweight` float8_e4m3fn); `apply` is the backend's fp8_linear."""
 
     name = "fp8"
+    # As vLLM's fp8: the LM head stays in the model's dtype. e4m3 rounds each weight to 1/16-1/8 of itself; on the
+    # head (the tied embedding here) that doubled the perplexity cost (+3.1% vs +1.5% on SmolLM2, BENCHMARKS.md).
+    quantizes_lm_head = False
 
     def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize_fp8(weight)
