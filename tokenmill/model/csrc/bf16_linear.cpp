@@ -12,7 +12,7 @@
 // "VNNI" order the tile dot product reads B in. Inputs are read in whole 16-row tiles, the last one from a
 // zero-padded copy (its padding rows are computed and discarded: a decode step is bound by reading the weight,
 // not by tile arithmetic).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <cstdint>
@@ -35,7 +35,7 @@ std::string bf16_kernel() {
 }
 
 // w [N, K] bfloat16, N % 16 == 0, K % 32 == 0 -> [N/16, K/32, 16, 32] in the tile order described above.
-torch::Tensor bf16_pack(const torch::Tensor& w) {
+at::Tensor bf16_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "bf16_pack takes a [N, K] bfloat16 weight");
   const int64_t N = w.size(0), K = w.size(1);
   TORCH_CHECK(N % kTileN == 0 && K % kTileK == 0, "bf16_pack needs N % 16 == 0 and K % 32 == 0");
@@ -47,7 +47,7 @@ torch::Tensor bf16_pack(const torch::Tensor& w) {
 namespace {
 
 struct Bf16Problem {
-  torch::Tensor y, bias_f;
+  at::Tensor y, bias_f;
   int64_t M, N, K, NB, KB;
   const float* bias = nullptr;
   const uint16_t* wp = nullptr;
@@ -55,7 +55,7 @@ struct Bf16Problem {
 };
 
 // with_output: allocate y [M, N] (bf16_linear_silu writes its own, narrower output instead).
-Bf16Problem setup(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+Bf16Problem setup(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                   bool with_output = true) {
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
               "a weight packed by bf16_pack");
@@ -63,7 +63,7 @@ Bf16Problem setup(const torch::Tensor& x, const torch::Tensor& packed, const c10
   Bf16Problem p;
   p.NB = packed.size(0), p.KB = packed.size(1), p.N = p.NB * kTileN, p.K = p.KB * kTileK, p.M = x.size(0);
   TORCH_CHECK(x.size(1) == p.K, "input has ", x.size(1), " features, the weight ", p.K);
-  if (with_output) p.y = torch::empty({p.M, p.N}, x.options());
+  if (with_output) p.y = at::empty({p.M, p.N}, x.options());
   if (bias.has_value()) {
     p.bias_f = bias->to(at::kFloat).contiguous();
     p.bias = p.bias_f.data_ptr<float>();
@@ -87,7 +87,7 @@ auto packed_tiles(const Bf16Problem& p) {
 // w [2I, K] bfloat16 (gate rows, then up rows: a fused gate/up projection), I % 16 == 0 -> [I/16, 2, K/32, 16, 32]:
 // for each block of 16 features, its gate tiles then its up tiles in bf16_pack's layout, so one column pair of
 // the tile kernel holds a feature block's gate and up and its epilogue can apply SiLU-and-multiply.
-torch::Tensor bf16_pack_gate_up(const torch::Tensor& w) {
+at::Tensor bf16_pack_gate_up(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.size(0) % (2 * kTileN) == 0, "bf16_pack_gate_up takes [2I, K] with I % 16 == 0");
   const int64_t N = w.size(0), K = w.size(1), blocks = N / (2 * kTileN);
   const auto paired = w.contiguous().view({2, blocks, kTileN, K}).transpose(0, 1).reshape({N, K});
@@ -95,7 +95,7 @@ torch::Tensor bf16_pack_gate_up(const torch::Tensor& w) {
 }
 
 // x [M, K] bfloat16 (rows may be strided), packed from bf16_pack, bias [N] or none -> [M, N] bfloat16.
-torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   Bf16Problem p = setup(x, packed, bias);
 #ifdef TOKENMILL_AMX
   const auto epilogue = [&](const float* c, int64_t m0, int64_t rows, int64_t nb, bool two_cols) {
@@ -110,13 +110,13 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, co
 
 // silu(x @ gate.T) * (x @ up.T) from bf16_pack_gate_up's layout, on this CPU's kernel: [M, K] -> [M, I], bit for
 // bit silu_mul(bf16_linear(x, bf16_pack(w))) without the [M, 2I] intermediate (its write and read back, and a pass).
-torch::Tensor bf16_linear_silu(const torch::Tensor& x, const torch::Tensor& packed) {
+at::Tensor bf16_linear_silu(const at::Tensor& x, const at::Tensor& packed) {
   TORCH_CHECK(packed.dim() == 5 && packed.size(1) == 2, "a weight packed by bf16_pack_gate_up");
   const int64_t blocks = packed.size(0);
   Bf16Problem p = setup(x, packed.view({2 * blocks, packed.size(2), packed.size(3), packed.size(4)}), c10::nullopt,
                         /*with_output=*/false);
   const int64_t I = blocks * kTileN;
-  auto y = torch::empty({p.M, I}, x.options());
+  auto y = at::empty({p.M, I}, x.options());
 #ifdef TOKENMILL_DPBF16
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const auto epilogue = [&](const float* c, int64_t m0, int64_t rows, int64_t nb, bool) {
@@ -130,8 +130,8 @@ torch::Tensor bf16_linear_silu(const torch::Tensor& x, const torch::Tensor& pack
 }
 
 // The same product with AVX512-BF16 dot products (no AMX): same packed weight, same signature.
-torch::Tensor dpbf16_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                            const c10::optional<torch::Tensor>& bias) {
+at::Tensor dpbf16_linear(const at::Tensor& x, const at::Tensor& packed,
+                            const c10::optional<at::Tensor>& bias) {
   Bf16Problem p = setup(x, packed, bias);
 #ifdef TOKENMILL_DPBF16
   const auto epilogue = [&](const float* c, int64_t m0, int64_t rows, int64_t nb, bool two_cols) {
@@ -146,7 +146,7 @@ torch::Tensor dpbf16_linear(const torch::Tensor& x, const torch::Tensor& packed,
 
 // The packed bfloat16 product on this machine's kernel (bf16_kernel()): one kernel for every row count, so
 // a row's result never depends on the batch it is in.
-torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   static const std::string kernel = bf16_kernel();
   if (kernel == "amx") return amx_linear(x, packed, bias);
   return dpbf16_linear(x, packed, bias);

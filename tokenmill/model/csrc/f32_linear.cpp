@@ -7,7 +7,7 @@
 // either way, so the two give identical results.
 //
 // Packed layout, [N/16, K, 16] float32: panel p holds features 16p..16p+15, one row of 16 per k.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -96,7 +96,7 @@ bool f32_panels_available() {
 }
 
 // w [N, K] float32, N % 16 == 0 -> [N/16, K, 16].
-torch::Tensor f32_pack(const torch::Tensor& w) {
+at::Tensor f32_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "f32_pack takes a [N, K] float32 weight");
   const int64_t N = w.size(0), K = w.size(1);
   TORCH_CHECK(N % kPanel == 0, "f32_pack needs N % 16 == 0");
@@ -104,16 +104,16 @@ torch::Tensor f32_pack(const torch::Tensor& w) {
 }
 
 // x [M, K] float32 (rows may be strided), packed from f32_pack, bias [N] or none -> [M, N] float32.
-torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
               packed.size(2) == kPanel, "a weight packed by f32_pack");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "[M, K] float32 input");
   const int64_t P = packed.size(0), K = packed.size(1), N = P * kPanel, M = x.size(0);
   TORCH_CHECK(x.size(1) == K, "input has ", x.size(1), " features, the weight ", K);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
 #ifdef TOKENMILL_F32_PANELS
   const auto xs = x.stride(1) == 1 ? x : x.contiguous();
-  torch::Tensor bias_c;
+  at::Tensor bias_c;
   if (bias.has_value()) bias_c = bias->to(at::kFloat).contiguous();
   const float* bp = bias.has_value() ? bias_c.data_ptr<float>() : nullptr;
   const float* xp = xs.data_ptr<float>();

@@ -13,7 +13,7 @@
 // the very bfloat16 weights that path loads. The loop is the bfloat16 kernel's (tile_gemm.h: AMX tiles, else
 // AVX512-BF16 dot products), so a kept model's outputs are bit for bit those of the dequantized one, and
 // batch-invariant like them.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <cstdint>
 #include <string>
@@ -137,7 +137,7 @@ void with_widener(int64_t tile_bytes, const Loop& loop) {
 
 // gemm_tiles over a packed weight [NB, KB, tile bytes] with its type's widening.
 template <typename Epilogue>
-void block_tiles(const torch::Tensor& x, const torch::Tensor& packed, const Epilogue& epilogue) {
+void block_tiles(const at::Tensor& x, const at::Tensor& packed, const Epilogue& epilogue) {
   const int64_t NB = packed.size(0), KB = packed.size(1), tile_bytes = packed.size(2);
   with_widener(tile_bytes, [&](auto widen) {
     gemm_tiles(x, KB * kTileK, NB, widened_scratch(KB),
@@ -145,7 +145,7 @@ void block_tiles(const torch::Tensor& x, const torch::Tensor& packed, const Epil
   });
 }
 
-void check_packed(const torch::Tensor& x, const torch::Tensor& packed) {
+void check_packed(const at::Tensor& x, const at::Tensor& packed) {
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
               "a weight packed by gguf_pack: [N/16, K/32, tile bytes] uint8");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "[M, K] bfloat16 input");
@@ -158,12 +158,12 @@ void check_packed(const torch::Tensor& x, const torch::Tensor& packed) {
 
 // x [M, K] bfloat16, packed [N/16, K/32, tile bytes] (the type from the tile size), bias [N] or none -> [M, N]
 // bfloat16.
-torch::Tensor gguf_tiles_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                          const c10::optional<torch::Tensor>& bias) {
+at::Tensor gguf_tiles_linear(const at::Tensor& x, const at::Tensor& packed,
+                          const c10::optional<at::Tensor>& bias) {
 #ifdef TOKENMILL_DPBF16
   check_packed(x, packed);
   const int64_t NB = packed.size(0), KB = packed.size(1), N = NB * kTileN, M = x.size(0);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const FloatBias b = float_bias(bias);
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const auto epilogue = [&](float* c, int64_t m0, int64_t rows, int64_t nb, bool two_cols) {
@@ -178,13 +178,13 @@ torch::Tensor gguf_tiles_linear(const torch::Tensor& x, const torch::Tensor& pac
 
 // silu(x @ gate.T) * (x @ up.T) from a gate/up weight packed in gate, up block pairs ([I/16, 2, K/32, tile
 // bytes], gguf_pack with pairs): [M, K] -> [M, I], as bf16_linear_silu for bfloat16.
-torch::Tensor gguf_tiles_linear_silu(const torch::Tensor& x, const torch::Tensor& pairs) {
+at::Tensor gguf_tiles_linear_silu(const at::Tensor& x, const at::Tensor& pairs) {
 #ifdef TOKENMILL_DPBF16
   TORCH_CHECK(pairs.dim() == 4 && pairs.size(1) == 2, "a gate/up weight packed by gguf_pack in pairs");
   const auto packed = pairs.view({2 * pairs.size(0), pairs.size(2), pairs.size(3)});
   check_packed(x, packed);
   const int64_t NB = packed.size(0), KB = packed.size(1), I = NB / 2 * kTileN, M = x.size(0);
-  auto y = torch::empty({M, I}, x.options());
+  auto y = at::empty({M, I}, x.options());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const auto epilogue = [&](float* c, int64_t m0, int64_t rows, int64_t nb, bool) {
     write_silu_rows(c, nullptr, nullptr, yp, I, m0, rows, (nb / 2) * kTileN);
@@ -210,18 +210,18 @@ std::string gguf_kernel() {
 }
 
 // gguf_vnni.cpp
-torch::Tensor gguf_vnni_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                               const c10::optional<torch::Tensor>& bias);
-torch::Tensor gguf_vnni_linear_silu(const torch::Tensor& x, const torch::Tensor& pairs);
+at::Tensor gguf_vnni_linear(const at::Tensor& x, const at::Tensor& packed,
+                               const c10::optional<at::Tensor>& bias);
+at::Tensor gguf_vnni_linear_silu(const at::Tensor& x, const at::Tensor& pairs);
 
 // The kept blocks' product on this process's kernel (gguf_kernel(); gguf_pack laid the weight out for it).
-torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                          const c10::optional<torch::Tensor>& bias) {
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed,
+                          const c10::optional<at::Tensor>& bias) {
   static const std::string kernel = gguf_kernel();
   return kernel == "vnni" ? gguf_vnni_linear(x, packed, bias) : gguf_tiles_linear(x, packed, bias);
 }
 
-torch::Tensor gguf_linear_silu(const torch::Tensor& x, const torch::Tensor& pairs) {
+at::Tensor gguf_linear_silu(const at::Tensor& x, const at::Tensor& pairs) {
   static const std::string kernel = gguf_kernel();
   return kernel == "vnni" ? gguf_vnni_linear_silu(x, pairs) : gguf_tiles_linear_silu(x, pairs);
 }

@@ -18,7 +18,7 @@
 //       its high nibble K 16 + 4t + i), so one AND or one shift gives the unsigned bytes of four K quads.
 //   Q8_0: 8 x 64 bytes: vector t, lane j, byte i = feature j's q[4t + i] + 128.
 //   then the fields as in the tiles: 16 float16 d (s), Q4_1's 16 float16 m, Q4_Z's 16 uint8 z.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <cstdint>
 #include <vector>
@@ -45,7 +45,7 @@ struct QuantizedRows {
 // is reproducible (a value at k + 0.5 rounds the same here and in a reference).
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math")
-QuantizedRows quantize_rows(const torch::Tensor& x) {
+QuantizedRows quantize_rows(const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1), KB = K / 32;
   const auto xs = x.stride(1) == 1 ? x : x.contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>());
@@ -153,7 +153,7 @@ void vnni_rows(const QuantizedRows& xq, int64_t K, int64_t m0, int64_t rows, con
 // The loop over 32-feature column pairs and 4-row blocks of x [M, K], as dp_tiles: float32 results of rows
 // [m0, m0 + rows) and column blocks nb, nb + 1 go to epilogue(c, m0, rows, nb, two_cols).
 template <int64_t Type, typename Epilogue>
-void vnni_tiles(const torch::Tensor& x, const torch::Tensor& packed, const Epilogue& epilogue) {
+void vnni_tiles(const at::Tensor& x, const at::Tensor& packed, const Epilogue& epilogue) {
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), KB = packed.size(1), tile_bytes = packed.size(2);
   if (M == 0) return;
   const QuantizedRows xq = quantize_rows(x);
@@ -175,7 +175,7 @@ void vnni_tiles(const torch::Tensor& x, const torch::Tensor& packed, const Epilo
 }
 
 template <typename Epilogue>
-void vnni_any(const torch::Tensor& x, const torch::Tensor& packed, const Epilogue& epilogue) {
+void vnni_any(const at::Tensor& x, const at::Tensor& packed, const Epilogue& epilogue) {
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
               "a weight packed by gguf_pack(layout='quads'): [N/16, K/32, tile bytes] uint8");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "[M, K] bfloat16 input");
@@ -194,11 +194,11 @@ void vnni_any(const torch::Tensor& x, const torch::Tensor& packed, const Epilogu
 #endif
 
 // x [M, K] bfloat16, packed [N/16, K/32, tile bytes] in the quads layout, bias [N] or none -> [M, N] bfloat16.
-torch::Tensor gguf_vnni_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                               const c10::optional<torch::Tensor>& bias) {
+at::Tensor gguf_vnni_linear(const at::Tensor& x, const at::Tensor& packed,
+                               const c10::optional<at::Tensor>& bias) {
 #ifdef TOKENMILL_VNNI
   const int64_t N = packed.size(0) * kTileN;
-  auto y = torch::empty({x.size(0), N}, x.options());
+  auto y = at::empty({x.size(0), N}, x.options());
   const FloatBias b = float_bias(bias);
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   vnni_any(x, packed, [&](const float* c, int64_t m0, int64_t rows, int64_t nb, bool two_cols) {
@@ -207,16 +207,16 @@ torch::Tensor gguf_vnni_linear(const torch::Tensor& x, const torch::Tensor& pack
   return y;
 #else
   TORCH_CHECK(false, "this build has no AVX512-VNNI kernels (the CPU it was built for lacks them)");
-  return torch::Tensor();
+  return at::Tensor();
 #endif
 }
 
 // silu(x @ gate.T) * (x @ up.T) from gate/up block pairs in the quads layout ([I/16, 2, K/32, tile bytes]).
-torch::Tensor gguf_vnni_linear_silu(const torch::Tensor& x, const torch::Tensor& pairs) {
+at::Tensor gguf_vnni_linear_silu(const at::Tensor& x, const at::Tensor& pairs) {
 #ifdef TOKENMILL_VNNI
   TORCH_CHECK(pairs.dim() == 4 && pairs.size(1) == 2, "a gate/up weight packed by gguf_pack in pairs");
   const int64_t I = pairs.size(0) * kTileN;
-  auto y = torch::empty({x.size(0), I}, x.options());
+  auto y = at::empty({x.size(0), I}, x.options());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   vnni_any(x, pairs.view({2 * pairs.size(0), pairs.size(2), pairs.size(3)}),
            [&](const float* c, int64_t m0, int64_t rows, int64_t nb, bool) {
@@ -225,6 +225,6 @@ torch::Tensor gguf_vnni_linear_silu(const torch::Tensor& x, const torch::Tensor&
   return y;
 #else
   TORCH_CHECK(false, "this build has no AVX512-VNNI kernels (the CPU it was built for lacks them)");
-  return torch::Tensor();
+  return at::Tensor();
 #endif
 }

@@ -13,7 +13,7 @@
 // (x @ q = x @ u - 128 rowsum(x)) and applies the scale. The offset costs nothing measurable in accuracy: the
 // float32 sums carry ~1e-6 relative error against bfloat16's 4e-3. The widening is paid once per call, not per
 // row block, and, as for bfloat16, a row's result never depends on the batch it is in.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -24,7 +24,7 @@
 
 namespace {
 
-void check_int8_weight(const torch::Tensor& q) {
+void check_int8_weight(const at::Tensor& q) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "int8_pack takes a [N, K] int8 weight");
   TORCH_CHECK(q.size(0) % kTileN == 0 && q.size(1) % kTileK == 0, "int8_pack needs N % 16 == 0 and K % 32 == 0");
 }
@@ -32,7 +32,7 @@ void check_int8_weight(const torch::Tensor& q) {
 }  // namespace
 
 // q [N, K] int8 (-127..127) -> [N/16, K/32, 16, 32] uint8 q + 128 in bf16_pack's tile order.
-torch::Tensor int8_pack(const torch::Tensor& q) {
+at::Tensor int8_pack(const at::Tensor& q) {
   check_int8_weight(q);
   TORCH_CHECK(q.min().item<int8_t>() >= -127, "int8 weights must lie in [-127, 127]");
   const int64_t N = q.size(0), K = q.size(1);
@@ -42,7 +42,7 @@ torch::Tensor int8_pack(const torch::Tensor& q) {
 }
 
 // q [N, K] float8_e4m3fn -> [N/16, K/32, 16, 32] in bf16_pack's tile order (the bytes as they are).
-torch::Tensor fp8_pack(const torch::Tensor& q) {
+at::Tensor fp8_pack(const at::Tensor& q) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat8_e4m3fn, "fp8_pack takes a [N, K] float8_e4m3fn weight");
   TORCH_CHECK(q.size(0) % kTileN == 0 && q.size(1) % kTileK == 0, "fp8_pack needs N % 16 == 0 and K % 32 == 0");
   const int64_t N = q.size(0), K = q.size(1);
@@ -51,7 +51,7 @@ torch::Tensor fp8_pack(const torch::Tensor& q) {
 }
 
 // q [2I, K] float8_e4m3fn -> gate/up block pairs [I/16, 2, K/32, 16, 32], as bf16_pack_gate_up.
-torch::Tensor fp8_pack_gate_up(const torch::Tensor& q) {
+at::Tensor fp8_pack_gate_up(const at::Tensor& q) {
   TORCH_CHECK(q.dim() == 2 && q.size(0) % (2 * kTileN) == 0, "fp8_pack_gate_up takes [2I, K] with I % 16 == 0");
   const int64_t N = q.size(0), K = q.size(1), blocks = N / (2 * kTileN);
   const auto paired = q.contiguous().view(at::kByte).view({2, blocks, kTileN, K}).transpose(0, 1).reshape({N, K});
@@ -60,7 +60,7 @@ torch::Tensor fp8_pack_gate_up(const torch::Tensor& q) {
 
 // q [2I, K] int8 (gate rows, then up rows) -> [I/16, 2, K/32, 16, 32] uint8: gate/up block pairs, as
 // bf16_pack_gate_up.
-torch::Tensor int8_pack_gate_up(const torch::Tensor& q) {
+at::Tensor int8_pack_gate_up(const at::Tensor& q) {
   check_int8_weight(q);
   TORCH_CHECK(q.size(0) % (2 * kTileN) == 0, "int8_pack_gate_up takes [2I, K] with I % 16 == 0");
   const int64_t N = q.size(0), K = q.size(1), blocks = N / (2 * kTileN);
@@ -108,7 +108,7 @@ inline void widen(const uint8_t* src, uint16_t* dst, int64_t n) {
 
 // kOffset * sum(x[m]) for each row, in float32, in one fixed order per row (whatever M): the offset the
 // widened bytes add to each product, taken back out in the epilogue.
-std::vector<float> offset_sums(const torch::Tensor& x) {
+std::vector<float> offset_sums(const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<float> out(M);
   const auto xs = x.stride(1) == 1 ? x : x.contiguous();
@@ -143,7 +143,7 @@ struct Int8Problem {
   const float* scale;
 };
 
-Int8Problem setup_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale, bool fp8) {
+Int8Problem setup_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, bool fp8) {
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() &&
                   packed.scalar_type() == (fp8 ? at::kFloat8_e4m3fn : at::kByte),
               fp8 ? "a weight packed by fp8_pack" : "a weight packed by int8_pack");
@@ -166,10 +166,10 @@ namespace {
 
 // (x @ q.T) * scale (+ b) for either byte format; int8's bytes carry an offset the epilogue takes back out.
 template <bool Fp8>
-torch::Tensor w8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                        const c10::optional<torch::Tensor>& bias) {
+at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                        const c10::optional<at::Tensor>& bias) {
   const Int8Problem p = setup_int8(x, packed, scale, Fp8);
-  auto y = torch::empty({p.M, p.N}, x.options());
+  auto y = at::empty({p.M, p.N}, x.options());
   const FloatBias b = float_bias(bias);
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const auto offset = Fp8 ? std::vector<float>() : offset_sums(x);
@@ -184,12 +184,12 @@ torch::Tensor w8_linear(const torch::Tensor& x, const torch::Tensor& packed, con
 // silu(x @ gate.T) * (x @ up.T) from gate/up pairs (int8_pack_gate_up, fp8_pack_gate_up) and the [2I] scales in
 // gate-then-up order: the 8-bit form of bf16_linear_silu.
 template <bool Fp8>
-torch::Tensor w8_linear_silu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale) {
+at::Tensor w8_linear_silu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
   TORCH_CHECK(packed.dim() == 5 && packed.size(1) == 2, "a gate/up weight packed in pairs");
   const int64_t blocks = packed.size(0), I = blocks * kTileN;
   const Int8Problem p =
       setup_int8(x, packed.view({2 * blocks, packed.size(2), packed.size(3), packed.size(4)}), scale, Fp8);
-  auto y = torch::empty({p.M, I}, x.options());
+  auto y = at::empty({p.M, I}, x.options());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const auto offset = Fp8 ? std::vector<float>() : offset_sums(x);
   const auto epilogue = [&](float* c, int64_t m0, int64_t rows, int64_t nb, bool) {
@@ -206,25 +206,25 @@ torch::Tensor w8_linear_silu(const torch::Tensor& x, const torch::Tensor& packed
 #else
 #define TOKENMILL_W8(call) \
   TORCH_CHECK(false, "this build has no AVX512-BF16 kernels (the CPU it was built for lacks them)"); \
-  return torch::Tensor()
+  return at::Tensor()
 #endif
 
 // x [M, K] bfloat16, packed from int8_pack, scale [N] float32, bias [N] or none -> [M, N] bfloat16.
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                          const c10::optional<torch::Tensor>& bias) {
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                          const c10::optional<at::Tensor>& bias) {
   TOKENMILL_W8(w8_linear<false>(x, packed, scale, bias));
 }
 
-torch::Tensor int8_linear_silu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale) {
+at::Tensor int8_linear_silu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
   TOKENMILL_W8(w8_linear_silu<false>(x, packed, scale));
 }
 
 // The same with FP8 e4m3 weights from fp8_pack / fp8_pack_gate_up.
-torch::Tensor fp8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                         const c10::optional<torch::Tensor>& bias) {
+at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                         const c10::optional<at::Tensor>& bias) {
   TOKENMILL_W8(w8_linear<true>(x, packed, scale, bias));
 }
 
-torch::Tensor fp8_linear_silu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale) {
+at::Tensor fp8_linear_silu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
   TOKENMILL_W8(w8_linear_silu<true>(x, packed, scale));
 }

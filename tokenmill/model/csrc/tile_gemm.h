@@ -6,7 +6,7 @@
 // fixed sequence of dot products over K, whatever M and wherever its row sits: batch-invariant by construction.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -96,11 +96,11 @@ auto widened_weight(const uint8_t* qp, int64_t NB, int64_t KB, int64_t tile_byte
 
 // A bias in float32 (the epilogues add it in float32), or none: `p` points into `t`.
 struct FloatBias {
-  torch::Tensor t;
+  at::Tensor t;
   const float* p = nullptr;
 };
 
-inline FloatBias float_bias(const c10::optional<torch::Tensor>& bias) {
+inline FloatBias float_bias(const c10::optional<at::Tensor>& bias) {
   FloatBias b;
   if (bias.has_value()) {
     b.t = bias->to(at::kFloat).contiguous();
@@ -187,7 +187,7 @@ inline void dp_rows(const uint16_t* x, int64_t ld, int64_t rows, const Tiles& ti
 // amx_tiles' loop with AVX512-BF16 dot products, same arguments and epilogue contract (c holds at most kDpRows
 // rows here): `weight(nb, scratch, row_blocks)` is asked for the tiles `row_blocks` times (blocks of 4 rows).
 template <typename Weight, typename Epilogue>
-void dp_tiles(const torch::Tensor& x, int64_t K, int64_t NB, int64_t scratch_elems, const Weight& weight,
+void dp_tiles(const at::Tensor& x, int64_t K, int64_t NB, int64_t scratch_elems, const Weight& weight,
               const Epilogue& epilogue) {
   const int64_t M = x.size(0), KB = K / kTileK;
   if (M == 0) return;
@@ -284,7 +284,7 @@ void tile_block(const uint16_t* a0, int64_t a0_stride, const uint16_t* a1, int64
 // build them; then for each 32-row block the float32 results c [32 x 32] go to
 // `epilogue(c, m0, rows, nb, two_cols)`.
 template <typename Weight, typename Epilogue>
-void amx_tiles(const torch::Tensor& x, int64_t K, int64_t NB, int64_t scratch_elems, const Weight& weight,
+void amx_tiles(const at::Tensor& x, int64_t K, int64_t NB, int64_t scratch_elems, const Weight& weight,
                const Epilogue& epilogue) {
   TORCH_CHECK(request_amx(), "the OS did not grant the AMX tile state");
   const int64_t M = x.size(0), KB = K / kTileK;
@@ -293,7 +293,7 @@ void amx_tiles(const torch::Tensor& x, int64_t K, int64_t NB, int64_t scratch_el
   const int64_t Mpad = (M + kTileRows - 1) / kTileRows * kTileRows, full = M / kTileRows * kTileRows;
   const int64_t row_blocks = (Mpad + 2 * kTileRows - 1) / (2 * kTileRows);
   const auto xs = x.stride(1) == 1 ? x : x.contiguous();
-  auto tail = torch::zeros({kTileRows, K}, x.options());
+  auto tail = at::zeros({kTileRows, K}, x.options());
   if (full < M) tail.narrow(0, 0, M - full).copy_(xs.narrow(0, full, M - full));
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>());
   const uint16_t* tp = reinterpret_cast<const uint16_t*>(tail.data_ptr<at::BFloat16>());
@@ -332,7 +332,7 @@ void amx_tiles(const torch::Tensor& x, int64_t K, int64_t NB, int64_t scratch_el
 // AVX512-BF16 dot products. A process takes one of them for good (the grant does not change), so a row's result
 // still never depends on its batch.
 template <typename Weight, typename Epilogue>
-void gemm_tiles(const torch::Tensor& x, int64_t K, int64_t NB, int64_t scratch_elems, const Weight& weight,
+void gemm_tiles(const at::Tensor& x, int64_t K, int64_t NB, int64_t scratch_elems, const Weight& weight,
                 const Epilogue& epilogue) {
 #ifdef TOKENMILL_AMX
   if (request_amx()) return amx_tiles(x, K, NB, scratch_elems, weight, epilogue);
