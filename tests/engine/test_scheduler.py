@@ -1,6 +1,7 @@
 """Scheduler + KV cache manager without a model: token budgets, chunking, preemption, block accounting."""
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -265,6 +266,24 @@ def test_a_mid_sized_prompt_behind_a_long_prefill_finishes_its_prompt_first():
         run_step(sched)
         check_blocks_match_tokens(sched)
     sched.kv.check_idle()
+
+
+def test_a_long_prefill_goes_before_prompts_that_arrive_after_its_virtual_finish():
+    """With a fitted step cost, long prefills go in order of arrival + their predicted prefill time: a mid-sized
+    prompt arriving soon after a long one still goes first, one arriving after the long one would have finished
+    alone waits its turn (fewest tokens left first would let a stream of such arrivals starve the long one)."""
+    for delay, expected in ((1.0, [("long", 128), ("mid", 384)]), (9.0, [("long", 512)])):
+        sched = long_prefill_scheduler()
+        sched.step_cost = SimpleNamespace(fit=StepCost(fixed=0.0, per_token=1e-3))  # "long" alone: 8 s
+        long, mid = make_request("long", 8000, 2), make_request("mid", 1200, 2)
+        sched.add_request(long)
+        run_step(sched)
+        mid.arrival_time = long.arrival_time + delay  # its virtual finish: delay + 1.2 s, long's 8 s
+        sched.add_request(mid)
+        assert chunks(run_step(sched)[0]) == expected, delay
+        while sched.has_unfinished:
+            run_step(sched)
+        sched.kv.check_idle()
 
 
 def test_a_long_prompt_waiting_ahead_of_short_ones_does_not_take_the_whole_budget():

@@ -47,6 +47,18 @@ def prefill_seconds(request: Request, cost: StepCost | None) -> float:
     return cost.fixed + cost.chunk_seconds(todo, request.num_computed_tokens)
 
 
+def prefill_finish_key(request: Request, left: int, computed: int, cost: StepCost | None) -> float:
+    """Which long prefill goes first (the smaller key): the one that would finish its prompt first had it run
+    alone from its arrival, arrival + the predicted time of its `left` tokens after `computed` ones. Among prompts
+    that arrive together that is the fewest tokens left first, which keeps short prompts' TTFT low; but a prompt
+    is overtaken only by ones that arrive before its own virtual finish, so a stream of shorter arrivals cannot
+    starve it, as pure fewest-left-first did (ShareGPT at 64 streams: prompts over 500 tokens waited ~10 s).
+    Before the step cost is fitted: the tokens left."""
+    if cost is None:
+        return float(left)
+    return request.arrival_time + cost.chunk_seconds(left, computed)
+
+
 def ttft_slack(request: Request, now: float, cost: StepCost | None) -> float:
     """Seconds to spare before the request's TTFT target, after its predicted prefill (inf: no target)."""
     if request.ttft_target is None:

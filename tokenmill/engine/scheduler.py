@@ -4,10 +4,13 @@ Each step hands out a token budget in three phases, so that one long prompt cann
   A. Running requests in order: a decode takes one token, an unfinished prefill a chunk of what is left. A prefill
      with more than `long_prefill_token_threshold` (T) tokens left is long: long ones share T tokens here (in
      practice the oldest gets T, so none starves).
-  B. Waiting requests, in admission order. A long prompt is admitted, with a first chunk of T, only if it has fewer
-     tokens left than every long prefill under way; otherwise it is passed over this step and the requests behind
-     it go on being admitted (so a burst of equal long prompts is prefilled one at a time, not all half-done).
-  C. What budget is left goes back to the long chunks capped in A and B, fewest tokens left first (their blocks
+  B. Waiting requests, in admission order. A long prompt is admitted, with a first chunk of T, only if it goes
+     before every long prefill under way; otherwise it is passed over this step and the requests behind it go on
+     being admitted (so a burst of equal long prompts is prefilled one at a time, not all half-done). Long ones go
+     in order of their virtual finish, arrival + predicted time of the tokens left (policy.prefill_finish_key):
+     fewest tokens left first among prompts that arrive together, but no one is overtaken by later arrivals
+     forever.
+  C. What budget is left goes back to the long chunks capped in A and B, in the same order (their blocks
      grow by `allocate_slots`; a chunk the pool cannot grow stays as it is: this phase never preempts); if they all
      reach their end, what still remains goes to the long prompts passed over in B, uncapped.
 So a short request arriving behind a long prefill starts in the very next step, a mid-sized one finishes its
@@ -43,7 +46,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache import KVCacheManager, PrefixCacheStats
-from tokenmill.engine.policy import StepBudget, make_policy, step_budget
+from tokenmill.engine.policy import StepBudget, make_policy, prefill_finish_key, step_budget
 from tokenmill.engine.step_cost import StepCost, StepCostModel, attention_pairs
 from tokenmill.request import Request, RequestStatus
 from tokenmill.spec.stats import SpecDecodeStats
@@ -260,8 +263,8 @@ class Scheduler:
                        capped: list[ScheduledRequest]) -> bool:
         """Admit waiting requests while the budget, the sequence limit, the pool and its headroom for decode growth
         allow; return whether a long prompt was passed over. A prompt longer than `threshold` (None: no limit) gets
-        a first chunk of `threshold` tokens if it has fewer tokens left than every capped (long) prefill, else it
-        is passed over. A request whose next uncached block a running prefill is computing right now waits a
+        a first chunk of `threshold` tokens if it goes before every capped (long) prefill (prefill_finish_key),
+        else it is passed over. A request whose next uncached block a running prefill is computing right now waits a
         step, then shares it instead."""
         prefilling = ([r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
                       if self.kv.prefix_caching else [])
@@ -281,7 +284,8 @@ class Scheduler:
                 continue
             todo = req.num_tokens - cached
             long = threshold is not None and todo > threshold
-            if long and any(todo >= s.num_left for s in capped):  # its turn comes after theirs
+            if long and any(prefill_finish_key(req, todo, cached, cost) >= self._finish_key(s, cost)
+                            for s in capped):  # its turn comes after theirs
                 passed_over = True
                 continue
             n = budget.fit(req, min(todo, threshold) if long else todo, cached)
@@ -303,9 +307,10 @@ class Scheduler:
         return passed_over
 
     def _grow(self, budget: StepBudget, capped: list[ScheduledRequest]) -> None:
-        """Phase C: give the budget left to the capped long prefills, fewest tokens left first; only the extra
+        """Phase C: give the budget left to the capped long prefills in prefill_finish_key order; only the extra
         blocks are allocated, and a chunk the pool cannot grow stays as it is (no preemption here)."""
-        for s in sorted(capped, key=lambda s: s.num_left):
+        cost = self.step_cost.fit if self.step_cost is not None else None
+        for s in sorted(capped, key=lambda s: self._finish_key(s, cost)):
             if not budget.left:
                 break
             start = s.request.num_computed_tokens + s.num_new_tokens
@@ -313,6 +318,11 @@ class Scheduler:
             if extra > 0 and self.kv.allocate_slots(s.request, s.num_new_tokens + extra + self.lookahead):
                 s.num_new_tokens += extra
                 budget.take(s.request, extra, start)
+
+    @staticmethod
+    def _finish_key(s: ScheduledRequest, cost: StepCost | None) -> float:
+        """A capped prefill's prefill_finish_key after this step's chunk."""
+        return prefill_finish_key(s.request, s.num_left, s.request.num_computed_tokens + s.num_new_tokens, cost)
 
     def _count_skips(self, queue: list[Request]) -> None:
         """Each waiting request that someone later in `queue` went before was overtaken once more."""
