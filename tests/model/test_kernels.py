@@ -198,7 +198,7 @@ def test_packed_bf16_linear_rows_do_not_depend_on_the_batch(kernel):
     packed = ops.bf16_pack((torch.randn(960, 576, generator=g) * 0.05).to(torch.bfloat16))
     fn = getattr(ops, kernel)
     alone = torch.cat([fn(x[i:i + 1], packed, None) for i in range(130)])
-    for m in (2, 4, 5, 15, 16, 17, 32, 33, 64, 130):
+    for m in (2, 4, 5, 7, 8, 9, 15, 16, 17, 32, 33, 64, 130):
         assert torch.equal(fn(x[:m], packed, None), alone[:m]), f"batch of {m}"
     order = torch.randperm(130, generator=g)
     assert torch.equal(fn(x[order], packed, None), alone[order])

@@ -139,10 +139,16 @@ void vnni_block(const QuantizedRows& xq, int64_t K, int64_t m0, const uint8_t* w
     for (int j = 0; j < Cols; ++j) _mm512_storeu_ps(c + r * 32 + j * 16, acc[r][j]);
 }
 
+constexpr int64_t kVnniRows = 8;  // rows per vnni_block
+
 template <int64_t Type, int Cols>
 void vnni_rows(const QuantizedRows& xq, int64_t K, int64_t m0, int64_t rows, const uint8_t* w0, int64_t KB,
                int64_t tile_bytes, float* c) {
   switch (rows) {
+    case 8: vnni_block<Type, 8, Cols>(xq, K, m0, w0, KB, tile_bytes, c); break;
+    case 7: vnni_block<Type, 7, Cols>(xq, K, m0, w0, KB, tile_bytes, c); break;
+    case 6: vnni_block<Type, 6, Cols>(xq, K, m0, w0, KB, tile_bytes, c); break;
+    case 5: vnni_block<Type, 5, Cols>(xq, K, m0, w0, KB, tile_bytes, c); break;
     case 4: vnni_block<Type, 4, Cols>(xq, K, m0, w0, KB, tile_bytes, c); break;
     case 3: vnni_block<Type, 3, Cols>(xq, K, m0, w0, KB, tile_bytes, c); break;
     case 2: vnni_block<Type, 2, Cols>(xq, K, m0, w0, KB, tile_bytes, c); break;
@@ -150,7 +156,7 @@ void vnni_rows(const QuantizedRows& xq, int64_t K, int64_t m0, int64_t rows, con
   }
 }
 
-// The loop over 32-feature column pairs and 4-row blocks of x [M, K], as dp_tiles: float32 results of rows
+// The loop over 32-feature column pairs and 8-row blocks of x [M, K], as dp_tiles: float32 results of rows
 // [m0, m0 + rows) and column blocks nb, nb + 1 go to epilogue(c, m0, rows, nb, two_cols).
 template <int64_t Type, typename Epilogue>
 void vnni_tiles(const at::Tensor& x, const at::Tensor& packed, const Epilogue& epilogue) {
@@ -159,13 +165,13 @@ void vnni_tiles(const at::Tensor& x, const at::Tensor& packed, const Epilogue& e
   const QuantizedRows xq = quantize_rows(x);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   for_column_pairs(NB, [&](int64_t begin, int64_t end) {
-    alignas(64) float c[kDpRows * 32];
+    alignas(64) float c[kVnniRows * 32];
     for (int64_t q = begin; q < end; ++q) {
       const int64_t nb = 2 * q;
       const bool two_cols = nb + 1 < NB;
       const uint8_t* w0 = wp + nb * KB * tile_bytes;
-      for (int64_t m0 = 0; m0 < M; m0 += kDpRows) {
-        const int64_t rows = std::min(kDpRows, M - m0);
+      for (int64_t m0 = 0; m0 < M; m0 += kVnniRows) {
+        const int64_t rows = std::min(kVnniRows, M - m0);
         if (two_cols) vnni_rows<Type, 2>(xq, K, m0, rows, w0, KB, tile_bytes, c);
         else vnni_rows<Type, 1>(xq, K, m0, rows, w0, KB, tile_bytes, c);
         epilogue(c, m0, rows, nb, two_cols);
