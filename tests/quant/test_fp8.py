@@ -7,11 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.models.tiny import make_tiny_model
 from tests.quant.common import KV, tiny_batch_and_dense
 from tokenmill import LLM
 from tokenmill.model.backends import TorchBackend
 from tokenmill.model.cpu_kernels import _extension
-from tokenmill.quant.fp8 import E4M3_MAX, E4M3_MIN_NORMAL, dequantize_fp8, quantize_fp8
+from tokenmill.quant.fp8 import E4M3_MAX, E4M3_MIN_NORMAL, Fp8LinearMethod, dequantize_fp8, quantize_fp8
 
 ops = _extension()
 TILES = ops is not None and ops.bf16_kernel() != ""  # AMX tiles or AVX512-BF16
@@ -97,9 +98,6 @@ def test_fp8_model_tracks_the_dense_model(tmp_path, dtype):
 def test_fp8_keeps_the_lm_head_dense(tmp_path, tied):
     """As vLLM's fp8: every decoder matmul is e4m3, the LM head (a tied embedding included) stays in the model's
     dtype, so the logits are the dense head's product of the same hidden states, bit for bit."""
-    from tests.models.tiny import make_tiny_model
-    from tokenmill.quant.fp8 import Fp8LinearMethod
-
     path = make_tiny_model(tmp_path, vocab_size=512, hidden_size=128, intermediate_size=256, num_heads=4,
                            num_kv_heads=2, tie_word_embeddings=tied)
     model, dense = (LLM(str(path), dtype="float32", quantization=q, kv_cache_memory=KV).engine.core.runner.model

@@ -131,7 +131,7 @@ at::Tensor bf16_linear_silu(const at::Tensor& x, const at::Tensor& packed) {
 
 // The same product with AVX512-BF16 dot products (no AMX): same packed weight, same signature.
 at::Tensor dpbf16_linear(const at::Tensor& x, const at::Tensor& packed,
-                            const c10::optional<at::Tensor>& bias) {
+                         const c10::optional<at::Tensor>& bias) {
   Bf16Problem p = setup(x, packed, bias);
 #ifdef TOKENMILL_DPBF16
   const auto epilogue = [&](const float* c, int64_t m0, int64_t rows, int64_t nb, bool two_cols) {

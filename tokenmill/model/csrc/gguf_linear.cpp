@@ -159,7 +159,7 @@ void check_packed(const at::Tensor& x, const at::Tensor& packed) {
 // x [M, K] bfloat16, packed [N/16, K/32, tile bytes] (the type from the tile size), bias [N] or none -> [M, N]
 // bfloat16.
 at::Tensor gguf_tiles_linear(const at::Tensor& x, const at::Tensor& packed,
-                          const c10::optional<at::Tensor>& bias) {
+                             const c10::optional<at::Tensor>& bias) {
 #ifdef TOKENMILL_DPBF16
   check_packed(x, packed);
   const int64_t NB = packed.size(0), KB = packed.size(1), N = NB * kTileN, M = x.size(0);
@@ -211,12 +211,12 @@ std::string gguf_kernel() {
 
 // gguf_vnni.cpp
 at::Tensor gguf_vnni_linear(const at::Tensor& x, const at::Tensor& packed,
-                               const c10::optional<at::Tensor>& bias);
+                            const c10::optional<at::Tensor>& bias);
 at::Tensor gguf_vnni_linear_silu(const at::Tensor& x, const at::Tensor& pairs);
 
 // The kept blocks' product on this process's kernel (gguf_kernel(); gguf_pack laid the weight out for it).
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed,
-                          const c10::optional<at::Tensor>& bias) {
+                       const c10::optional<at::Tensor>& bias) {
   static const std::string kernel = gguf_kernel();
   return kernel == "vnni" ? gguf_vnni_linear(x, packed, bias) : gguf_tiles_linear(x, packed, bias);
 }

@@ -150,11 +150,16 @@ constexpr int64_t kVnniLargeM = 64;
 template <int64_t Type, int Cols>
 void vnni_rows(const QuantizedRows& xq, int64_t K, int64_t m0, int64_t rows, const uint8_t* w0, int64_t KB,
                int64_t tile_bytes, float* c) {
+  if constexpr (Cols == 1) {  // blocks of more than 4 rows go one column block at a time (vnni_tiles)
+    switch (rows) {
+      case 8: vnni_block<Type, 8, 1>(xq, K, m0, w0, KB, tile_bytes, c); return;
+      case 7: vnni_block<Type, 7, 1>(xq, K, m0, w0, KB, tile_bytes, c); return;
+      case 6: vnni_block<Type, 6, 1>(xq, K, m0, w0, KB, tile_bytes, c); return;
+      case 5: vnni_block<Type, 5, 1>(xq, K, m0, w0, KB, tile_bytes, c); return;
+      default: break;
+    }
+  }
   switch (rows) {
-    case 8: vnni_block<Type, 8, Cols>(xq, K, m0, w0, KB, tile_bytes, c); break;
-    case 7: vnni_block<Type, 7, Cols>(xq, K, m0, w0, KB, tile_bytes, c); break;
-    case 6: vnni_block<Type, 6, Cols>(xq, K, m0, w0, KB, tile_bytes, c); break;
-    case 5: vnni_block<Type, 5, Cols>(xq, K, m0, w0, KB, tile_bytes, c); break;
     case 4: vnni_block<Type, 4, Cols>(xq, K, m0, w0, KB, tile_bytes, c); break;
     case 3: vnni_block<Type, 3, Cols>(xq, K, m0, w0, KB, tile_bytes, c); break;
     case 2: vnni_block<Type, 2, Cols>(xq, K, m0, w0, KB, tile_bytes, c); break;
@@ -214,7 +219,7 @@ void vnni_any(const at::Tensor& x, const at::Tensor& packed, const Epilogue& epi
 
 // x [M, K] bfloat16, packed [N/16, K/32, tile bytes] in the quads layout, bias [N] or none -> [M, N] bfloat16.
 at::Tensor gguf_vnni_linear(const at::Tensor& x, const at::Tensor& packed,
-                               const c10::optional<at::Tensor>& bias) {
+                            const c10::optional<at::Tensor>& bias) {
 #ifdef TOKENMILL_VNNI
   const int64_t N = packed.size(0) * kTileN;
   auto y = at::empty({x.size(0), N}, x.options());

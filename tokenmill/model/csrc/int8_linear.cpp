@@ -167,7 +167,7 @@ namespace {
 // (x @ q.T) * scale (+ b) for either byte format; int8's bytes carry an offset the epilogue takes back out.
 template <bool Fp8>
 at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                        const c10::optional<at::Tensor>& bias) {
+                     const c10::optional<at::Tensor>& bias) {
   const Int8Problem p = setup_int8(x, packed, scale, Fp8);
   auto y = at::empty({p.M, p.N}, x.options());
   const FloatBias b = float_bias(bias);
@@ -211,7 +211,7 @@ at::Tensor w8_linear_silu(const at::Tensor& x, const at::Tensor& packed, const a
 
 // x [M, K] bfloat16, packed from int8_pack, scale [N] float32, bias [N] or none -> [M, N] bfloat16.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                          const c10::optional<at::Tensor>& bias) {
+                       const c10::optional<at::Tensor>& bias) {
   TOKENMILL_W8(w8_linear<false>(x, packed, scale, bias));
 }
 
@@ -221,7 +221,7 @@ at::Tensor int8_linear_silu(const at::Tensor& x, const at::Tensor& packed, const
 
 // The same with FP8 e4m3 weights from fp8_pack / fp8_pack_gate_up.
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                         const c10::optional<at::Tensor>& bias) {
+                      const c10::optional<at::Tensor>& bias) {
   TOKENMILL_W8(w8_linear<true>(x, packed, scale, bias));
 }
 
