@@ -73,16 +73,33 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
 }
 #pragma GCC pop_options
 
-// The int32 dot products of one 16-feature x 32-K tile's quants (8 vectors of unsigned quads) with a row's
-// 32 int8 activations: lane j = sum over K of feature j's quant times x's.
-inline __m512i tile_dot(const __m512i (&w)[8], const int8_t* qx) {
-  __m512i s = _mm512_setzero_si512();
+// The int32 dot products of one 16-feature x 32-K tile's quants (8 vectors of unsigned quads) with each of
+// Rows rows' 32 int8 activations (row r's at qx[r]): lane j of s[r] = sum over K of feature j's quant times x's.
+// A row's 8 VPDPBUSD would depend on each other (a chain 8 latencies long), and a compiled loop over rows keeps
+// only ~3 rows in flight (half the multipliers idle), so the rows' chains go side by side, quad by quad, and a
+// block of fewer than 4 rows splits each row's sum over 2 or 4 chains. The sums are exact integers: their
+// grouping cannot change a result.
+template <int Rows>
+inline void tile_dots(const __m512i (&w)[8], const int8_t* const (&qx)[Rows], __m512i (&s)[Rows]) {
+  constexpr int kChains = Rows >= 5 ? 1 : Rows >= 3 ? 2 : 4;  // partial sums per row
+  __m512i part[kChains][Rows];
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r)
+    for (int p = 0; p < kChains; ++p) part[p][r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
   for (int t = 0; t < 8; ++t) {
-    int32_t quad;
-    std::memcpy(&quad, qx + 4 * t, sizeof(quad));
-    s = _mm512_dpbusd_epi32(s, w[t], _mm512_set1_epi32(quad));
+#pragma GCC unroll 8
+    for (int r = 0; r < Rows; ++r) {
+      int32_t quad;
+      std::memcpy(&quad, qx[r] + 4 * t, sizeof(quad));
+      part[t % kChains][r] = _mm512_dpbusd_epi32(part[t % kChains][r], w[t], _mm512_set1_epi32(quad));
+    }
   }
-  return s;
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r) {
+    s[r] = part[0][r];
+    for (int p = 1; p < kChains; ++p) s[r] = _mm512_add_epi32(s[r], part[p][r]);
+  }
 }
 
 // A tile's quants as 8 vectors of unsigned bytes, vector t holding K quad t (K 4t .. 4t + 3) of each feature.
@@ -108,9 +125,11 @@ template <int64_t Type, int Rows, int Cols>
 void vnni_block(const QuantizedRows& xq, int64_t K, int64_t m0, const uint8_t* w0, int64_t KB, int64_t tile_bytes,
                 float* c) {
   __m512 acc[Rows][Cols];
+#pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r)
     for (int j = 0; j < Cols; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t kb = 0; kb < KB; ++kb) {
+#pragma GCC unroll 2
     for (int j = 0; j < Cols; ++j) {
       const uint8_t* tile = w0 + (j * KB + kb) * tile_bytes;
       const uint8_t* fields = tile + quant_bytes<Type>();
@@ -123,18 +142,24 @@ void vnni_block(const QuantizedRows& xq, int64_t K, int64_t m0, const uint8_t* w
         mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(fields + 32)));
       if constexpr (Type == kQ4_Z)
         zero_points = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(fields + 32)));
+      const int8_t* qx[Rows];
+      __m512i s[Rows];
+#pragma GCC unroll 8
+      for (int r = 0; r < Rows; ++r) qx[r] = xq.q.data() + (m0 + r) * K + kb * 32;
+      tile_dots<Rows>(w, qx, s);
+#pragma GCC unroll 8
       for (int r = 0; r < Rows; ++r) {
         const int64_t row = (m0 + r) * (K / 32) + kb;
-        const int8_t* qx = xq.q.data() + (m0 + r) * K + kb * 32;
         const float dx = xq.scale[row];
         const int32_t sx = xq.sum[row];
-        __m512i s = tile_dot(w, qx);
-        if constexpr (Type != kQ4_1) s = _mm512_sub_epi32(s, _mm512_mullo_epi32(zero_points, _mm512_set1_epi32(sx)));
-        acc[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(s), acc[r][j]);
+        __m512i sr = s[r];
+        if constexpr (Type != kQ4_1) sr = _mm512_sub_epi32(sr, _mm512_mullo_epi32(zero_points, _mm512_set1_epi32(sx)));
+        acc[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(sr), acc[r][j]);
         if constexpr (Type == kQ4_1) acc[r][j] = _mm512_fmadd_ps(mins, _mm512_set1_ps(dx * sx), acc[r][j]);
       }
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r)
     for (int j = 0; j < Cols; ++j) _mm512_storeu_ps(c + r * 32 + j * 16, acc[r][j]);
 }

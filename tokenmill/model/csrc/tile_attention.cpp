@@ -235,24 +235,26 @@ struct Dots {
       transpose16(r);  // r[i]: dim pair i of the 16 keys
       for (int i = 0; i < 16; ++i) _mm512_store_si512(w.kt[c][i], r[i]);
     }
-    for (int64_t row = 0; row < M; ++row) {
-      __m512 acc = _mm512_setzero_ps();
+    for (int64_t row = 0; row < M; ++row) {  // 4 chains of dim pairs (i mod 4), not one D / 2 latencies long
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
       for (int64_t c = 0; c < D / 32; ++c)
+#pragma GCC unroll 16
         for (int i = 0; i < 16; ++i)
-          acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(w.qt[c][i][row])),
-                                 (__m512bh)_mm512_load_si512(w.kt[c][i]));
-      _mm512_store_ps(w.s[row], acc);
+          acc[i % 4] = _mm512_dpbf16_ps(acc[i % 4], (__m512bh)_mm512_set1_epi32(static_cast<int>(w.qt[c][i][row])),
+                                        (__m512bh)_mm512_load_si512(w.kt[c][i]));
+      _mm512_store_ps(w.s[row], _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
     }
   }
   // pv row r for dims [16 sl, 16 sl + 16): the dims in the lanes, summed over P's key pairs.
   void values(Scratch& w, int64_t sl, int64_t M) const {
     for (int64_t row = 0; row < M; ++row) {
       const uint32_t* pairs = reinterpret_cast<const uint32_t*>(w.p[row]);
-      __m512 acc = _mm512_setzero_ps();
+      __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};  // 2 chains of key pairs (pr mod 2)
+#pragma GCC unroll 8
       for (int64_t pr = 0; pr < kKeys / 2; ++pr)
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[pr])),
-                               (__m512bh)_mm512_load_si512(w.v[sl][pr]));
-      _mm512_store_ps(w.pv[row], acc);
+        acc[pr % 2] = _mm512_dpbf16_ps(acc[pr % 2], (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[pr])),
+                                       (__m512bh)_mm512_load_si512(w.v[sl][pr]));
+      _mm512_store_ps(w.pv[row], _mm512_add_ps(acc[0], acc[1]));
     }
   }
   void finish() const {}
