@@ -407,18 +407,14 @@ void attend(const T* q, const C* k_cache, const C* v_cache, const int64_t* block
   }
   tiles.push_back(num_tokens);
   const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1;
-  std::vector<int64_t> costs(num_tiles * num_kv_heads);  // per block: each K/V row loaded, then scored per head
-  for (int64_t tile = 0; tile < num_tiles; ++tile) {
-    const int64_t blocks = (kv_lens[tiles[tile + 1] - 1] + bs - 1) / bs;
-    const int64_t heads = (tiles[tile + 1] - tiles[tile]) * group;
-    std::fill_n(costs.begin() + tile * num_kv_heads, num_kv_heads, 1 + blocks * (2 + heads));
-  }
-  parallel_for_balanced(costs, [&](int64_t begin, int64_t end) {
+  const int64_t items = num_tiles * num_kv_heads;
+  parallel_take(items, 1, [&](WorkQueue& work) {
     const int64_t heads_max = 2 * group;
     std::vector<float> qf(heads_max * D), acc(heads_max * D), scores(heads_max * bs), m(heads_max), l(heads_max);
     std::vector<float> res(D), kbuf(std::is_same_v<C, float> ? 0 : bs * D), vbuf(kbuf.size());
     std::vector<const float*> k_rows(bs), v_rows(bs);
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t begin, end; work.take(begin, end);) for (int64_t i = begin; i < end; ++i) {
+      const int64_t item = items - 1 - i;  // the last tiles first: a causal prefill's read the most blocks
       const int64_t tile = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t t0 = tiles[tile], ntok = tiles[tile + 1] - t0, heads = ntok * group;
       const int64_t len = kv_lens[t0 + ntok - 1];  // the tile's longest context (its last token's)

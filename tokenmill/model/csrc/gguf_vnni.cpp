@@ -201,9 +201,9 @@ void vnni_tiles(const at::Tensor& x, const at::Tensor& packed, const Epilogue& e
   const QuantizedRows xq = quantize_rows(x);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const int64_t block = M >= kVnniLargeM ? kVnniRows : kVnniRowsSmallM;
-  for_column_pairs(NB, [&](int64_t begin, int64_t end) {
+  for_column_pairs(NB, [&](WorkQueue& work) {
     alignas(64) float c[kVnniRows * 32];
-    for (int64_t q = begin; q < end; ++q) {
+    for (int64_t begin, end; work.take(begin, end);) for (int64_t q = begin; q < end; ++q) {
       const int64_t nb = 2 * q;
       const bool two_cols = nb + 1 < NB;
       const uint8_t* w0 = wp + nb * KB * tile_bytes;

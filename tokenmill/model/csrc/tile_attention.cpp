@@ -280,16 +280,12 @@ void attend_tiles(const uint16_t* q, const C* k_cache, const C* v_cache, const i
   }
   tiles.push_back(num_tokens);
   const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1;
-  std::vector<int64_t> costs(num_tiles * num_kv_heads);  // per block: K's transpose or tile loads, then M rows
-  for (int64_t tile = 0; tile < num_tiles; ++tile) {
-    const int64_t blocks = (kv_lens[tiles[tile + 1] - 1] + kKeys - 1) / kKeys;
-    const int64_t rows = (tiles[tile + 1] - tiles[tile]) * G;
-    std::fill_n(costs.begin() + tile * num_kv_heads, num_kv_heads, 1 + blocks * (4 + rows));
-  }
-  parallel_for_balanced(costs, [&](int64_t begin, int64_t end) {
+  const int64_t items = num_tiles * num_kv_heads;
+  parallel_take(items, 1, [&](WorkQueue& work) {
     auto w = std::make_unique<Scratch>();
     Products products;
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t begin, end; work.take(begin, end);) for (int64_t i = begin; i < end; ++i) {
+      const int64_t item = items - 1 - i;  // the last tiles first: a causal prefill's read the most blocks
       const int64_t tile = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t t0 = tiles[tile], ntok = tiles[tile + 1] - t0, M = ntok * G;
       products.start(M);

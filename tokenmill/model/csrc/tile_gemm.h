@@ -16,18 +16,19 @@
 #include <vector>
 
 #include "simd.h"
+#include "work_split.h"
 
 constexpr int64_t kTileRows = 16;   // rows of A and C tiles; K pairs of a B tile
 constexpr int64_t kTileK = 32;      // bfloat16 elements of K per tile dot product
 constexpr int64_t kTileN = 16;      // output features per C tile
 constexpr int64_t kTileElems = kTileRows * kTileK;  // bfloat16 elements of one B tile
 
-// Work items are 32-feature column blocks (the last may be 16 wide), a few per thread.
+// Work items are 32-feature column pairs (the last may be 16 wide), taken ~8 chunks per thread as the threads
+// go (work_split.h): body(queue) runs once per thread and loops `for (q : chunks taken)`.
 template <typename F>
 void for_column_pairs(int64_t NB, const F& body) {
   const int64_t pairs = (NB + 1) / 2;
-  const int64_t grain = std::max<int64_t>(1, pairs / (4 * at::get_num_threads()));
-  at::parallel_for(0, pairs, grain, body);
+  parallel_take(pairs, std::max<int64_t>(1, pairs / (8 * at::get_num_threads())), body);
 }
 
 
@@ -201,11 +202,11 @@ void dp_tiles(const at::Tensor& x, int64_t K, int64_t NB, int64_t scratch_elems,
   const auto xs = x.stride(1) == 1 ? x : x.contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>());
   const int64_t ld = xs.stride(0), row_blocks = (M + kDpRows - 1) / kDpRows;
-  for_column_pairs(NB, [&](int64_t begin, int64_t end) {
+  for_column_pairs(NB, [&](WorkQueue& work) {
     alignas(64) float c[kDpRows * 32];
     AlignedScratch buffer(scratch_elems);
     uint16_t* scratch = buffer.data;
-    for (int64_t q = begin; q < end; ++q) {
+    for (int64_t begin, end; work.take(begin, end);) for (int64_t q = begin; q < end; ++q) {
       const int64_t nb = 2 * q;
       const bool two_cols = nb + 1 < NB;
       if (M == 1) {  // one row: a quantized weight widened K block by K block as it is read (see WidenedTiles)
@@ -307,12 +308,12 @@ void amx_tiles(const at::Tensor& x, int64_t K, int64_t NB, int64_t scratch_elems
   const int64_t x_stride = xs.stride(0) * sizeof(uint16_t), tail_stride = K * sizeof(uint16_t);
   const auto rows_at = [&](int64_t m) { return m < full ? xp + m * xs.stride(0) : tp; };
   const auto stride_at = [&](int64_t m) { return m < full ? x_stride : tail_stride; };
-  for_column_pairs(NB, [&](int64_t begin, int64_t end) {
+  for_column_pairs(NB, [&](WorkQueue& work) {
     configure_gemm_tiles();
     alignas(64) float c[32 * 32];  // the epilogue may work in it
     AlignedScratch buffer(scratch_elems);
     uint16_t* scratch = buffer.data;
-    for (int64_t q = begin; q < end; ++q) {
+    for (int64_t begin, end; work.take(begin, end);) for (int64_t q = begin; q < end; ++q) {
       const int64_t nb = 2 * q;
       const bool two_cols = nb + 1 < NB;
       const auto tiles = weight(nb, scratch, row_blocks);
