@@ -168,13 +168,14 @@ void vnni_block(const QuantizedRows& xq, int64_t K, int64_t m0, const uint8_t* w
     for (int j = 0; j < Cols; ++j) _mm512_storeu_ps(c + r * 32 + j * 16, acc[r][j]);
 }
 
-// Rows per vnni_block: 8 from 64 rows, one 16-feature column block at a time (each tile's unpacked quads serve
+// Rows per vnni_block: 8 from 8 rows, one 16-feature column block at a time (each tile's unpacked quads serve
 // twice the rows; 8 rows by both column blocks spilled its 16 accumulators: 512 rows ~1.3x faster, then ~1.2x more
-// one column at a time), 4 by both column blocks below (the same speed at 8-32 rows; a little faster at 8).
-// Every element's sums are the same whatever the block, so the choice cannot change a row's result.
+// one column at a time), 4 by both column blocks below. (Until the rows' chains went side by side, 8-row blocks
+// gained nothing below 64 rows; since, 0-15% at 8-48 rows.) Every element's sums are the same whatever the block,
+// so the choice cannot change a row's result.
 constexpr int64_t kVnniRows = 8;
 constexpr int64_t kVnniRowsSmallM = 4;
-constexpr int64_t kVnniLargeM = 64;
+constexpr int64_t kVnniLargeM = 8;
 
 template <int64_t Type, int Cols>
 void vnni_rows(const QuantizedRows& xq, int64_t K, int64_t m0, int64_t rows, const uint8_t* w0, int64_t KB,
