@@ -60,3 +60,25 @@ def test_kernels_built_for_an_older_cpu_run_correctly_here(target):
         ours = ops.paged_attention(q, k_cache, v_cache, tables, rows, kv_lens, 0.125).float()
         ref = paged_attention_sdpa(q.float(), k_cache.float(), v_cache.float(), tables, rows, kv_lens, 0.125)
         torch.testing.assert_close(ours, ref, atol=tol, rtol=tol)
+
+
+def test_the_amx_paths_compile():
+    """No machine these tests run on need have AMX, so its code paths (the AMX tile matmuls and attention, compiled
+    only where the target has AMX) would otherwise go unbuilt until a Sapphire Rapids machine builds them at start-up.
+    Checked for errors as GCC compiles them for such a CPU (syntax and template instantiation, no code emitted)."""
+    import subprocess
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [f"-I{p}" for p in (*include_paths(), sysconfig.get_paths()["include"])]
+    base = ["c++", "-std=c++17", "-fsyntax-only", "-march=sapphirerapids", "-fopenmp", "-DTORCH_EXTENSION_NAME=check"]
+    probe = subprocess.run([*base, "-dM", "-E", "-x", "c++", "/dev/null"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"this compiler does not know -march=sapphirerapids: {probe.stderr.strip()[:200]}")
+    assert "__AMX_TILE__" in probe.stdout and "__AMX_BF16__" in probe.stdout
+    jobs = [subprocess.Popen([*base, *includes, str(s)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for s in _SOURCES]
+    errors = {s.name: job.communicate()[0] for s, job in zip(_SOURCES, jobs)}
+    failed = {name: out for (name, out), job in zip(errors.items(), jobs) if job.returncode != 0}
+    assert not failed, "\n".join(f"{name}:\n{out[-2000:]}" for name, out in failed.items())
