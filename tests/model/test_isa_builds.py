@@ -73,7 +73,7 @@ def test_the_amx_paths_compile():
 
     includes = [f"-I{p}" for p in (*include_paths(), sysconfig.get_paths()["include"])]
     base = ["c++", "-std=c++17", "-fsyntax-only", "-march=sapphirerapids", "-fopenmp", "-DTORCH_EXTENSION_NAME=check"]
-    probe = subprocess.run([*base, "-dM", "-E", "-x", "c++", "/dev/null"], capture_output=True, text=True)
+    probe = subprocess.run([*base, "-dM", "-E", "-x", "c++", "/dev/null"], capture_output=True, text=True, check=False)
     if probe.returncode != 0:
         pytest.skip(f"this compiler does not know -march=sapphirerapids: {probe.stderr.strip()[:200]}")
     assert "__AMX_TILE__" in probe.stdout and "__AMX_BF16__" in probe.stdout
