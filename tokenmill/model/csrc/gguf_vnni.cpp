@@ -82,8 +82,8 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
 // Rows rows' 32 int8 activations (row r's at qx[r]): lane j of s[r] = sum over K of feature j's quant times x's.
 // A row's 8 VPDPBUSD would depend on each other (a chain 8 latencies long), and a compiled loop over rows keeps
 // only ~3 rows in flight (half the multipliers idle), so the rows' chains go side by side, quad by quad, and a
-// block of fewer than 4 rows splits each row's sum over 2 or 4 chains. The sums are exact integers: their
-// grouping cannot change a result.
+// block of up to 4 rows splits each row's sum over more chains (2 for 3-4 rows, 4 for 1-2). The sums are exact
+// integers: their grouping cannot change a result.
 template <int Rows>
 inline void tile_dots(const __m512i (&w)[8], const int8_t* const (&qx)[Rows], __m512i (&s)[Rows]) {
   constexpr int kChains = Rows >= 5 ? 1 : Rows >= 3 ? 2 : 4;  // partial sums per row
