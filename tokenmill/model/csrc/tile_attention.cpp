@@ -12,8 +12,13 @@
 //   P           = exp(S * scale - running max), rounded to bfloat16 (as PyTorch's CPU flash attention rounds
 //                 its probabilities before the second product), 0 for keys a row does not see;
 //   O [M x D]  += P [M x 16] . V          V's rows interleaved in pairs (VNNI), 16 output dims per tile.
-// Without AMX the same products run on AVX512-BF16 (`Dots`): S row by row with the keys in the vector lanes
-// (each 32-dim chunk of K transposed into dim pairs once per block), P.V row by row with 16 dims in the lanes.
+// Without AMX the same products run on AVX512-BF16 (`Dots`). A decode's few rows go row by row: S with the keys
+// in the vector lanes (each 32-dim chunk of K transposed into dim pairs once per block), P.V with 16 dims in the
+// lanes. A prefill tile's rows (M > 4) sit in the lanes instead (`lanes_block`): S^T one key at a time against
+// Q^T with the key's dim pairs broadcast straight from the cache (no transpose), the softmax down the 16 keys
+// (maxima, exponentials and sums as vertical vector ops, not a horizontal reduction per row), and O^T one dim at
+// a time. Both take the same operands in the same order element by element (the sums through `add_ordered`, which
+// -ffast-math may not re-associate), so a token computes the same bits in either.
 // Every row is its own computation: a tile dot product computes each output element from its own A row and B
 // column, and a row's softmax never looks at another row. A token walks its blocks in the same order with the
 // same masks alone or in a tile (blocks past its context add exact zeros), so decode and prefill, alone or
@@ -126,10 +131,49 @@ struct Scratch {
   alignas(64) uint16_t v[kMaxDim / 16][8][32];      // B per 16 dims: [key pair][dim][2]
   alignas(64) float pv[16][16];                     // P.V for 16 dims: [row][dim]
   alignas(64) float acc[16][kMaxDim];               // the output rows, unnormalised
+  alignas(64) float acc_t[kMaxDim][16];             // ... as columns, [dim][row] (lanes_block)
   alignas(64) uint16_t kb[16][kMaxDim];             // an FP8 block's K rows widened to bfloat16
   alignas(64) uint16_t vb[16][kMaxDim];             // ... and its V rows
-  float m[16], l[16], corr[16];
+  alignas(64) float m[16], l[16], corr[16];          // per row: running max, sum of P, this block's rescale
+  alignas(64) float new_m[16], sum[16];              // per row: this block's max and sum of P (row path)
 };
+
+constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // explicit rounding: never re-associated
+
+// a + b, a * b and a - b as operations -ffast-math may not re-associate or contract: the row and lane paths
+// must sum in the same order to agree bit for bit.
+inline __m512 add_ordered(__m512 a, __m512 b) { return _mm512_add_round_ps(a, b, kRound); }
+inline __m512 mul_ordered(__m512 a, __m512 b) { return _mm512_mul_round_ps(a, b, kRound); }
+inline __m512 sub_ordered(__m512 a, __m512 b) { return _mm512_sub_round_ps(a, b, kRound); }
+
+// The sum of x's 16 lanes: lane k + lane k ^ 8, then k ^ 4, k ^ 2, k ^ 1 (the order sum_of_keys follows).
+inline float sum_of_lanes(__m512 x) {
+  x = add_ordered(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
+  x = add_ordered(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
+  x = add_ordered(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
+  x = add_ordered(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_cvtss_f32(x);
+}
+
+// The sum of 16 vectors, lane by lane, in sum_of_lanes' order.
+inline __m512 sum_of_keys(__m512 r[16]) {
+  for (int step = 8; step >= 1; step /= 2)
+    for (int k = 0; k < step; ++k) r[k] = add_ordered(r[k], r[k + step]);
+  return r[0];
+}
+
+// 16 bfloat16 (raw bits) as floats.
+inline __m512 widen_bf16(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
+
+// The running softmax state after a block, for all 16 rows at once (both paths): rescale by exp(m - new max),
+// add the block's sum of P.
+inline void advance_softmax(Scratch& w, __m512 new_m, __m512 sum) {
+  const __m512 m = _mm512_load_ps(w.m);
+  const __m512 corr = exp512(sub_ordered(m, new_m));  // ~0 on a row's first block (m = -inf); 1 where no key
+  _mm512_store_ps(w.corr, corr);
+  _mm512_store_ps(w.l, _mm512_fmadd_ps(_mm512_load_ps(w.l), corr, sum));
+  _mm512_store_ps(w.m, new_m);
+}
 
 // One block's V tiles from its first n keys (the rest zero: stale cache rows must not reach P.V, where
 // 0 x NaN would be NaN).
@@ -242,7 +286,7 @@ struct Dots {
         for (int i = 0; i < 16; ++i)
           acc[i % 4] = _mm512_dpbf16_ps(acc[i % 4], (__m512bh)_mm512_set1_epi32(static_cast<int>(w.qt[c][i][row])),
                                         (__m512bh)_mm512_load_si512(w.kt[c][i]));
-      _mm512_store_ps(w.s[row], _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+      _mm512_store_ps(w.s[row], add_ordered(add_ordered(acc[0], acc[1]), add_ordered(acc[2], acc[3])));
     }
   }
   // pv row r for dims [16 sl, 16 sl + 16): the dims in the lanes, summed over P's key pairs.
@@ -254,11 +298,76 @@ struct Dots {
       for (int64_t pr = 0; pr < kKeys / 2; ++pr)
         acc[pr % 2] = _mm512_dpbf16_ps(acc[pr % 2], (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[pr])),
                                        (__m512bh)_mm512_load_si512(w.v[sl][pr]));
-      _mm512_store_ps(w.pv[row], _mm512_add_ps(acc[0], acc[1]));
+      _mm512_store_ps(w.pv[row], add_ordered(acc[0], acc[1]));
     }
   }
   void finish() const {}
 };
+
+// One block for a tile whose M > 4 rows sit in the vector lanes (lane r = row r; lanes past M are masked
+// throughout): what Dots::scores, the row softmax and Dots::values compute for each row, element by element the
+// same operations in the same order, with no transposes or horizontal sums. `seen` holds each row's count of
+// this block's keys it sees; the block's V is already in w.v (load_values).
+inline void lanes_block(Scratch& w, const uint16_t* k_rows, int64_t rows_stride, __m512i seen, float scale,
+                        int64_t D) {
+  for (int j0 = 0; j0 < kKeys; j0 += 4) {  // S^T, 4 keys at a time, each over the 4 chains Dots::scores uses
+    __m512 a[4][4];
+    for (auto& key : a)
+      for (auto& chain : key) chain = _mm512_setzero_ps();
+    const int32_t* k0 = reinterpret_cast<const int32_t*>(k_rows + j0 * rows_stride);  // key j0's dim pairs
+    const int32_t* k1 = reinterpret_cast<const int32_t*>(k_rows + (j0 + 1) * rows_stride);
+    const int32_t* k2 = reinterpret_cast<const int32_t*>(k_rows + (j0 + 2) * rows_stride);
+    const int32_t* k3 = reinterpret_cast<const int32_t*>(k_rows + (j0 + 3) * rows_stride);
+    for (int64_t c = 0; c < D / 32; ++c) {
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) {
+        const __m512bh q = (__m512bh)_mm512_load_si512(w.qt[c][i]);
+        const int64_t at = 16 * c + i;
+        a[0][i % 4] = _mm512_dpbf16_ps(a[0][i % 4], q, (__m512bh)_mm512_set1_epi32(k0[at]));
+        a[1][i % 4] = _mm512_dpbf16_ps(a[1][i % 4], q, (__m512bh)_mm512_set1_epi32(k1[at]));
+        a[2][i % 4] = _mm512_dpbf16_ps(a[2][i % 4], q, (__m512bh)_mm512_set1_epi32(k2[at]));
+        a[3][i % 4] = _mm512_dpbf16_ps(a[3][i % 4], q, (__m512bh)_mm512_set1_epi32(k3[at]));
+      }
+    }
+    for (int jj = 0; jj < 4; ++jj)
+      _mm512_store_ps(w.st[j0 + jj], add_ordered(add_ordered(a[jj][0], a[jj][1]), add_ordered(a[jj][2], a[jj][3])));
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  __m512 sv[kKeys];
+  __mmask16 sees[kKeys];
+  __m512 new_m = _mm512_load_ps(w.m);
+  for (int j = 0; j < kKeys; ++j) {
+    sv[j] = mul_ordered(_mm512_load_ps(w.st[j]), vscale);
+    sees[j] = _mm512_cmpgt_epi32_mask(seen, _mm512_set1_epi32(j));
+    new_m = _mm512_mask_max_ps(new_m, sees[j], new_m, sv[j]);
+  }
+  __m512i pairs[kKeys / 2];  // P's key pairs (2 pr, 2 pr + 1) of every row, as bfloat16 pairs
+  __m512 rounded[kKeys];
+  for (int j = 0; j < kKeys; ++j) {
+    const __m512 e = _mm512_maskz_mov_ps(sees[j], exp512(sub_ordered(sv[j], new_m)));
+    const __m256i pb = (__m256i)_mm512_cvtneps_pbh(e);
+    rounded[j] = widen_bf16(pb);
+    const __m512i wide = _mm512_cvtepu16_epi32(pb);
+    pairs[j / 2] = j % 2 == 0 ? wide : _mm512_or_si512(pairs[j / 2], _mm512_slli_epi32(wide, 16));
+  }
+  advance_softmax(w, new_m, sum_of_keys(rounded));
+  const __m512 corr = _mm512_load_ps(w.corr);
+  for (int64_t d0 = 0; d0 < D; d0 += 8) {  // O^T, 8 dims at a time, each over the 2 chains Dots::values uses
+    __m512 a[8][2];
+    for (auto& dim : a)
+      for (auto& chain : dim) chain = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int pr = 0; pr < kKeys / 2; ++pr) {
+      const int32_t* v = reinterpret_cast<const int32_t*>(w.v[d0 / 16][pr]) + d0 % 16;
+      for (int dd = 0; dd < 8; ++dd)
+        a[dd][pr % 2] = _mm512_dpbf16_ps(a[dd][pr % 2], (__m512bh)pairs[pr], (__m512bh)_mm512_set1_epi32(v[dd]));
+    }
+    for (int dd = 0; dd < 8; ++dd) {
+      float* o = w.acc_t[d0 + dd];
+      _mm512_store_ps(o, _mm512_fmadd_ps(_mm512_load_ps(o), corr, add_ordered(a[dd][0], a[dd][1])));
+    }
+  }
+}
 
 // attend() (cpu_kernels.cpp) with bfloat16 products (Products: Tiles or Dots) for a bfloat16 cache (C = uint16_t, bf16 bits) or an FP8 e4m3 one
 // (C = uint8_t codes: each block's rows are widened to bfloat16 first, exactly, so the products are the very
@@ -288,15 +397,22 @@ void attend_tiles(const uint16_t* q, const C* k_cache, const C* v_cache, const i
       const int64_t item = items - 1 - i;  // the last tiles first: a causal prefill's read the most blocks
       const int64_t tile = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t t0 = tiles[tile], ntok = tiles[tile + 1] - t0, M = ntok * G;
+      // Dots with a prefill tile's rows: rows in the lanes (the same bits as row by row, fewer instructions)
+      const bool in_lanes = std::is_same_v<Products, Dots> && M > 4;
       products.start(M);
       for (int64_t r = 0; r < M; ++r) {  // Q^T in bf16 pairs: qt[chunk][pair][row]
         const uint32_t* qr = reinterpret_cast<const uint32_t*>(q + ((t0 + r / G) * num_heads + h * G + r % G) * D);
         for (int64_t c = 0; c < D / 32; ++c)
           for (int64_t i = 0; i < 16; ++i) w->qt[c][i][r] = qr[16 * c + i];
       }
-      std::fill(w->m, w->m + M, -std::numeric_limits<float>::infinity());
-      std::fill(w->l, w->l + M, 0.f);
-      for (int64_t r = 0; r < M; ++r) std::fill(w->acc[r], w->acc[r] + D, 0.f);
+      alignas(64) int32_t kv_len[16] = {};  // each row's context (0 past M: those lanes see nothing)
+      for (int64_t r = 0; r < M; ++r) kv_len[r] = static_cast<int32_t>(kv_lens[t0 + r / G]);
+      std::fill(w->m, w->m + 16, -std::numeric_limits<float>::infinity());
+      std::fill(w->l, w->l + 16, 0.f);
+      if (in_lanes)
+        for (int64_t d = 0; d < D; ++d) _mm512_store_ps(w->acc_t[d], _mm512_setzero_ps());
+      else
+        for (int64_t r = 0; r < M; ++r) std::fill(w->acc[r], w->acc[r] + D, 0.f);
       const int64_t* table = block_tables + q_rows[t0] * max_blocks;
       const int64_t len = kv_lens[t0 + ntok - 1];
       for (int64_t start = 0; start < len; start += kKeys) {
@@ -320,27 +436,32 @@ void attend_tiles(const uint16_t* q, const C* k_cache, const C* v_cache, const i
         } else {
           k_rows = k_cache + base, v_rows = v_cache + base, rows_stride = stride;
         }
-        products.scores(*w, k_rows, rows_stride, M, D);
         load_values(*w, v_rows, rows_stride, n, D);
+        if (in_lanes) {
+          const __m512i seen = _mm512_sub_epi32(_mm512_load_si512(kv_len), _mm512_set1_epi32(static_cast<int>(start)));
+          lanes_block(*w, k_rows, rows_stride, seen, scale, D);
+          continue;
+        }
+        products.scores(*w, k_rows, rows_stride, M, D);
         for (int64_t r = 0; r < M; ++r) {  // online softmax, one row (query head) at a time
-          const int64_t seen = kv_lens[t0 + r / G] - start;  // keys of this block the row sees
+          const int64_t seen = kv_len[r] - start;  // keys of this block the row sees
           const __mmask16 mask = seen >= kKeys ? __mmask16(0xFFFF) : seen <= 0 ? __mmask16(0) : __mmask16((1u << seen) - 1);
           if (mask == 0) {
             _mm256_store_si256(reinterpret_cast<__m256i*>(w->p[r]), _mm256_setzero_si256());
-            w->corr[r] = 1.f;
+            w->new_m[r] = w->m[r];
+            w->sum[r] = 0.f;
             continue;
           }
-          const __m512 sv = _mm512_mul_ps(_mm512_load_ps(w->s[r]), _mm512_set1_ps(scale));
+          const __m512 sv = mul_ordered(_mm512_load_ps(w->s[r]), _mm512_set1_ps(scale));
           const float new_m = std::max(w->m[r], _mm512_mask_reduce_max_ps(mask, sv));
-          w->corr[r] = std::exp(w->m[r] - new_m);  // 0 on the first block (m = -inf)
-          const __m512 e = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(new_m))));
+          const __m512 e = _mm512_maskz_mov_ps(mask, exp512(sub_ordered(sv, _mm512_set1_ps(new_m))));
           const __m256i pb = (__m256i)_mm512_cvtneps_pbh(e);
           _mm256_store_si256(reinterpret_cast<__m256i*>(w->p[r]), pb);
           // the sum of the probabilities as rounded for P.V, so the weights P.V applies are normalised exactly
-          const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16));
-          w->l[r] = w->l[r] * w->corr[r] + _mm512_reduce_add_ps(rounded);
-          w->m[r] = new_m;
+          w->sum[r] = sum_of_lanes(widen_bf16(pb));
+          w->new_m[r] = new_m;
         }
+        advance_softmax(*w, _mm512_load_ps(w->new_m), _mm512_load_ps(w->sum));
         for (int64_t sl = 0; sl < D / 16; ++sl) {
           products.values(*w, sl, M);
           for (int64_t r = 0; r < M; ++r) {
@@ -349,11 +470,18 @@ void attend_tiles(const uint16_t* q, const C* k_cache, const C* v_cache, const i
           }
         }
       }
-      for (int64_t r = 0; r < M; ++r) {
-        const float inv = w->l[r] > 0.f ? 1.f / w->l[r] : 0.f;
-        uint16_t* o = out + ((t0 + r / G) * num_heads + h * G + r % G) * D;
-        for (int64_t d = 0; d < D; d += 16) {
-          const __m512 y = _mm512_mul_ps(_mm512_load_ps(w->acc[r] + d), _mm512_set1_ps(inv));
+      float inv[16];
+      for (int64_t r = 0; r < M; ++r) inv[r] = w->l[r] > 0.f ? 1.f / w->l[r] : 0.f;
+      for (int64_t d = 0; d < D; d += 16) {
+        __m512i cols[16];  // in lanes: rows [d, d + 16) of acc_t, turned into 16 dims of each row
+        if (in_lanes) {
+          for (int i = 0; i < 16; ++i) cols[i] = _mm512_load_si512(w->acc_t[d + i]);
+          transpose16(cols);
+        }
+        for (int64_t r = 0; r < M; ++r) {
+          const __m512 x = in_lanes ? _mm512_castsi512_ps(cols[r]) : _mm512_load_ps(w->acc[r] + d);
+          const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(inv[r]));
+          uint16_t* o = out + ((t0 + r / G) * num_heads + h * G + r % G) * D;
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), (__m256i)_mm512_cvtneps_pbh(y));
         }
       }
