@@ -360,11 +360,13 @@ inline void block_values(const float* p, const float* const* v_rows, float* acc,
     for (int64_t g = 0; g < group; ++g) axpy(p[g * bs + j], v_rows[j], acc + g * D, D);
 }
 
+template <int hint>
 inline void prefetch_rows(const void* base, int64_t row_stride_bytes, int64_t rows, int64_t row_bytes) {
 #if defined(__AVX2__)
   const char* b = static_cast<const char*>(base);
   for (int64_t j = 0; j < rows; ++j)
-    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(b + j * row_stride_bytes + off, _MM_HINT_T0);
+    for (int64_t off = 0; off < row_bytes; off += 64)
+      _mm_prefetch(b + j * row_stride_bytes + off, static_cast<_mm_hint>(hint));
 #endif
 }
 
@@ -432,11 +434,17 @@ void attend(const T* q, const C* k_cache, const C* v_cache, const int64_t* block
         const int64_t n = std::min(bs, len - start);
         const C* k_blk = k_cache + (table[start / bs] * bs * num_kv_heads + h) * D;
         const C* v_blk = v_cache + (table[start / bs] * bs * num_kv_heads + h) * D;
-        if (start + bs < len) {
+        if (start + bs < len) {  // the next block into L1, the one after into L2 (as tile_attention.cpp does)
           const int64_t next = table[start / bs + 1] * bs * num_kv_heads + h;
           const int64_t next_n = std::min(bs, len - start - bs);
-          prefetch_rows(k_cache + next * D, row_stride * sizeof(C), next_n, D * sizeof(C));
-          prefetch_rows(v_cache + next * D, row_stride * sizeof(C), next_n, D * sizeof(C));
+          prefetch_rows<_MM_HINT_T0>(k_cache + next * D, row_stride * sizeof(C), next_n, D * sizeof(C));
+          prefetch_rows<_MM_HINT_T0>(v_cache + next * D, row_stride * sizeof(C), next_n, D * sizeof(C));
+        }
+        if (start + 2 * bs < len) {
+          const int64_t after = table[start / bs + 2] * bs * num_kv_heads + h;
+          const int64_t after_n = std::min(bs, len - start - 2 * bs);
+          prefetch_rows<_MM_HINT_T1>(k_cache + after * D, row_stride * sizeof(C), after_n, D * sizeof(C));
+          prefetch_rows<_MM_HINT_T1>(v_cache + after * D, row_stride * sizeof(C), after_n, D * sizeof(C));
         }
         for (int64_t j = 0; j < n; ++j) {
           k_rows[j] = as_float(k_blk + j * row_stride, kbuf.data() + j * D, D);
