@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from tokenmill.model.backends.base import LinearWeights
+from tokenmill.model.backends.huge_pages import move_to_huge_pages, zeros_on_huge_pages
 from tokenmill.model.backends.reference import TorchBackend, split_qkv
 from tokenmill.model.cpu_kernels import cpu_isa, cpu_tag
 from tokenmill.quant.gguf_tiles import gguf_pack
@@ -263,8 +264,32 @@ class CpuBackend(TorchBackend):
             elif (getattr(m, "shares_weight", False) and m.packed_weight is not None
                   and m.packed_weight.dtype == torch.bfloat16 and m.packed_weight.dim() == 4):
                 m.embedding.keep_rows(tile_rows(m.packed_weight))  # lookups read the head's tiles
+        self._to_huge_pages(model)
         model.backend_cache.pop(_LAYER_WEIGHTS, None)
         return packed_any
+
+    def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, num_layers: int
+                          ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """On 2 MiB pages where the OS has them (backends/huge_pages.py): attention reads the blocks in no order a
+        prefetcher or a 4 KiB-page TLB could follow."""
+        if device.type == "cpu":
+            caches = zeros_on_huge_pages(tuple(shape), dtype, 2 * num_layers)
+            if caches is not None:
+                return list(zip(caches[0::2], caches[1::2]))
+        return super().allocate_kv_cache(shape, dtype, device, num_layers)
+
+    @staticmethod
+    def _to_huge_pages(model: nn.Module) -> None:
+        """The packed weights (every decode step streams them) into 2 MiB pages: backends/huge_pages.py."""
+        layers = [m for m in model.linear_layers() if isinstance(m.packed_weight, torch.Tensor)
+                  and m.packed_weight.device.type == "cpu" and not m.packed_weight.is_mkldnn]
+        moved = move_to_huge_pages([(m, "packed_weight") for m in layers])
+        if moved:
+            log.info("packed weights on 2 MiB pages: %.1f MiB", moved / 2**20)
+            for m in layers:  # a tied head's embedding lookups read its tiles: the moved ones now
+                if getattr(m, "shares_weight", False) and m.packed_weight.dtype == torch.bfloat16 \
+                        and m.packed_weight.dim() == 4:
+                    m.embedding.keep_rows(tile_rows(m.packed_weight))
 
     @staticmethod
     def _pair_order(scale: torch.Tensor) -> torch.Tensor:
