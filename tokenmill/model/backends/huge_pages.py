@@ -70,12 +70,13 @@ def _view(arena: torch.Tensor, offset: int, shape: torch.Size | tuple[int, ...],
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, count: int) -> list[torch.Tensor] | None:
     """`count` zeroed tensors of this shape side by side in one huge-page mapping, or None where there is none to
-    be had. Written once here, as torch.zeros writes: the memory is committed now, not at some later step."""
+    be had. A fresh anonymous mapping reads as zeros; one byte written per 4 KiB page faults every page in now
+    (the kernel clears it), so the memory is committed at start-up, not at some later step."""
     arena = _arena([math.prod(shape) * dtype.itemsize] * count)
     if arena is None:
         return None
     whole, offsets = arena
-    whole.zero_()
+    whole[::4096].zero_()
     return [_view(whole, offset, shape, dtype) for offset in offsets]
 
 
