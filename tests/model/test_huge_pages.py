@@ -95,21 +95,3 @@ def test_the_cpu_backend_moves_its_packed_weights(tmp_path, monkeypatch, dtype):
     ids = torch.tensor([[1, 5, 9], [200, 7, 3]])
     assert torch.equal(moved.embed_tokens(ids), unmoved.embed_tokens(ids))  # a tied head's rows, if read from it
 
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
-def test_kv_caches_are_zeroed_disjoint_and_on_huge_pages(dtype):
-    from tokenmill.model.backends import CpuBackend
-
-    shape = (37, 16, 3, 64)
-    caches = CpuBackend(ops=None).allocate_kv_cache(shape, dtype, torch.device("cpu"), num_layers=3)
-    flat = [t for pair in caches for t in pair]
-    assert len(caches) == 3 and all(t.shape == shape and t.dtype == dtype and t.is_contiguous() for t in flat)
-    assert all(not t.view(torch.uint8).any() for t in flat)
-    for i, t in enumerate(flat):  # writing one cache changes no other
-        t.view(torch.uint8).fill_(i + 1)
-    assert all(bool((t.view(torch.uint8) == i + 1).all()) for i, t in enumerate(flat))
-    if huge_pages_available():
-        assert len({t.untyped_storage().data_ptr() for t in flat}) == 1
-        assert "hg" in mapping_flags(flat[0].data_ptr())
-    else:
-        assert len({t.untyped_storage().data_ptr() for t in flat}) == len(flat)

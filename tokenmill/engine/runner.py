@@ -122,8 +122,11 @@ class ModelRunner:
         # context parallelism: block_size / C tokens per block here, and a spare block (parallel/context.py)
         shape = ((num_blocks + 1, cp.block_size) if cp is not None else (num_blocks, block_size)) + (
             cfg.num_kv_heads, cfg.head_dim)
+        # Zeroed, not empty: masked-out slots are still multiplied by 0 and must not hold NaN bit patterns.
         # kv_dtype: the model's dtype by default, or FP8 e4m3 (--kv-cache-dtype fp8; written clamped to +-448)
-        self.kv_caches = self.backend.allocate_kv_cache(shape, kv_dtype or dtype, self.device, cfg.num_layers)
+        kv_dtype = kv_dtype or dtype
+        self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=self.device),
+                           torch.zeros(shape, dtype=kv_dtype, device=self.device)) for _ in range(cfg.num_layers)]
         self.sampler = Sampler(self.backend)
         self.base_seeds: dict[str, int] = {}  # unseeded requests: a base seed drawn from the engine's seed
         # a draft model's distributions q [drafts, V] for the drafts it drew (spec/draft_model.py), by request

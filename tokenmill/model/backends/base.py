@@ -97,13 +97,6 @@ class Backend(ABC):
         loading and the dtype cast. Returns whether anything was packed; the default keeps the plain weights."""
         return False
 
-    def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, num_layers: int
-                          ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's (K, V) cache of `shape`, zeroed, not empty: masked-out slots are still multiplied by 0 and
-        must not hold NaN bit patterns."""
-        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                for _ in range(num_layers)]
-
     def decode_layers(self, model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
                       ) -> torch.Tensor | None:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from tokenmill.model.backends.base import LinearWeights
-from tokenmill.model.backends.huge_pages import move_to_huge_pages, zeros_on_huge_pages
+from tokenmill.model.backends.huge_pages import move_to_huge_pages
 from tokenmill.model.backends.reference import TorchBackend, split_qkv
 from tokenmill.model.cpu_kernels import cpu_isa, cpu_tag
 from tokenmill.quant.gguf_tiles import gguf_pack
@@ -267,16 +267,6 @@ class CpuBackend(TorchBackend):
         self._to_huge_pages(model)
         model.backend_cache.pop(_LAYER_WEIGHTS, None)
         return packed_any
-
-    def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, num_layers: int
-                          ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """On 2 MiB pages where the OS has them (backends/huge_pages.py): attention reads the blocks in no order a
-        prefetcher or a 4 KiB-page TLB could follow."""
-        if device.type == "cpu":
-            caches = zeros_on_huge_pages(tuple(shape), dtype, 2 * num_layers)
-            if caches is not None:
-                return list(zip(caches[0::2], caches[1::2]))
-        return super().allocate_kv_cache(shape, dtype, device, num_layers)
 
     @staticmethod
     def _to_huge_pages(model: nn.Module) -> None:

@@ -1,11 +1,12 @@
-"""Weights and KV cache in memory the kernel backs with 2 MiB pages (Linux transparent huge pages, MADV_HUGEPAGE).
+"""Weights in memory the kernel backs with 2 MiB pages (Linux transparent huge pages, MADV_HUGEPAGE).
 
 A decode step streams every weight once from DRAM. On 4 KiB pages the hardware prefetchers stop at each page
 boundary and every page costs a TLB entry; in one 2 MiB page they run on. Measured on a 2-core Zen 5, the same
 process and weights, calls interleaved (BENCHMARKS.md): 30 layers of one-row Q4_1 matmuls 2.11 -> 1.94 ms, bfloat16
-5.65 -> 5.04 ms; the KV cache's blocks, read in no order a prefetcher could follow, likewise (64 sequences x 400
-keys: 0.82 -> 0.76 ms a layer). Only the CPU backend's packed weights and KV cache live here (torch allocates
-everything else as usual); where the OS has no transparent huge pages they stay where torch puts them.
+5.65 -> 5.04 ms. Only the CPU backend's packed weights move here (torch allocates everything else as usual); where
+the OS has no transparent huge pages they stay where torch put them. (The KV cache gained as much in decode
+attention, 64 sequences x 400 keys 0.82 -> 0.76 ms a layer, but faulting 2 GiB of huge pages in added 2-2.5 s to
+start-up, and nothing measurable end to end: it stays on torch's pages.)
 """
 
 from __future__ import annotations
@@ -66,18 +67,6 @@ def _arena(nbytes: list[int]) -> tuple[torch.Tensor, list[int]] | None:
 def _view(arena: torch.Tensor, offset: int, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * dtype.itemsize
     return arena[offset:offset + nbytes].view(dtype).view(shape)
-
-
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, count: int) -> list[torch.Tensor] | None:
-    """`count` zeroed tensors of this shape side by side in one huge-page mapping, or None where there is none to
-    be had. A fresh anonymous mapping reads as zeros; one byte written per 4 KiB page faults every page in now
-    (the kernel clears it), so the memory is committed at start-up, not at some later step."""
-    arena = _arena([math.prod(shape) * dtype.itemsize] * count)
-    if arena is None:
-        return None
-    whole, offsets = arena
-    whole[::4096].zero_()
-    return [_view(whole, offset, shape, dtype) for offset in offsets]
 
 
 def move_to_huge_pages(holders: list[tuple[object, str]]) -> int:
