@@ -106,7 +106,8 @@ template <int hint>
 inline void prefetch_block(const void* rows, int64_t stride_bytes, int64_t row_bytes) {
   const char* p = static_cast<const char*>(rows);
   for (int64_t j = 0; j < kKeys; ++j)
-    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(p + j * stride_bytes + off, static_cast<_mm_hint>(hint));
+    for (int64_t off = 0; off < row_bytes; off += 64)
+      _mm_prefetch(p + j * stride_bytes + off, static_cast<_mm_hint>(hint));
 }
 
 // 32 FP8 e4m3 codes -> their 32 bfloat16 values, exactly: the code's 7 magnitude bits shifted into a float16's
