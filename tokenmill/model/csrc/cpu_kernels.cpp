@@ -360,13 +360,14 @@ inline void block_values(const float* p, const float* const* v_rows, float* acc,
     for (int64_t g = 0; g < group; ++g) axpy(p[g * bs + j], v_rows[j], acc + g * D, D);
 }
 
-template <int hint>
+// Rows towards L1 (into_l1) or L2; a no-op where the build has no x86 prefetch.
+template <bool into_l1>
 inline void prefetch_rows(const void* base, int64_t row_stride_bytes, int64_t rows, int64_t row_bytes) {
 #if defined(__AVX2__)
   const char* b = static_cast<const char*>(base);
   for (int64_t j = 0; j < rows; ++j)
     for (int64_t off = 0; off < row_bytes; off += 64)
-      _mm_prefetch(b + j * row_stride_bytes + off, static_cast<_mm_hint>(hint));
+      _mm_prefetch(b + j * row_stride_bytes + off, into_l1 ? _MM_HINT_T0 : _MM_HINT_T1);
 #endif
 }
 
@@ -437,14 +438,14 @@ void attend(const T* q, const C* k_cache, const C* v_cache, const int64_t* block
         if (start + bs < len) {  // the next block into L1, the one after into L2 (as tile_attention.cpp does)
           const int64_t next = table[start / bs + 1] * bs * num_kv_heads + h;
           const int64_t next_n = std::min(bs, len - start - bs);
-          prefetch_rows<_MM_HINT_T0>(k_cache + next * D, row_stride * sizeof(C), next_n, D * sizeof(C));
-          prefetch_rows<_MM_HINT_T0>(v_cache + next * D, row_stride * sizeof(C), next_n, D * sizeof(C));
+          prefetch_rows<true>(k_cache + next * D, row_stride * sizeof(C), next_n, D * sizeof(C));
+          prefetch_rows<true>(v_cache + next * D, row_stride * sizeof(C), next_n, D * sizeof(C));
         }
         if (start + 2 * bs < len) {
           const int64_t after = table[start / bs + 2] * bs * num_kv_heads + h;
           const int64_t after_n = std::min(bs, len - start - 2 * bs);
-          prefetch_rows<_MM_HINT_T1>(k_cache + after * D, row_stride * sizeof(C), after_n, D * sizeof(C));
-          prefetch_rows<_MM_HINT_T1>(v_cache + after * D, row_stride * sizeof(C), after_n, D * sizeof(C));
+          prefetch_rows<false>(k_cache + after * D, row_stride * sizeof(C), after_n, D * sizeof(C));
+          prefetch_rows<false>(v_cache + after * D, row_stride * sizeof(C), after_n, D * sizeof(C));
         }
         for (int64_t j = 0; j < n; ++j) {
           k_rows[j] = as_float(k_blk + j * row_stride, kbuf.data() + j * D, D);
