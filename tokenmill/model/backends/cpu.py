@@ -67,6 +67,12 @@ def tile_rows(packed: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     return rows
 
 
+def _head_tiles_serve_lookups(m: LinearWeights) -> bool:
+    """A tied LM head packed in bfloat16 tiles: its embedding looks rows up in them (tile_rows)."""
+    return (getattr(m, "shares_weight", False) and m.packed_weight is not None
+            and m.packed_weight.dtype == torch.bfloat16 and m.packed_weight.dim() == 4)
+
+
 def _rows(x: torch.Tensor) -> bool:
     """A [T, D] CPU tensor with unit stride along D and some rows: what every fused kernel takes (an empty batch, a
     context-parallel rank's share of a lone decode, takes the reference path)."""
@@ -261,8 +267,7 @@ class CpuBackend(TorchBackend):
             packed_any |= m.packed_weight is not None
             if isinstance(m, nn.Module) and m.packed_weight is not None and m.packed_weight.dim() in (3, 4, 5):
                 m.weight = nn.Parameter(m.weight.to("meta"), requires_grad=False)
-            elif (getattr(m, "shares_weight", False) and m.packed_weight is not None
-                  and m.packed_weight.dtype == torch.bfloat16 and m.packed_weight.dim() == 4):
+            elif _head_tiles_serve_lookups(m):
                 m.embedding.keep_rows(tile_rows(m.packed_weight))  # lookups read the head's tiles
         self._to_huge_pages(model)
         model.backend_cache.pop(_LAYER_WEIGHTS, None)
@@ -276,10 +281,8 @@ class CpuBackend(TorchBackend):
         moved = move_to_huge_pages([(m, "packed_weight") for m in layers])
         if moved:
             log.info("packed weights on 2 MiB pages: %.1f MiB", moved / 2**20)
-            for m in layers:  # a tied head's embedding lookups read its tiles: the moved ones now
-                if getattr(m, "shares_weight", False) and m.packed_weight.dtype == torch.bfloat16 \
-                        and m.packed_weight.dim() == 4:
-                    m.embedding.keep_rows(tile_rows(m.packed_weight))
+            for m in filter(_head_tiles_serve_lookups, layers):  # the moved tiles now
+                m.embedding.keep_rows(tile_rows(m.packed_weight))
 
     @staticmethod
     def _pair_order(scale: torch.Tensor) -> torch.Tensor:

@@ -175,7 +175,6 @@ void vnni_block(const QuantizedRows& xq, int64_t K, int64_t m0, const uint8_t* w
 // so the choice cannot change a row's result.
 constexpr int64_t kVnniRows = 8;
 constexpr int64_t kVnniRowsSmallM = 4;
-constexpr int64_t kVnniLargeM = 8;
 
 template <int64_t Type, int Cols>
 void vnni_rows(const QuantizedRows& xq, int64_t K, int64_t m0, int64_t rows, const uint8_t* w0, int64_t KB,
@@ -205,7 +204,7 @@ void vnni_tiles(const at::Tensor& x, const at::Tensor& packed, const Epilogue& e
   if (M == 0) return;
   const QuantizedRows xq = quantize_rows(x);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const int64_t block = M >= kVnniLargeM ? kVnniRows : kVnniRowsSmallM;
+  const int64_t block = M >= kVnniRows ? kVnniRows : kVnniRowsSmallM;
   for_column_pairs(NB, [&](WorkQueue& work) {
     alignas(64) float c[kVnniRows * 32];
     for (int64_t begin, end; work.take(begin, end);) for (int64_t q = begin; q < end; ++q) {
