@@ -12,12 +12,12 @@
 //   P           = exp(S * scale - running max), rounded to bfloat16 (as PyTorch's CPU flash attention rounds
 //                 its probabilities before the second product), 0 for keys a row does not see;
 //   O [M x D]  += P [M x 16] . V          V's rows interleaved in pairs (VNNI), 16 output dims per tile.
-// Without AMX the same products run on AVX512-BF16 (`Dots`). A decode's few rows go row by row: S with the keys
-// in the vector lanes (each 32-dim chunk of K transposed into dim pairs once per block), P.V with 16 dims in the
-// lanes. A prefill tile's rows (M > 4) sit in the lanes instead (`lanes_block`): S^T one key at a time against
-// Q^T with the key's dim pairs broadcast straight from the cache (no transpose), the softmax down the 16 keys
-// (maxima, exponentials and sums as vertical vector ops, not a horizontal reduction per row), and O^T one dim at
-// a time. Both take the same operands in the same order element by element (the sums through `add_ordered`, which
+// Without AMX the same products run on AVX512-BF16 (`Dots`). A decode's few rows go row by row (`RowBlock`): S
+// with the keys in the vector lanes (each 32-dim chunk of K transposed into dim pairs in registers once per
+// block), P.V with 16 dims in the lanes (V's key pairs interleaved in registers as they are read). A prefill
+// tile's rows (M > 4) sit in the lanes instead (`lanes_block`): S^T one key at a time against Q^T with the key's
+// dim pairs broadcast straight from the cache (no transpose), the softmax down the 16 keys (maxima, exponentials
+// and sums as vertical vector ops, not a horizontal reduction per row), and O^T one dim at a time. Both take the same operands in the same order element by element (the sums through `add_ordered`, which
 // -ffast-math may not re-associate), so a token computes the same bits in either.
 // Every row is its own computation: a tile dot product computes each output element from its own A row and B
 // column, and a row's softmax never looks at another row. A token walks its blocks in the same order with the
@@ -177,15 +177,17 @@ inline void advance_softmax(Scratch& w, __m512 new_m, __m512 sum) {
   _mm512_store_ps(w.m, new_m);
 }
 
+// Word indices interleaving two rows a, b of 32 bfloat16 into key pairs (a0 b0 a1 b1 ...): the low 16 dims, the high.
+alignas(64) constexpr uint16_t kPairsLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+alignas(64) constexpr uint16_t kPairsHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                               24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+
 // One block's V tiles from its first n keys (the rest zero: stale cache rows must not reach P.V, where
 // 0 x NaN would be NaN).
 inline void load_values(Scratch& w, const uint16_t* v, int64_t stride, int64_t n, int64_t D) {
   const __m512i zero = _mm512_setzero_si512();
-  alignas(64) static constexpr uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                                      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  alignas(64) static constexpr uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-                                                      24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-  const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+  const __m512i lo = _mm512_load_si512(kPairsLo), hi = _mm512_load_si512(kPairsHi);
   for (int64_t pr = 0; pr < kKeys / 2; ++pr) {
     const int64_t a = 2 * pr, b = 2 * pr + 1;
     for (int64_t half = 0; half < D / 32; ++half) {
@@ -291,25 +293,99 @@ struct Dots {
       _mm512_store_ps(w.s[row], add_ordered(add_ordered(acc[0], acc[1]), add_ordered(acc[2], acc[3])));
     }
   }
-  // pv row r for dims [16 sl, 16 sl + 16): the dims in the lanes, summed over P's key pairs.
-  void values(Scratch& w, int64_t sl, int64_t M) const {
-    for (int64_t row = 0; row < M; ++row) {
-      const uint32_t* pairs = reinterpret_cast<const uint32_t*>(w.p[row]);
-      __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};  // 2 chains of key pairs (pr mod 2)
-#pragma GCC unroll 8
-      for (int64_t pr = 0; pr < kKeys / 2; ++pr)
-        acc[pr % 2] = _mm512_dpbf16_ps(acc[pr % 2], (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[pr])),
-                                       (__m512bh)_mm512_load_si512(w.v[sl][pr]));
-      _mm512_store_ps(w.pv[row], add_ordered(acc[0], acc[1]));
-    }
-  }
   void finish() const {}
 };
 
+// S for a decode's M <= 3 rows, as Dots::scores computes it (the same chains in the same order), but from each
+// chunk's transposed K in registers: no K^T stored and loaded again per row.
+template <int M>
+inline void row_scores(Scratch& w, const uint16_t* k_rows, int64_t rows_stride, int64_t D) {
+  __m512 acc[M][4];
+  for (auto& row : acc)
+    for (auto& chain : row) chain = _mm512_setzero_ps();
+  for (int64_t c = 0; c < D / 32; ++c) {
+    __m512i k[16];  // key j's 16 dim pairs of this chunk, then (transposed) dim pair i of the 16 keys
+    for (int j = 0; j < 16; ++j) k[j] = _mm512_loadu_si512(k_rows + j * rows_stride + 32 * c);
+    transpose16(k);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i)
+#pragma GCC unroll 4
+      for (int r = 0; r < M; ++r)
+        acc[r][i % 4] = _mm512_dpbf16_ps(acc[r][i % 4], (__m512bh)_mm512_set1_epi32(static_cast<int>(w.qt[c][i][r])),
+                                         (__m512bh)k[i]);
+  }
+  for (int r = 0; r < M; ++r)
+    _mm512_store_ps(w.s[r], add_ordered(add_ordered(acc[r][0], acc[r][1]), add_ordered(acc[r][2], acc[r][3])));
+}
+
+// O [M x D] = O * corr + P . V for a decode's M <= 4 rows, S slices of 16 dims from dim d0: V's key pairs
+// interleaved in registers as they are read (load_values' order, not stored), each row's P pair broadcast once
+// per key pair, the sums over the 2 chains of key pairs (pr mod 2) the lane path uses. Keys past n read as zero.
+template <int M, int S>
+inline void row_values(Scratch& w, const uint16_t* v_rows, int64_t stride, int64_t n, int64_t d0) {
+  const __m512i lo = _mm512_load_si512(kPairsLo), hi = _mm512_load_si512(kPairsHi), zero = _mm512_setzero_si512();
+  __m512 acc[M][S][2];
+  for (auto& row : acc)
+    for (auto& slice : row)
+      for (auto& chain : slice) chain = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int pr = 0; pr < kKeys / 2; ++pr) {
+    __m512bh p[M];
+    for (int r = 0; r < M; ++r)
+      p[r] = (__m512bh)_mm512_set1_epi32(static_cast<int>(reinterpret_cast<const uint32_t*>(w.p[r])[pr]));
+    const int64_t a = 2 * pr, b = 2 * pr + 1;
+#pragma GCC unroll 2
+    for (int h = 0; h < S / 2; ++h) {  // 32 dims: slices 2h, 2h + 1
+      const __m512i va = a < n ? _mm512_loadu_si512(v_rows + a * stride + d0 + 32 * h) : zero;
+      const __m512i vb = b < n ? _mm512_loadu_si512(v_rows + b * stride + d0 + 32 * h) : zero;
+      const __m512bh v_lo = (__m512bh)_mm512_permutex2var_epi16(va, lo, vb);
+      const __m512bh v_hi = (__m512bh)_mm512_permutex2var_epi16(va, hi, vb);
+      for (int r = 0; r < M; ++r) {
+        acc[r][2 * h][pr % 2] = _mm512_dpbf16_ps(acc[r][2 * h][pr % 2], p[r], v_lo);
+        acc[r][2 * h + 1][pr % 2] = _mm512_dpbf16_ps(acc[r][2 * h + 1][pr % 2], p[r], v_hi);
+      }
+    }
+  }
+  for (int r = 0; r < M; ++r) {
+    const __m512 corr = _mm512_set1_ps(w.corr[r]);
+    for (int sl = 0; sl < S; ++sl) {
+      float* o = w.acc[r] + d0 + 16 * sl;
+      _mm512_store_ps(o, _mm512_fmadd_ps(_mm512_load_ps(o), corr, add_ordered(acc[r][sl][0], acc[r][sl][1])));
+    }
+  }
+}
+
+// A decode's block with the rows in registers (Dots, M <= 4): S, then (after the softmax) P.V.
+struct RowBlock {
+  static void scores(Scratch& w, const uint16_t* k_rows, int64_t rows_stride, int64_t M, int64_t D) {
+    switch (M) {
+      case 1: row_scores<1>(w, k_rows, rows_stride, D); break;
+      case 2: row_scores<2>(w, k_rows, rows_stride, D); break;
+      case 3: row_scores<3>(w, k_rows, rows_stride, D); break;
+      default: Dots().scores(w, k_rows, rows_stride, M, D); break;  // 4 rows' chains and K^T: too many registers
+    }
+  }
+  // 3 rows x 4 slices x 2 chains fill 24 registers; 4 rows take 2 slices at a time
+  template <int M, int S>
+  static void values_by(Scratch& w, const uint16_t* v_rows, int64_t stride, int64_t n, int64_t D) {
+    int64_t d0 = 0;
+    for (; d0 + 16 * S <= D; d0 += 16 * S) row_values<M, S>(w, v_rows, stride, n, d0);
+    if (d0 < D) row_values<M, 2>(w, v_rows, stride, n, d0);  // D is a multiple of 32
+  }
+  static void values(Scratch& w, const uint16_t* v_rows, int64_t stride, int64_t n, int64_t M, int64_t D) {
+    switch (M) {
+      case 1: values_by<1, 4>(w, v_rows, stride, n, D); break;
+      case 2: values_by<2, 4>(w, v_rows, stride, n, D); break;
+      case 3: values_by<3, 4>(w, v_rows, stride, n, D); break;
+      default: values_by<4, 2>(w, v_rows, stride, n, D); break;
+    }
+  }
+};
+
 // One block for a tile whose M > 4 rows sit in the vector lanes (lane r = row r; lanes past M are masked
-// throughout): what Dots::scores, the row softmax and Dots::values compute for each row, element by element the
-// same operations in the same order, with no transposes or horizontal sums. `seen` holds each row's count of
-// this block's keys it sees; the block's V is already in w.v (load_values).
+// throughout): what RowBlock (Dots::scores' chains), the row softmax and RowBlock::values compute for each row,
+// element by element the same operations in the same order, with no transposes or horizontal sums. `seen` holds
+// each row's count of this block's keys it sees; the block's V is already in w.v (load_values).
 inline void lanes_block(Scratch& w, const uint16_t* k_rows, int64_t rows_stride, __m512i seen, float scale,
                         int64_t D) {
   for (int j0 = 0; j0 < kKeys; j0 += 4) {  // S^T, 4 keys at a time, each over the 4 chains Dots::scores uses
@@ -354,7 +430,7 @@ inline void lanes_block(Scratch& w, const uint16_t* k_rows, int64_t rows_stride,
   }
   advance_softmax(w, new_m, sum_of_keys(rounded));
   const __m512 corr = _mm512_load_ps(w.corr);
-  for (int64_t d0 = 0; d0 < D; d0 += 8) {  // O^T, 8 dims at a time, each over the 2 chains Dots::values uses
+  for (int64_t d0 = 0; d0 < D; d0 += 8) {  // O^T, 8 dims at a time, each over the 2 chains RowBlock::values uses
     __m512 a[8][2];
     for (auto& dim : a)
       for (auto& chain : dim) chain = _mm512_setzero_ps();
@@ -446,13 +522,17 @@ void attend_tiles(const uint16_t* q, const C* k_cache, const C* v_cache, const i
         } else {
           k_rows = k_cache + base, v_rows = v_cache + base, rows_stride = stride;
         }
-        load_values(*w, v_rows, rows_stride, n, D);
+        constexpr bool row_block = std::is_same_v<Products, Dots>;  // a decode's rows on AVX512-BF16: RowBlock
+        if (!row_block || in_lanes) load_values(*w, v_rows, rows_stride, n, D);
         if (in_lanes) {
           const __m512i seen = _mm512_sub_epi32(_mm512_load_si512(kv_len), _mm512_set1_epi32(static_cast<int>(start)));
           lanes_block(*w, k_rows, rows_stride, seen, scale, D);
           continue;
         }
-        products.scores(*w, k_rows, rows_stride, M, D);
+        if constexpr (row_block)
+          RowBlock::scores(*w, k_rows, rows_stride, M, D);
+        else
+          products.scores(*w, k_rows, rows_stride, M, D);
         for (int64_t r = 0; r < M; ++r) {  // online softmax, one row (query head) at a time
           const int64_t seen = kv_len[r] - start;  // keys of this block the row sees
           const __mmask16 mask = seen >= kKeys ? __mmask16(0xFFFF) : seen <= 0 ? __mmask16(0) : __mmask16((1u << seen) - 1);
@@ -472,11 +552,15 @@ void attend_tiles(const uint16_t* q, const C* k_cache, const C* v_cache, const i
           w->new_m[r] = new_m;
         }
         advance_softmax(*w, _mm512_load_ps(w->new_m), _mm512_load_ps(w->sum));
-        for (int64_t sl = 0; sl < D / 16; ++sl) {
-          products.values(*w, sl, M);
-          for (int64_t r = 0; r < M; ++r) {
-            float* a = w->acc[r] + 16 * sl;
-            _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_load_ps(a), _mm512_set1_ps(w->corr[r]), _mm512_load_ps(w->pv[r])));
+        if constexpr (row_block) {
+          RowBlock::values(*w, v_rows, rows_stride, n, M, D);
+        } else {
+          for (int64_t sl = 0; sl < D / 16; ++sl) {
+            products.values(*w, sl, M);
+            for (int64_t r = 0; r < M; ++r) {
+              float* a = w->acc[r] + 16 * sl;
+              _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_load_ps(a), _mm512_set1_ps(w->corr[r]), _mm512_load_ps(w->pv[r])));
+            }
           }
         }
       }
