@@ -360,17 +360,6 @@ inline void block_values(const float* p, const float* const* v_rows, float* acc,
     for (int64_t g = 0; g < group; ++g) axpy(p[g * bs + j], v_rows[j], acc + g * D, D);
 }
 
-// Rows towards L1 (into_l1) or L2; a no-op where the build has no x86 prefetch.
-template <bool into_l1>
-inline void prefetch_rows(const void* base, int64_t row_stride_bytes, int64_t rows, int64_t row_bytes) {
-#if defined(__AVX2__)
-  const char* b = static_cast<const char*>(base);
-  for (int64_t j = 0; j < rows; ++j)
-    for (int64_t off = 0; off < row_bytes; off += 64)
-      _mm_prefetch(b + j * row_stride_bytes + off, into_l1 ? _MM_HINT_T0 : _MM_HINT_T1);
-#endif
-}
-
 // Online-softmax update of heads [g0, g0 + heads) with the scores of a block of n keys (s[g * stride + j]), then
 // their probability-weighted values added into acc.
 inline void softmax_block(float* scores, const float* const* v_rows, float* acc, float* m, float* l, int64_t g0,

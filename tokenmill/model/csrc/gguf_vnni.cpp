@@ -126,9 +126,13 @@ template <int64_t Type>
 constexpr int64_t quant_bytes() { return Type == kQ8_0 ? 512 : 256; }
 
 // Rows [m0, m0 + Rows) times column blocks nb (and nb + 1 if Cols == 2): float32 results into c [Rows x 32].
+// With `prefetch_until` (the weight's end; null for none) each tile's counterpart two column blocks on (the next
+// column pair's) is prefetched into L1 as the tile is read: a step streams every weight from DRAM (30 layers
+// overflow the L3) and the hardware prefetcher alone kept too few lines in flight. Measured on Zen 5 over 30
+// DRAM-resident layers: one row 2.9 -> 2.4 ms, 16 rows 9.2 -> 6.2 ms; the Q8_0 LM head at 16 rows 2.3 -> 1.3 ms.
 template <int64_t Type, int Rows, int Cols>
 void vnni_block(const QuantizedRows& xq, int64_t K, int64_t m0, const uint8_t* w0, int64_t KB, int64_t tile_bytes,
-                float* c) {
+                float* c, const uint8_t* prefetch_until) {
   __m512 acc[Rows][Cols];
 #pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r)
@@ -138,6 +142,8 @@ void vnni_block(const QuantizedRows& xq, int64_t K, int64_t m0, const uint8_t* w
     for (int j = 0; j < Cols; ++j) {
       const uint8_t* tile = w0 + (j * KB + kb) * tile_bytes;
       const uint8_t* fields = tile + quant_bytes<Type>();
+      const uint8_t* ahead = tile + 2 * KB * tile_bytes;
+      if (prefetch_until != nullptr && ahead < prefetch_until) prefetch_rows<true>(ahead, 0, 1, tile_bytes);
       __m512i w[8];
       load_quads<Type>(tile, w);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(fields)));
@@ -178,21 +184,21 @@ constexpr int64_t kVnniRowsSmallM = 4;
 
 template <int64_t Type, int Cols>
 void vnni_rows(const QuantizedRows& xq, int64_t K, int64_t m0, int64_t rows, const uint8_t* w0, int64_t KB,
-               int64_t tile_bytes, float* c) {
+               int64_t tile_bytes, float* c, const uint8_t* prefetch_until) {
   if constexpr (Cols == 1) {  // blocks of more than 4 rows go one column block at a time (vnni_tiles)
     switch (rows) {
-      case 8: vnni_block<Type, 8, 1>(xq, K, m0, w0, KB, tile_bytes, c); return;
-      case 7: vnni_block<Type, 7, 1>(xq, K, m0, w0, KB, tile_bytes, c); return;
-      case 6: vnni_block<Type, 6, 1>(xq, K, m0, w0, KB, tile_bytes, c); return;
-      case 5: vnni_block<Type, 5, 1>(xq, K, m0, w0, KB, tile_bytes, c); return;
+      case 8: vnni_block<Type, 8, 1>(xq, K, m0, w0, KB, tile_bytes, c, prefetch_until); return;
+      case 7: vnni_block<Type, 7, 1>(xq, K, m0, w0, KB, tile_bytes, c, prefetch_until); return;
+      case 6: vnni_block<Type, 6, 1>(xq, K, m0, w0, KB, tile_bytes, c, prefetch_until); return;
+      case 5: vnni_block<Type, 5, 1>(xq, K, m0, w0, KB, tile_bytes, c, prefetch_until); return;
       default: break;
     }
   }
   switch (rows) {
-    case 4: vnni_block<Type, 4, Cols>(xq, K, m0, w0, KB, tile_bytes, c); break;
-    case 3: vnni_block<Type, 3, Cols>(xq, K, m0, w0, KB, tile_bytes, c); break;
-    case 2: vnni_block<Type, 2, Cols>(xq, K, m0, w0, KB, tile_bytes, c); break;
-    default: vnni_block<Type, 1, Cols>(xq, K, m0, w0, KB, tile_bytes, c); break;
+    case 4: vnni_block<Type, 4, Cols>(xq, K, m0, w0, KB, tile_bytes, c, prefetch_until); break;
+    case 3: vnni_block<Type, 3, Cols>(xq, K, m0, w0, KB, tile_bytes, c, prefetch_until); break;
+    case 2: vnni_block<Type, 2, Cols>(xq, K, m0, w0, KB, tile_bytes, c, prefetch_until); break;
+    default: vnni_block<Type, 1, Cols>(xq, K, m0, w0, KB, tile_bytes, c, prefetch_until); break;
   }
 }
 
@@ -204,6 +210,7 @@ void vnni_tiles(const at::Tensor& x, const at::Tensor& packed, const Epilogue& e
   if (M == 0) return;
   const QuantizedRows xq = quantize_rows(x);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const uint8_t* weight_end = wp + NB * KB * tile_bytes;
   const int64_t block = M >= kVnniRows ? kVnniRows : kVnniRowsSmallM;
   for_column_pairs(NB, [&](WorkQueue& work) {
     alignas(64) float c[kVnniRows * 32];
@@ -213,13 +220,14 @@ void vnni_tiles(const at::Tensor& x, const at::Tensor& packed, const Epilogue& e
       const uint8_t* w0 = wp + nb * KB * tile_bytes;
       for (int64_t m0 = 0; m0 < M; m0 += block) {
         const int64_t rows = std::min(block, M - m0);
+        const uint8_t* until = m0 == 0 ? weight_end : nullptr;  // the next pair's tiles, once
         if (block == kVnniRows) {  // one column block at a time: 8 accumulators beside the 8 unpacked vectors
-          vnni_rows<Type, 1>(xq, K, m0, rows, w0, KB, tile_bytes, c);
-          if (two_cols) vnni_rows<Type, 1>(xq, K, m0, rows, w0 + KB * tile_bytes, KB, tile_bytes, c + 16);
+          vnni_rows<Type, 1>(xq, K, m0, rows, w0, KB, tile_bytes, c, until);
+          if (two_cols) vnni_rows<Type, 1>(xq, K, m0, rows, w0 + KB * tile_bytes, KB, tile_bytes, c + 16, until);
         } else if (two_cols) {
-          vnni_rows<Type, 2>(xq, K, m0, rows, w0, KB, tile_bytes, c);
+          vnni_rows<Type, 2>(xq, K, m0, rows, w0, KB, tile_bytes, c, until);
         } else {
-          vnni_rows<Type, 1>(xq, K, m0, rows, w0, KB, tile_bytes, c);
+          vnni_rows<Type, 1>(xq, K, m0, rows, w0, KB, tile_bytes, c, until);
         }
         epilogue(c, m0, rows, nb, two_cols);
       }

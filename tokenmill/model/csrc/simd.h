@@ -4,6 +4,22 @@
 
 #include <cstdint>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+// `rows` rows of `row_bytes`, `row_stride_bytes` apart, towards L1 (into_l1) or L2; a no-op where the build has no
+// x86 prefetch. Kept a loop: unrolled (a block's 32 prefetches back to back) paged attention ran 2.5x slower on Zen 5.
+template <bool into_l1>
+inline void prefetch_rows(const void* base, int64_t row_stride_bytes, int64_t rows, int64_t row_bytes) {
+#if defined(__AVX2__)
+  const char* b = static_cast<const char*>(base);
+  for (int64_t j = 0; j < rows; ++j)
+    for (int64_t off = 0; off < row_bytes; off += 64)
+      _mm_prefetch(b + j * row_stride_bytes + off, into_l1 ? _MM_HINT_T0 : _MM_HINT_T1);
+#endif
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 

@@ -101,15 +101,6 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// A block's 16 rows of `row_bytes`, `stride_bytes` apart, towards the cache level `hint` names.
-template <int hint>
-inline void prefetch_block(const void* rows, int64_t stride_bytes, int64_t row_bytes) {
-  const char* p = static_cast<const char*>(rows);
-  for (int64_t j = 0; j < kKeys; ++j)
-    for (int64_t off = 0; off < row_bytes; off += 64)
-      _mm_prefetch(p + j * stride_bytes + off, static_cast<_mm_hint>(hint));
-}
-
 // 32 FP8 e4m3 codes -> their 32 bfloat16 values, exactly: the code's 7 magnitude bits shifted into a float16's
 // exponent and mantissa give the value / 2^8 (e4m3's bias is 7, float16's 15; its subnormals land on float16
 // subnormals), so widening to float32 and scaling by 256 is exact, and so is the bfloat16 of it (4 significant
@@ -501,13 +492,13 @@ void attend_tiles(const uint16_t* q, const C* k_cache, const C* v_cache, const i
         // pools that miss L3: 1.02 -> 0.81 ms a layer on Zen 5); more blocks into L1 evict the ones in use.
         if (start + kKeys < len) {
           const int64_t next = (table[start / kKeys + 1] * kKeys * num_kv_heads + h) * D;
-          prefetch_block<_MM_HINT_T0>(k_cache + next, stride * sizeof(C), D * sizeof(C));
-          prefetch_block<_MM_HINT_T0>(v_cache + next, stride * sizeof(C), D * sizeof(C));
+          prefetch_rows<true>(k_cache + next, stride * sizeof(C), kKeys, D * sizeof(C));
+          prefetch_rows<true>(v_cache + next, stride * sizeof(C), kKeys, D * sizeof(C));
         }
         if (start + 2 * kKeys < len) {
           const int64_t after = (table[start / kKeys + 2] * kKeys * num_kv_heads + h) * D;
-          prefetch_block<_MM_HINT_T1>(k_cache + after, stride * sizeof(C), D * sizeof(C));
-          prefetch_block<_MM_HINT_T1>(v_cache + after, stride * sizeof(C), D * sizeof(C));
+          prefetch_rows<false>(k_cache + after, stride * sizeof(C), kKeys, D * sizeof(C));
+          prefetch_rows<false>(v_cache + after, stride * sizeof(C), kKeys, D * sizeof(C));
         }
         const uint16_t* k_rows;  // the block's K and V rows as bfloat16, rows_stride elements apart
         const uint16_t* v_rows;
