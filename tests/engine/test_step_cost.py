@@ -1,5 +1,6 @@
 """The step cost model (engine/step_cost.py): fit, tokens within a latency target, predicted TTFT."""
 
+import dataclasses
 import random
 
 import pytest
@@ -115,6 +116,9 @@ def test_stretched_step_is_a_multiple_of_the_decodes_own_with_a_floor():
     cost = StepCost(fixed=0.020, per_token=0.001, per_pair=1e-6)
     own = cost.seconds(16, 16_000)  # 16 decodes over 1,000 keys each: 52 ms
     assert stretched_step_seconds(cost, 3.0, 16, 16_000) == pytest.approx(3 * own)
+    # steps that recently ran 1.25x their prediction are sized to 3 / 1.25 of it: 3x in what they take
+    overrunning = dataclasses.replace(cost, overrun=1.25)
+    assert stretched_step_seconds(overrunning, 3.0, 16, 16_000) == pytest.approx(3 * own / 1.25)
     assert stretched_step_seconds(cost, 1.5, 1, 100) == DECODE_STEP_FLOOR_S  # 1.5 x 21 ms is under the floor
     assert stretched_step_seconds(cost, 0.0, 16, 16_000) is None  # off
     assert stretched_step_seconds(cost, None, 16, 16_000) is None

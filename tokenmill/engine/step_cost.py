@@ -146,12 +146,14 @@ DECODE_STEP_FLOOR_S = 0.05
 
 def stretched_step_seconds(cost: StepCost | None, slowdown: float | None, decode_tokens: int,
                            decode_pairs: int) -> float | None:
-    """How long a step that carries prompt chunks beside decodes (`decode_tokens` tokens attending over
-    `decode_pairs` pairs) may take under --max-decode-slowdown: `slowdown` times what the decodes alone take, and at
-    least DECODE_STEP_FLOOR_S. None: no limit (no slowdown set, no decodes, or no fit yet)."""
+    """How long, as the fit predicts it, a step that carries prompt chunks beside decodes (`decode_tokens` tokens
+    attending over `decode_pairs` pairs) may take under --max-decode-slowdown: `slowdown` times what the decodes
+    alone take, less the fit's recent overrun (as an ITL target is: sized steps ran up to ~1.2x their prediction, and
+    the limit is on what they take), and at least DECODE_STEP_FLOOR_S. None: no limit (no slowdown set, no
+    decodes, or no fit yet)."""
     if cost is None or not slowdown or decode_tokens <= 0:
         return None
-    return max(slowdown * cost.seconds(decode_tokens, decode_pairs), DECODE_STEP_FLOOR_S)
+    return max(slowdown * cost.seconds(decode_tokens, decode_pairs) / cost.overrun, DECODE_STEP_FLOOR_S)
 
 
 def predict_ttft(prompt_tokens: int, ahead: list[int], running: int, running_context: int, cost: StepCost | None,
