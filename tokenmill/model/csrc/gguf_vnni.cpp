@@ -142,8 +142,8 @@ void vnni_block(const QuantizedRows& xq, int64_t K, int64_t m0, const uint8_t* w
     for (int j = 0; j < Cols; ++j) {
       const uint8_t* tile = w0 + (j * KB + kb) * tile_bytes;
       const uint8_t* fields = tile + quant_bytes<Type>();
-      const uint8_t* ahead = tile + 2 * KB * tile_bytes;
-      if (prefetch_until != nullptr && ahead < prefetch_until) prefetch_rows<true>(ahead, 0, 1, tile_bytes);
+      if (prefetch_until != nullptr && prefetch_until - tile > 2 * KB * tile_bytes)  // no pointer past the end
+        prefetch_rows<true>(tile + 2 * KB * tile_bytes, 0, 1, tile_bytes);
       __m512i w[8];
       load_quads<Type>(tile, w);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(fields)));
