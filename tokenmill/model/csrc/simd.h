@@ -21,7 +21,6 @@ inline void prefetch_rows(const void* base, int64_t row_stride_bytes, int64_t ro
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 
 // exp(x) for 8 floats: 2^(x log2 e) split into 2^n * 2^f, f in [-0.5, 0.5], 2^f by a degree-6 polynomial
 // (relative error ~2e-7, like expf); -inf and very negative inputs give 0.

@@ -17,8 +17,9 @@
 // block), P.V with 16 dims in the lanes (V's key pairs interleaved in registers as they are read). A prefill
 // tile's rows (M > 4) sit in the lanes instead (`lanes_block`): S^T one key at a time against Q^T with the key's
 // dim pairs broadcast straight from the cache (no transpose), the softmax down the 16 keys (maxima, exponentials
-// and sums as vertical vector ops, not a horizontal reduction per row), and O^T one dim at a time. Both take the same operands in the same order element by element (the sums through `add_ordered`, which
-// -ffast-math may not re-associate), so a token computes the same bits in either.
+// and sums as vertical vector ops, not a horizontal reduction per row), and O^T one dim at a time. Both take the
+// same operands in the same order element by element (the sums through `add_ordered`, which -ffast-math may not
+// re-associate), so a token computes the same bits in either.
 // Every row is its own computation: a tile dot product computes each output element from its own A row and B
 // column, and a row's softmax never looks at another row. A token walks its blocks in the same order with the
 // same masks alone or in a tile (blocks past its context add exact zeros), so decode and prefill, alone or
@@ -550,7 +551,8 @@ void attend_tiles(const uint16_t* q, const C* k_cache, const C* v_cache, const i
             products.values(*w, sl, M);
             for (int64_t r = 0; r < M; ++r) {
               float* a = w->acc[r] + 16 * sl;
-              _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_load_ps(a), _mm512_set1_ps(w->corr[r]), _mm512_load_ps(w->pv[r])));
+              const __m512 corr = _mm512_set1_ps(w->corr[r]);
+              _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_load_ps(a), corr, _mm512_load_ps(w->pv[r])));
             }
           }
         }
