@@ -12,7 +12,7 @@ import pytest
 from tests.models.tiny import make_tiny_model
 from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.engine_process import HEARTBEAT_S, serve
+from tokenmill.engine.engine_process import CALIBRATION_PROMPTS, HEARTBEAT_S, _warm_up, serve
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.messages import AbortRequests, AddRequest, EngineOutputs, FinishRequest, Shutdown
 from tokenmill.sampling_params import SamplingParams
@@ -175,3 +175,22 @@ def test_shutdown_aborts_what_is_left_and_the_loop_ends_when_the_client_goes(mod
     gone.inputs.close()  # the client's end closes: the loop returns instead of spinning
     gone.thread.join(10)
     assert not gone.thread.is_alive()
+
+
+def test_the_warm_up_leaves_a_step_cost_fit_and_no_block_held(model_dir):
+    core = EngineCore(config(model_dir))
+    assert core.step_cost.fit is None
+    _warm_up(core)
+    fit = core.step_cost.fit
+    assert fit is not None  # the first burst's mixed steps are sized from the start
+    assert fit.fixed < 1.0  # the first request's kernel build was forgotten, not fitted as a step's fixed cost
+    assert not core.has_unfinished
+    core.check_idle_invariants()
+
+
+def test_the_warm_up_calibrates_within_the_cache(model_dir):
+    core = EngineCore(EngineConfig(model=str(model_dir), dtype="float32", cache=CacheConfig(kv_cache_memory=1 << 19)))
+    assert core.cache_info.token_capacity < 2 * max(CALIBRATION_PROMPTS)  # the longest prompt would crowd the cache
+    _warm_up(core)  # prompts over half the cache are skipped, not left waiting for room
+    assert not core.has_unfinished
+    core.check_idle_invariants()

@@ -33,6 +33,15 @@ def test_the_step_cost_fit_recovers_fixed_and_per_token_time():
     assert model.fit is None and model.break_even_acceptance(8) == 0.0
 
 
+def test_forget_drops_every_step_seen():
+    model = fitted(5.0, 0.001)  # steps that timed a kernel build: a fixed cost of seconds
+    model.forget()
+    assert model.fit is None
+    for n in [1, 8, 64, 5, 300, 16, 2, 40]:
+        model.observe(n, 0.010 + 0.001 * n)
+    assert model.fit.fixed == pytest.approx(0.010, rel=1e-6)  # nothing of the forgotten steps left in the fit
+
+
 def test_attention_pairs_count_the_causal_square_after_the_context():
     assert attention_pairs(1, 0) == 1 and attention_pairs(1, 99) == 100  # a decode reads its context and itself
     assert attention_pairs(4, 0) == 10 and attention_pairs(4, 10) == 50

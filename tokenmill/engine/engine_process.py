@@ -91,11 +91,33 @@ def serve(core: EngineCore, inputs: Any, outputs: Any) -> None:
             last_sent = now
 
 
+# Prompt lengths the warm-up runs after its first request, each with two decode steps after its prefill, so the
+# step-cost fit (engine/step_cost.py) knows what a step of N tokens takes before the first user's burst: without
+# it, --max-decode-slowdown and ITL targets cannot size a mixed step, and a served 16-stream run's first ~1.2 s
+# ran 512-token steps of ~210 ms beside the first decodes: 54 of the 81 gaps above its ITL p99 (3.6x TPOT p50).
+CALIBRATION_PROMPTS = (8, 32, 128, 512)
+CALIBRATION_BUDGET_S = 2.0  # a large model on a slow device stops calibrating here (its fit then comes from use)
+
+
 def _warm_up(core: EngineCore) -> None:
-    """One tiny request through the core before we say ready: builds the kernels, so the first user's
-    request (and the health check's heartbeat) is not stuck behind a compile."""
-    core.add_request(AddRequest("__warmup__", [0] * 8, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
-                                2, frozenset(), time.monotonic()))
+    """Requests through the core before we say ready: the first builds the kernels, so the first user's request
+    (and the health check's heartbeat) is not stuck behind a compile; the next measure steps of a few sizes for
+    the step-cost fit (what the first request's compile took is forgotten)."""
+    _run_to_end(core, "__warmup__", [0] * 8)
+    core.step_cost.forget()
+    limit = min(core.config.scheduler.max_num_batched_tokens, core.max_model_len - 3,
+                core.cache_info.token_capacity // 2)
+    start = time.perf_counter()
+    for i, n in enumerate(n for n in CALIBRATION_PROMPTS if n <= limit):
+        if time.perf_counter() - start > CALIBRATION_BUDGET_S:
+            break
+        # a first token of its own: no prompt shares a cached block with another, so each step is its full size
+        _run_to_end(core, f"__calibrate_{n}__", [(i + 1 + j) % core.model_config.vocab_size for j in range(n)])
+    core.check_idle_invariants()
+
+
+def _run_to_end(core: EngineCore, request_id: str, prompt: list[int]) -> None:
+    core.add_request(AddRequest(request_id, prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                                3, frozenset(), time.monotonic()))
     while core.has_unfinished:
         core.step()
-    core.check_idle_invariants()

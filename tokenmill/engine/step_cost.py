@@ -66,6 +66,10 @@ class StepCost:
 
 class StepCostModel:
     def __init__(self) -> None:
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop every step seen (a warm-up's first steps time a kernel build, not a step)."""
         # weighted sums of 1, tokens x, kilo-pairs p, seconds y and their products
         self._s = dict.fromkeys(("w", "x", "p", "y", "xx", "xp", "pp", "xy", "py"), 0.0)
         self._steps = 0
