@@ -31,9 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SOURCES = ("cpu_kernels.cpp", "bf16_linear.cpp", "int8_linear.cpp", "gguf_linear.cpp", "gguf_vnni.cpp",
-           "f32_linear.cpp", "tile_attention.cpp")
-FLAGS = ["-O3", "-fopenmp", "-march=native", "-ffast-math", "-fno-finite-math-only"]  # as model/cpu_kernels.py
+from tokenmill.model.cpu_kernels import BUILD_FLAGS, SOURCE_NAMES
 
 
 def build(tree: Path) -> ModuleType:
@@ -52,8 +50,8 @@ def build(tree: Path) -> ModuleType:
         return module
     directory.mkdir(parents=True, exist_ok=True)
     print(f"building {csrc} ({name}) ...", flush=True)
-    return load(name=name, sources=[str(csrc / s) for s in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                build_directory=str(directory), verbose=False)
+    return load(name=name, sources=[str(csrc / s) for s in SOURCE_NAMES], extra_cflags=list(BUILD_FLAGS),
+                extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
 
 
 def interleaved(fns: list, rounds: int) -> list[float]:

@@ -14,9 +14,11 @@ from pathlib import Path
 
 log = logging.getLogger("tokenmill")
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in
-            ("cpu_kernels.cpp", "bf16_linear.cpp", "int8_linear.cpp", "gguf_linear.cpp", "gguf_vnni.cpp",
-             "f32_linear.cpp", "tile_attention.cpp")]
+SOURCE_NAMES = ("cpu_kernels.cpp", "bf16_linear.cpp", "int8_linear.cpp", "gguf_linear.cpp", "gguf_vnni.cpp",
+                "f32_linear.cpp", "tile_attention.cpp")  # in csrc/ (benchmarks/kernel_ab.py builds them too)
+# fast-math lets the compiler vectorize exp (glibc's libmvec); infinities stay meaningful (masked scores).
+BUILD_FLAGS = ("-O3", "-fopenmp", "-march=native", "-ffast-math", "-fno-finite-math-only")
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in SOURCE_NAMES]
 # part of the build's name too: a change rebuilds
 _HEADERS = [Path(__file__).parent / "csrc" / name for name in ("simd.h", "tile_gemm.h", "work_split.h")]
 
@@ -71,9 +73,7 @@ def _extension():
     try:
         from torch.utils.cpp_extension import load
 
-        # fast-math lets the compiler vectorize exp (glibc's libmvec); infinities stay meaningful (masked scores).
-        flags = ["-O3", "-fopenmp", "-march=native", "-ffast-math", "-fno-finite-math-only"]
-        return load(name=build_name(), sources=[str(s) for s in _SOURCES], extra_cflags=flags,
+        return load(name=build_name(), sources=[str(s) for s in _SOURCES], extra_cflags=list(BUILD_FLAGS),
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, unsupported platform: stay correct, only slower
         log.warning("fast CPU kernels unavailable (%s); using the PyTorch reference", e)
