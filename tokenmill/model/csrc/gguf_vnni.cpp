@@ -127,9 +127,12 @@ constexpr int64_t quant_bytes() { return Type == kQ8_0 ? 512 : 256; }
 
 // Rows [m0, m0 + Rows) times column blocks nb (and nb + 1 if Cols == 2): float32 results into c [Rows x 32].
 // With `prefetch_until` (the weight's end; null for none) each tile's counterpart two column blocks on (the next
-// column pair's) is prefetched into L1 as the tile is read: a step streams every weight from DRAM (30 layers
+// column pair's) is prefetched into L2 as the tile is read: a step streams every weight from DRAM (30 layers
 // overflow the L3) and the hardware prefetcher alone kept too few lines in flight. Measured on Zen 5 over 30
 // DRAM-resident layers: one row 2.9 -> 2.4 ms, 16 rows 9.2 -> 6.2 ms; the Q8_0 LM head at 16 rows 2.3 -> 1.3 ms.
+// L2, not L1: the next pair lies 11-30 KB ahead (K = 576 .. 1536), most of a 32 KB L1, so lines fetched into L1
+// were evicted before use and held its few miss buffers. On Zen 4 (BENCHMARKS.md, seventeenth session) L2
+// prefetches made one-row layers 3.56 -> 2.87 ms and the head 1.42 -> 1.12 ms; one greedy stream +16%.
 template <int64_t Type, int Rows, int Cols>
 void vnni_block(const QuantizedRows& xq, int64_t K, int64_t m0, const uint8_t* w0, int64_t KB, int64_t tile_bytes,
                 float* c, const uint8_t* prefetch_until) {
@@ -143,7 +146,7 @@ void vnni_block(const QuantizedRows& xq, int64_t K, int64_t m0, const uint8_t* w
       const uint8_t* tile = w0 + (j * KB + kb) * tile_bytes;
       const uint8_t* fields = tile + quant_bytes<Type>();
       if (prefetch_until != nullptr && prefetch_until - tile > 2 * KB * tile_bytes)  // no pointer past the end
-        prefetch_rows<true>(tile + 2 * KB * tile_bytes, 0, 1, tile_bytes);
+        prefetch_rows<false>(tile + 2 * KB * tile_bytes, 0, 1, tile_bytes);
       __m512i w[8];
       load_quads<Type>(tile, w);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(fields)));
