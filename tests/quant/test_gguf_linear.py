@@ -20,7 +20,7 @@ from tokenmill.model.backends import CpuBackend, TorchBackend
 from tokenmill.model.cpu_kernels import _extension
 from tokenmill.quant.awq_format import quantize_groups
 from tokenmill.quant.gguf import Q4_Z, dequantize
-from tokenmill.quant.gguf_tiles import gguf_pack
+from tokenmill.quant.gguf_tiles import gguf_pack, gguf_unpack_rows
 
 ops = _extension()
 TILES = ops is not None and ops.bf16_kernel() != ""  # AMX tiles or AVX512-BF16
@@ -137,6 +137,26 @@ def test_reference_gguf_linear_is_the_dequantized_product():
     torch.testing.assert_close(TorchBackend().gguf_linear(x, layer), ref)
 
 
+@pytest.mark.parametrize("qtype", TILE_TYPES)
+@pytest.mark.parametrize("layout", ["tiles", "quads"])
+@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=pytest.mark.skipif(ops is None, reason="no kernels"))])
+def test_unpacked_rows_are_the_packed_rows_blocks(qtype, layout, kernel):
+    """A tied embedding reads its rows from the LM head's packed copy: the bytes must be the file's (the byte
+    gather in torch ops and in C++)."""
+    g = torch.Generator().manual_seed(5)
+    raw = blocks_of(torch.randn(48, 96, generator=g), qtype)
+    packed = gguf_pack(raw, qtype, layout=layout)
+    ids = torch.tensor([0, 5, 17, 47, 5, 31, 16, 15])
+    gather = ops.gather_tile_bytes if kernel else None
+    assert torch.equal(gguf_unpack_rows(packed, int(qtype), ids, layout, gather), raw[ids])
+    assert gguf_unpack_rows(packed, int(qtype), ids[:0], layout, gather).shape == (0, raw.shape[1])
+    if kernel:
+        with pytest.raises(RuntimeError, match="row 48 of 48"):
+            gguf_unpack_rows(packed, int(qtype), torch.tensor([48]), layout, gather)
+    with pytest.raises(ValueError, match="without pairs"):
+        gguf_unpack_rows(gguf_pack(raw[:32], qtype, pairs=True, layout=layout), int(qtype), ids, layout)
+
+
 def test_gguf_pack_needs_whole_tiles():
     raw = blocks_of(torch.randn(24, 32), T.Q8_0)
     with pytest.raises(ValueError, match="16-feature tiles"):
@@ -158,7 +178,14 @@ def test_tiny_gguf_kept_tracks_the_dequantized_model(tmp_path, qtype):
     assert layer.self_attn.qkv_proj.packed_weight.dtype == torch.uint8
     assert layer.mlp.gate_up_proj.packed_weight.dim() == 4  # gate/up pairs with SiLU in the epilogue
     assert kept.engine.core.runner.model.tied_head.packed_weight.dtype == torch.uint8
-    assert kept.engine.core.runner.model.embed_tokens.weight.is_meta  # lookups decode the kept rows
+    model = kept.engine.core.runner.model
+    assert model.embed_tokens.weight.is_meta  # lookups decode the kept rows ...
+    # ... from the head's packed copy (the file's table is not held a second time), as the dense table has them
+    held = [c.cell_contents for c in model.embed_tokens.rows.__closure__ if isinstance(c.cell_contents, torch.Tensor)]
+    assert held and all(t.untyped_storage().data_ptr() == model.tied_head.packed_weight.untyped_storage().data_ptr()
+                        for t in held)
+    ids = torch.tensor([[0, 3, 255], [17, 17, 100]])
+    assert torch.equal(model.embed_tokens(ids), dense.engine.core.runner.model.embed_tokens(ids))
     assert_kept_tracks_dense(dense.generate(batch, params, use_tqdm=False),
                              kept.generate(batch, params, use_tqdm=False), exact=KEPT == "amx")
     kept.engine.core.check_idle_invariants()
@@ -185,8 +212,8 @@ def test_smollm2_kept_blocks_track_the_dequantized_model(tmp_path):
     assert "gguf" in kept.engine.core.runner.weight_summary()
     from tokenmill.engine.runner import weight_bytes
 
-    # Q4_1 layers and the Q8_0 table (head and lookups): under 0.4 of the dequantized model's bytes (whose table
-    # is held once too: its lookups read the packed head's tiles)
+    # Q4_1 layers and the Q8_0 table, held once (the lookups read the packed head): under 0.4 of the dequantized
+    # model's bytes (whose table is held once too: its lookups read the packed head's tiles)
     assert weight_bytes(kept.engine.core.runner.model) < 0.4 * weight_bytes(dense.engine.core.runner.model)
     assert_kept_tracks_dense(dense.generate(prompts, params, use_tqdm=False),
                              kept.generate(prompts, params, use_tqdm=False), exact=KEPT == "amx")

@@ -178,6 +178,15 @@ def test_int8_tiles_on_grid_weights_track_the_dense_bf16_model(tmp_path):
     for one, together in zip(alone, b):
         assert one.token_ids == together.outputs[0].token_ids
         assert one.logprobs == together.outputs[0].logprobs
+    # the tied embedding looks its int8 rows up in the head's packed tiles (no second int8 table), scaled as the
+    # int8 table's rows
+    model, ids = int8.engine.core.runner.model, torch.tensor([[0, 15, 16], [511, 300, 15]])
+    head = model.tied_head
+    held = [c.cell_contents for c in model.embed_tokens.rows.__closure__ if isinstance(c.cell_contents, torch.Tensor)]
+    ptrs = {head.packed_weight.untyped_storage().data_ptr(), head.weight_scale.untyped_storage().data_ptr()}
+    assert held and all(t.untyped_storage().data_ptr() in ptrs for t in held)
+    q, scale = quantize_int8(dense.engine.core.runner.model.embed_tokens(torch.arange(512)))
+    assert torch.equal(model.embed_tokens(ids), (q[ids].float() * scale[ids].unsqueeze(-1)).to(torch.bfloat16))
     int8.engine.core.check_idle_invariants()
 
 
@@ -189,7 +198,8 @@ def test_int8_weights_take_about_half_the_bytes(tmp_path):
 
     matmul_params = sum(p.numel() for n, p in dense.model.named_parameters() if "proj" in n)
     saved = weight_bytes(dense.model) - weight_bytes(int8.model)
-    # each matmul weight: 2 bytes -> 1 byte (+ 4 bytes of scale per output feature); the tied head adds a copy
+    # each matmul weight: 2 bytes -> 1 byte (+ 4 bytes of scale per output feature), the tied table too (held once:
+    # the lookups read the head's int8 tiles)
     assert saved > 0.8 * matmul_params
     assert "int8" in int8.weight_summary()
 

@@ -3,6 +3,9 @@ CPU backend can use it)."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
 from tokenmill.quant.gguf import KEPT_TYPES, Q4_Z, GGMLQuantizationType
@@ -45,6 +48,76 @@ def gguf_pack(data: torch.Tensor, ggml_type: int, pairs: bool = False, layout: s
     tiles = torch.cat([ordered.reshape(n // 16, kb, -1), *fields], dim=-1)
     tiles = tiles.contiguous()
     return tiles.view(n // 32, 2, kb, -1) if pairs else tiles
+
+
+# gather(packed, rows, sources [16, size], flip [size]) -> [n, KB, size]: packed[rows / 16, kb, sources[rows % 16]]
+# ^ flip (the C++ kernels' gather_tile_bytes; _gather_tile_bytes is the same in torch ops)
+TileByteGather = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def gguf_unpack_rows(tiles: torch.Tensor, ggml_type: int, rows: torch.Tensor, layout: str = "tiles",
+                     gather: TileByteGather | None = None) -> torch.Tensor:
+    """The raw blocks [n, K/32 * block bytes] of features `rows` of a weight packed by gguf_pack (not in pairs):
+    gguf_pack undone for a few rows, so a tied embedding looks its rows up in its LM head's packed copy and the
+    file's table need not stay beside it. Each block byte is one tile byte (_block_byte_sources says which, per
+    lane), Q8_0's quads with the + 128 undone; only Q4 in the AMX tiles regroups nibbles, from two gathers."""
+    size, quants_at, _ = BLOCK_LAYOUT[int(ggml_type)]
+    if tiles.dim() != 3:
+        raise ValueError("rows of a weight packed by gguf_pack without pairs: [N/16, K/32, tile bytes]")
+    gather = gather or _gather_tile_bytes
+    flat = rows.reshape(-1).to(tiles.device)
+    sources, flip = _block_byte_sources(int(ggml_type), layout, str(tiles.device))
+    if sources.dim() == 2:
+        return gather(tiles, flat, sources, flip).reshape(flat.numel(), tiles.shape[1] * size)
+    # Q4 in AMX tiles: quant byte j = nibble of K j | nibble of K j + 16 << 4, each nibble half of a tile byte
+    low, high = gather(tiles, flat, sources[0], flip), gather(tiles, flat, sources[1], flip)
+    shift = _nibble_shifts(size - quants_at, str(tiles.device))
+    low[..., quants_at:] = ((low[..., quants_at:] >> shift[0]) & 0x0F) | (
+        ((high[..., quants_at:] >> shift[1]) & 0x0F) << 4)
+    return low.reshape(flat.numel(), tiles.shape[1] * size)
+
+
+def _gather_tile_bytes(tiles: torch.Tensor, rows: torch.Tensor, sources: torch.Tensor, flip: torch.Tensor
+                       ) -> torch.Tensor:
+    n, kb, tile_bytes = rows.numel(), tiles.shape[1], tiles.shape[2]
+    starts = (rows // 16 * (kb * tile_bytes)).view(-1, 1, 1) + (
+        torch.arange(kb, device=tiles.device).view(1, -1, 1) * tile_bytes)
+    at = (starts + sources[rows % 16].unsqueeze(1)).view(-1)
+    return tiles.view(-1).index_select(0, at).view(n, kb, sources.shape[-1]) ^ flip
+
+
+@functools.cache
+def _block_byte_sources(ggml_type: int, layout: str, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each of a tile's 16 features, the tile byte of each byte of its block: [16, block bytes] (for Q4 in the
+    AMX tiles [2, 16, block bytes]: the bytes holding the nibbles of K j and of K j + 16 of quant byte j), and
+    the bits to flip in each block byte (Q8_0's quads hold q + 128)."""
+    size, quants_at, widths = BLOCK_LAYOUT[ggml_type]
+    qbytes = size - quants_at
+    lanes = torch.arange(16).view(16, 1)
+    fields, at = [], 16 * qbytes
+    for w in widths:  # each field: 16 lanes x w bytes
+        fields.append(at + lanes * w + torch.arange(w))
+        at += 16 * w
+    flip = torch.zeros(size, dtype=torch.uint8)
+    j = torch.arange(qbytes)
+    if layout == "quads":  # vector t = j // 4, lane, byte j % 4
+        if ggml_type == Q8_0:
+            flip[quants_at:] = 0x80
+        sources = torch.cat([*fields, j // 4 * 64 + lanes * 4 + j % 4], dim=1)
+    elif layout != "tiles":
+        raise ValueError(f"unknown layout {layout!r}: tiles or quads")
+    elif ggml_type == Q8_0:  # [16 r, 16 lanes, 2 e]: K j at r = j // 2, e = j % 2
+        sources = torch.cat([*fields, j // 2 * 32 + lanes * 2 + j % 2], dim=1)
+    else:  # [16 r, 16 lanes], one byte per K pair 2r, 2r + 1: K j's nibble in byte r = j // 2
+        sources = torch.stack([torch.cat([*fields, (k // 2) * 16 + lanes], dim=1) for k in (j, j + 16)])
+    return sources.contiguous().to(device), flip.to(device)
+
+
+@functools.cache
+def _nibble_shifts(qbytes: int, device: str) -> torch.Tensor:
+    """Q4 in the AMX tiles: how far to shift the tile bytes holding K j and K j + 16 for their nibbles."""
+    j = torch.arange(qbytes)
+    return torch.stack([j % 2 * 4, (j + 16) % 2 * 4]).to(torch.uint8).to(device)
 
 
 def _tile_order(quants: torch.Tensor, ggml_type: int) -> torch.Tensor:

@@ -27,7 +27,8 @@ from tokenmill.model.backends.base import LinearWeights
 from tokenmill.model.backends.huge_pages import move_to_huge_pages
 from tokenmill.model.backends.reference import TorchBackend, split_qkv
 from tokenmill.model.cpu_kernels import cpu_isa, cpu_tag
-from tokenmill.quant.gguf_tiles import gguf_pack
+from tokenmill.quant.gguf import decode_rows
+from tokenmill.quant.gguf_tiles import TileByteGather, gguf_pack, gguf_unpack_rows
 
 if TYPE_CHECKING:
     from tokenmill.model.attention import AttentionMetadata
@@ -63,6 +64,36 @@ def tile_rows(packed: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     def rows(ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).to(packed.device)
         return tiles[flat // 16, :, :, flat % 16, :].reshape(*ids.shape, kb * 32).to(ids.device)
+
+    return rows
+
+
+def gguf_tile_rows(packed: torch.Tensor, ggml_type: int, layout: str, dtype: torch.dtype,
+                   gather: TileByteGather | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Token ids -> rows of a tied embedding kept as GGML blocks, read from its LM head's packed copy (gguf_pack's
+    `layout`) and decoded as the whole table would be, so the file's table (30 MB of SmolLM2's Q8_0) is not held
+    a second time for the lookups."""
+    cols = packed.shape[1] * 32
+
+    def rows(ids: torch.Tensor) -> torch.Tensor:
+        raw = gguf_unpack_rows(packed, ggml_type, ids, layout, gather)
+        return decode_rows(raw, ggml_type, cols, dtype).to(ids.device).view(*ids.shape, cols)
+
+    return rows
+
+
+def int8_tile_rows(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+                   ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Token ids -> rows of a tied embedding quantized to int8 (quant/int8.py), read from its LM head's int8_pack
+    copy (bytes q + 128 in bf16_pack's tile layout) and scaled as the int8 table's rows would be, so the int8
+    table is not held a second time for the lookups."""
+    nb, kb = packed.shape[:2]
+    tiles = packed.view(nb, kb, 16, 16, 2)
+
+    def rows(ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to(packed.device)
+        q = (tiles[flat // 16, :, :, flat % 16, :] ^ 0x80).view(torch.int8).reshape(-1, kb * 32)
+        return (q.float() * scale[flat].unsqueeze(-1)).to(dtype).to(ids.device).view(*ids.shape, kb * 32)
 
     return rows
 
@@ -243,8 +274,8 @@ class CpuBackend(TorchBackend):
         plain weight (the skinny kernel reads that for a few rows); a bfloat16 tile or float32 panel copy serves
         every row count, so the plain weight is released as soon as its copy exists (left on the meta device: shape
         and dtype, no memory; load_hf_weights allocates it again), which keeps the peak one layer above the final
-        weights. A tied LM head packed in bfloat16 tiles serves the embedding's lookups from them too, and the table
-        is released likewise."""
+        weights. A tied LM head's packed copy (bfloat16 tiles, GGML blocks, int8 tiles) serves the embedding's
+        lookups too, and the table they read before is released likewise (_lookups_from_head)."""
         packed_any = False
         for m in model.linear_layers():
             pairs = getattr(m, "silu_pairs", False) and m.bias is None  # the fused epilogue adds no bias
@@ -253,6 +284,7 @@ class CpuBackend(TorchBackend):
                     layout = "quads" if self.gguf_kernel == "vnni" else "tiles"
                     m.packed_weight = gguf_pack(m.gguf_blocks, m.gguf_type, pairs=pairs, layout=layout)
                     m.gguf_blocks = m.gguf_blocks.to("meta")
+                    self._lookups_from_head(m)
                     packed_any = True
                 continue
             if getattr(m, "qweight", None) is not None:  # int8: its own layout, or the reference on the int8
@@ -262,27 +294,43 @@ class CpuBackend(TorchBackend):
                     m.pair_scale = self._pair_order(m.weight_scale) if m.packed_weight.dim() == 5 else None
                     packed_any = True
                     m.qweight = m.qweight.to("meta")
+                    self._lookups_from_head(m)
                 continue
             m.packed_weight = self.pack_weight(m.weight, silu_pairs=pairs)
             packed_any |= m.packed_weight is not None
             if isinstance(m, nn.Module) and m.packed_weight is not None and m.packed_weight.dim() in (3, 4, 5):
                 m.weight = nn.Parameter(m.weight.to("meta"), requires_grad=False)
-            elif _head_tiles_serve_lookups(m):
-                m.embedding.keep_rows(tile_rows(m.packed_weight))  # lookups read the head's tiles
+            else:
+                self._lookups_from_head(m)
         self._to_huge_pages(model)
         model.backend_cache.pop(_LAYER_WEIGHTS, None)
         return packed_any
 
-    @staticmethod
-    def _to_huge_pages(model: nn.Module) -> None:
+    def _to_huge_pages(self, model: nn.Module) -> None:
         """The packed weights (every decode step streams them) into 2 MiB pages: backends/huge_pages.py."""
         layers = [m for m in model.linear_layers() if isinstance(m.packed_weight, torch.Tensor)
                   and m.packed_weight.device.type == "cpu" and not m.packed_weight.is_mkldnn]
         moved = move_to_huge_pages([(m, "packed_weight") for m in layers])
         if moved:
             log.info("packed weights on 2 MiB pages: %.1f MiB", moved / 2**20)
-            for m in filter(_head_tiles_serve_lookups, layers):  # the moved tiles now
-                m.embedding.keep_rows(tile_rows(m.packed_weight))
+            for m in layers:  # the moved copy now
+                self._lookups_from_head(m)
+
+    def _lookups_from_head(self, m: LinearWeights) -> None:
+        """A tied LM head with a packed copy the embedding can read (bfloat16 tiles, GGML blocks, int8 tiles):
+        the lookups read that copy from now on, and the table they read before is released."""
+        packed = m.packed_weight
+        if (not getattr(m, "shares_weight", False) or not isinstance(packed, torch.Tensor) or packed.is_mkldnn
+                or packed.dim() not in (3, 4)):
+            return
+        dtype = m.embedding.weight.dtype
+        if getattr(m, "gguf_type", None) is not None and packed.dim() == 3:
+            layout = "quads" if self.gguf_kernel == "vnni" else "tiles"
+            m.embedding.keep_rows(gguf_tile_rows(packed, m.gguf_type, layout, dtype, self.ops.gather_tile_bytes))
+        elif getattr(m, "weight_scale", None) is not None and packed.dtype == torch.uint8 and packed.dim() == 4:
+            m.embedding.keep_rows(int8_tile_rows(packed, m.weight_scale, dtype))
+        elif _head_tiles_serve_lookups(m):
+            m.embedding.keep_rows(tile_rows(packed))
 
     @staticmethod
     def _pair_order(scale: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,37 @@ int64_t gguf_tile_bytes(int64_t type) {
   }
 }
 
+// Bytes of a packed weight's tiles picked per feature: out[i, kb, b] = packed[rows[i] / 16, kb, sources[rows[i] %
+// 16, b]] ^ flip[b], for packed [N/16, K/32, tile bytes], sources [16, block bytes] (int64), flip [block bytes].
+// With quant/gguf_tiles.py's tables this undoes gguf_pack for a few features: a tied embedding's lookups read
+// its LM head's packed copy (one call instead of ~8 torch ops a step).
+at::Tensor gather_tile_bytes(const at::Tensor& packed, const at::Tensor& rows, const at::Tensor& sources,
+                             const at::Tensor& flip) {
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "packed: [N/16, K/32, tile bytes] uint8");
+  TORCH_CHECK(sources.dim() == 2 && sources.size(0) == 16 && sources.scalar_type() == at::kLong &&
+                  sources.is_contiguous(), "sources: [16, block bytes] int64");
+  const int64_t size = sources.size(1), KB = packed.size(1), tile_bytes = packed.size(2), N = packed.size(0) * 16;
+  TORCH_CHECK(flip.numel() == size && flip.scalar_type() == at::kByte && flip.is_contiguous(), "flip: [block bytes] uint8");
+  const auto ids = rows.reshape(-1).to(at::kLong).contiguous();
+  const int64_t n = ids.numel();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t* src = sources.data_ptr<int64_t>();
+  for (int64_t b = 0; b < 16 * size; ++b) TORCH_CHECK(src[b] >= 0 && src[b] < tile_bytes, "a source past the tile");
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < N, "row ", id[i], " of ", N);
+  auto out = at::empty({n, KB, size}, packed.options());
+  const uint8_t* p = packed.data_ptr<uint8_t>();
+  const uint8_t* f = flip.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t* lane = src + (id[i] % 16) * size;
+    const uint8_t* tiles = p + (id[i] / 16) * KB * tile_bytes;
+    for (int64_t kb = 0; kb < KB; ++kb, o += size)
+      for (int64_t b = 0; b < size; ++b) o[b] = tiles[kb * tile_bytes + lane[b]] ^ f[b];
+  }
+  return out;
+}
+
 #ifdef TOKENMILL_DPBF16
 namespace {
 
