@@ -16,7 +16,7 @@ from torch import nn
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.backends import Backend, TorchBackend
-from tokenmill.model.backends.cpu import prepack_weight  # noqa: F401 - the oneDNN layout; benchmarks/kernels.py
+from tokenmill.model.backends.cpu import prepack_weight  # noqa: F401 - the oneDNN layout; benchmarks/kernel_timings.py
 
 
 @torch.no_grad()

@@ -1,7 +1,9 @@
 """Kernel microbenchmarks behind BENCHMARKS.md "Kernels": each fast path against what it replaces, same process.
+(Not `kernels.py`: the scripts here run with benchmarks/ first on sys.path, where a module of that name shadows
+the `kernels` package transformers imports, and every script that loads transformers failed.)
 
-    python benchmarks/kernels.py                      # all parts
-    python benchmarks/kernels.py --parts matmul       # matmul | bf16 | attention | silu | sampler
+    python benchmarks/kernel_timings.py                      # all parts
+    python benchmarks/kernel_timings.py --parts matmul       # matmul | bf16 | attention | silu | sampler
 
 - matmul: one of each SmolLM2 matmul (qkv, o, gate_up, down; plus the 49,152-row LM head up to 128 rows) at M
   rows, `F.linear` (BLAS, repacks the weight every call) vs oneDNN on a weight prepacked once vs the skinny GEMV.
