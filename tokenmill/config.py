@@ -156,8 +156,9 @@ class SchedulerConfig:
     # decodes' steps stay short (inter-token latency) at the cost of prompts taking more steps
     max_prefill_tokens_while_decoding: int | None = None
     # while requests decode, a step that carries prompt chunks beside them takes at most this many times what the
-    # decodes alone take (by the measured step cost; at least 50 ms): an inter-token latency p99 within a few TPOTs
-    # without a target to set. None or 0: off
+    # decodes alone take (by the measured step cost; at least 50 ms), times 1 + the prompts waiting or under way per
+    # decode (policy.step_budget): an inter-token latency p99 within a few TPOTs without a target to set, and no
+    # wave of prompts starved. None or 0: off
     max_decode_slowdown: float | None = 3.0
     # latency targets for requests that give none (SamplingParams.slo_*): with an ITL target, a step carries no
     # more prompt tokens than the measured step cost allows within it (engine/scheduler.py)

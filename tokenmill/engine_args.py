@@ -96,8 +96,9 @@ class EngineArgs:
               "steps for the prompts", type=int, config="scheduler")
     max_decode_slowdown: float | None = _opt(
         3.0, "while requests decode, a step that carries prompt chunks beside them takes at most this many times "
-             "what their decodes alone take (the measured step cost; 50 ms at least), so inter-token latency p99 "
-             "stays within a few TPOTs; prompts take more, shorter steps. 0: off (steps up to "
+             "what their decodes alone take (the measured step cost; 50 ms at least), times 1 + the prompts "
+             "waiting or under way per decode, so inter-token latency p99 stays within a few TPOTs while a wave of "
+             "arrivals is still prefilled fast; prompts take more, shorter steps. 0: off (steps up to "
              "--max-num-batched-tokens)", type=float, config="scheduler")
     max_model_len: int | None = _opt(None, "context window (default: the model's)", type=int, config="scheduler")
     scheduling_policy: str = _opt("continuous", "continuous: first come first served; priority: lower `priority` "

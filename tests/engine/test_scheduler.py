@@ -117,9 +117,10 @@ def three_decodes_and_a_prompt(config: SchedulerConfig, cost: StepCost) -> Sched
 @pytest.mark.parametrize("slowdown", [3.0, 0.0])
 def test_steps_beside_decodes_stay_within_the_slowdown(slowdown):
     """--max-decode-slowdown (default 3): while requests decode, a step with prompt tokens beside them is predicted
-    to take at most that many times the decodes alone (here 3 x 22 ms: 11 prompt tokens at 4 ms each); every decode
-    still runs and the prompt keeps moving. 0 turns it off: the prompt's chunk is cut by tokens only."""
-    cost = StepCost(fixed=0.010, per_token=0.004)
+    to take at most that many times the decodes alone, times 1 + the prompts per decode (here one prompt beside
+    three decodes: 4 x 28 ms, 14 prompt tokens at 6 ms each); every decode still runs and the prompt keeps moving.
+    0 turns it off: the prompt's chunk is cut by tokens only."""
+    cost = StepCost(fixed=0.010, per_token=0.006)
     sched = three_decodes_and_a_prompt(SchedulerConfig(max_num_batched_tokens=64, max_decode_slowdown=slowdown), cost)
     for _ in range(4):
         out, _ = run_step(sched)
@@ -127,19 +128,46 @@ def test_steps_beside_decodes_stay_within_the_slowdown(slowdown):
         assert decodes == [1, 1, 1]
         prompt = out.num_tokens - 3
         if slowdown:
-            assert prompt == 11
-            assert cost.seconds(out.num_tokens) <= slowdown * cost.seconds(3) + 1e-9
+            assert prompt == 14
+            assert cost.seconds(out.num_tokens) <= slowdown * (1 + 1 / 3) * cost.seconds(3) + 1e-9
         else:
             assert prompt >= 16  # the long-prefill share (a quarter of the budget), not cut by step time
     check_blocks_match_tokens(sched)
     drain_and_check_pool(sched)
 
 
+def test_a_wave_of_prompts_stretches_the_steps_beside_few_decodes():
+    """The slowdown grows with the prompts per decode: one decode beside four waiting prompts may take 3 x (1 + 4)
+    its own time, so a wave of arrivals is prefilled in long steps (a fixed 3x held 64 ShareGPT streams' TTFT p50
+    at 10-13 s); as the prompts start decoding, the steps shrink back towards 3x."""
+    cost = StepCost(fixed=0.010, per_token=0.002)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_decode_slowdown=3.0), KVCacheManager(512, 4))
+    sched.step_cost = FixedCost(cost)
+    sched.add_request(make_request("d", 4, 60))
+    run_step(sched)
+    for i in range(4):
+        sched.add_request(make_request(f"p{i}", 30, 40))
+    out, _ = run_step(sched)
+    decode_alone = cost.seconds(1)
+    assert 3 * decode_alone < cost.seconds(out.num_tokens) <= 15 * decode_alone + 1e-9
+    assert out.num_tokens - 1 == int((15 * decode_alone - decode_alone) / cost.per_token + 1e-9)
+    while any(r.num_tokens - r.num_computed_tokens > 1 for r in [*sched.running, *sched.waiting]):
+        run_step(sched)  # every prompt is in: five decodes, nothing waiting
+    out, _ = run_step(sched)
+    assert out.num_tokens == 5 and len(sched.waiting) == 0
+    sched.add_request(make_request("late", 100, 5))
+    out, _ = run_step(sched)  # one prompt beside five decodes: 3 x 6/5 of the decodes' own step
+    assert cost.seconds(out.num_tokens) <= 3 * (1 + 1 / 5) * cost.seconds(5) + 1e-9
+    assert out.num_tokens - 5 == int((3.6 * cost.seconds(5) - cost.seconds(5)) / cost.per_token + 1e-9)
+    drain_and_check_pool(sched)
+
+
 def test_fast_decodes_still_leave_a_prompt_the_floor():
-    """Decodes alone taking 13 ms would allow a 39 ms step at 3x: the 50 ms floor (DECODE_STEP_FLOOR_S) gives the
-    prompt 37 ms, so one or two quick streams do not starve a newcomer's prefill."""
+    """Decodes alone taking 13 ms would allow a 43 ms step at 2.5 x 4/3 (one prompt beside three decodes): the 50
+    ms floor (DECODE_STEP_FLOOR_S) gives the prompt 37 ms, so one or two quick streams do not starve a newcomer's
+    prefill."""
     cost = StepCost(fixed=0.010, per_token=0.001)
-    sched = three_decodes_and_a_prompt(SchedulerConfig(max_num_batched_tokens=64), cost)
+    sched = three_decodes_and_a_prompt(SchedulerConfig(max_num_batched_tokens=64, max_decode_slowdown=2.5), cost)
     out, _ = run_step(sched)
     assert out.num_tokens - 3 == round((DECODE_STEP_FLOOR_S - cost.seconds(3)) / cost.per_token)
     drain_and_check_pool(sched)

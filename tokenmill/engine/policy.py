@@ -196,12 +196,17 @@ class StepBudget:
 
 
 def step_budget(running: list[Request], tokens: int, policy: FcfsPolicy, prefill_cap: int | None,
-                cost: StepCost | None, slowdown: float | None = None) -> StepBudget:
+                cost: StepCost | None, slowdown: float | None = None, num_waiting: int = 0) -> StepBudget:
     """The step's budget under the caps that keep decodes' inter-token latency: a fixed number of prompt tokens
     besides them (--max-prefill-tokens-while-decoding); the measured step cost within ITL_STEP_SHARE of the
     smallest ITL target of the requests decoding, less the cost's recent overrun (the decodes policy.protects
     always fit); and within `slowdown` times the decodes' own step (--max-decode-slowdown: every decode fits),
-    whichever is tighter."""
+    whichever is tighter. The slowdown grows with the prompts per decode, `slowdown` x (1 + prompts / decodes),
+    prompts counting those waiting (`num_waiting`) and those under way: the stretch is paid once by each decode, the
+    hold-back by each prompt, so a steady stream of arrivals keeps `slowdown` while a wave of them (a burst, or
+    many requests ending at once and their successors arriving) is prefilled in long steps. With a fixed 3x, 64
+    ShareGPT streams on Zen 4 waited 10-13 s for a first token (TTFT p50) against 1.6-2.1 s (BENCHMARKS.md,
+    seventeenth session)."""
     decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
     if not decoding:
         return StepBudget(tokens)
@@ -213,6 +218,8 @@ def step_budget(running: list[Request], tokens: int, policy: FcfsPolicy, prefill
     target = min((r.itl_target for r in decoding if r.itl_target), default=None)
     if target is not None:
         seconds, reserved = target * ITL_STEP_SHARE / cost.overrun, [r for r in decoding if policy.protects(r)]
+    if slowdown:  # a stretched step costs every decode some ITL, and holding prompts back costs each their TTFT
+        slowdown *= 1 + (num_waiting + len(running) - len(decoding)) / len(decoding)
     stretched = slowdown and stretched_step_seconds(  # the sums only when the slowdown is on
         cost, slowdown, sum(1 + len(r.spec_token_ids) for r in decoding),
         sum(attention_pairs(1 + len(r.spec_token_ids), r.num_computed_tokens) for r in decoding))

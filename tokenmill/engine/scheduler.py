@@ -184,7 +184,8 @@ class Scheduler:
             self._preempt_for_priority(out, now, threshold)
         cost = self.step_cost.fit if self.step_cost is not None else None
         budget = (step_budget(self.running, tokens, policy, self.config.max_prefill_tokens_while_decoding, cost,
-                              self.config.max_decode_slowdown) if admitting else StepBudget(tokens))
+                              self.config.max_decode_slowdown, len(self.waiting))
+                  if admitting else StepBudget(tokens))
         running = policy.order_running(self.running, now)
         short_of_blocks = False
         i = 0
