@@ -1002,7 +1002,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_linear", &fp8_linear, "(x @ q.T) * scale (+ b), q e4m3 from fp8_pack; batch-invariant");
   m.def("fp8_linear_silu", &fp8_linear_silu, "silu(gate) * up of FP8 gate/up pairs");
   m.def("gguf_tile_bytes", &gguf_tile_bytes, "packed bytes per 16 x 32 tile of a kept GGML type (0: not kept)");
-  m.def("gather_tile_bytes", &gather_tile_bytes, "packed[rows / 16, kb, sources[rows % 16]] ^ flip: tile bytes per row");
+  m.def("gather_tile_bytes", &gather_tile_bytes, "packed[rows / 16, kb, sources[rows % 16]] ^ flip");
   m.def("gguf_linear", &gguf_linear, "x @ w.T (+ b), w in GGML blocks packed by gguf_pack for gguf_kernel()");
   m.def("gguf_linear_silu", &gguf_linear_silu, "silu(gate) * up of GGML gate/up block pairs, on gguf_kernel()");
   m.def("gguf_tiles_linear", &gguf_tiles_linear, "gguf_linear widened to bfloat16 tiles: bit for bit the dequantized");

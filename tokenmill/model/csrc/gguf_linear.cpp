@@ -53,7 +53,8 @@ at::Tensor gather_tile_bytes(const at::Tensor& packed, const at::Tensor& rows, c
   TORCH_CHECK(sources.dim() == 2 && sources.size(0) == 16 && sources.scalar_type() == at::kLong &&
                   sources.is_contiguous(), "sources: [16, block bytes] int64");
   const int64_t size = sources.size(1), KB = packed.size(1), tile_bytes = packed.size(2), N = packed.size(0) * 16;
-  TORCH_CHECK(flip.numel() == size && flip.scalar_type() == at::kByte && flip.is_contiguous(), "flip: [block bytes] uint8");
+  TORCH_CHECK(flip.numel() == size && flip.scalar_type() == at::kByte && flip.is_contiguous(),
+              "flip: [block bytes] uint8");
   const auto ids = rows.reshape(-1).to(at::kLong).contiguous();
   const int64_t n = ids.numel();
   const int64_t* id = ids.data_ptr<int64_t>();
