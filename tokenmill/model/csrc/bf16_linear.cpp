@@ -12,7 +12,8 @@
 // "VNNI" order the tile dot product reads B in. Inputs are read in whole 16-row tiles, the last one from a
 // zero-padded copy (its padding rows are computed and discarded: a decode step is bound by reading the weight,
 // not by tile arithmetic).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include <cstdint>

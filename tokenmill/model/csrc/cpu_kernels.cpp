@@ -10,8 +10,16 @@
 // tokens see growing lengths). Work is split over (query token, KV head) pairs; the G query heads that
 // share a KV head are computed together, so each K/V row is read once per group. Softmax is computed
 // online, one block at a time, in float32 whatever the cache dtype.
-#include <torch/extension.h>
+// torch/extension.h (the whole C++ frontend) took 37 s of this file's 51 s build; pybind.h, the Tensor casters
+// the module needs, and the ops it calls take a few.
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/mm.h>
 #include <ATen/Parallel.h>
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/ThreadLocalState.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -480,8 +488,8 @@ bool tile_attention_applies(int64_t block_size, int64_t head_dim, int64_t num_he
 // q_rows [T] int64 (row of block_tables per query token); kv_lens [T] int64; returns [T, H, D].
 // tiles: a bfloat16 cache goes to the bf16 dot-product kernel (AMX or AVX512-BF16) where it applies (false:
 // always the vector kernel below).
-torch::Tensor attention_on(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                           torch::Tensor q_rows, torch::Tensor kv_lens, double scale, bool tiles) {
+at::Tensor attention_on(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                           at::Tensor q_rows, at::Tensor kv_lens, double scale, bool tiles) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(block_tables.is_contiguous() && q_rows.is_contiguous() && kv_lens.is_contiguous());
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && q_rows.scalar_type() == at::kLong &&
@@ -489,7 +497,7 @@ torch::Tensor attention_on(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches of one dtype");
   const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK(fp8 || q.scalar_type() == k_cache.scalar_type(), "the cache holds q's dtype, or FP8 e4m3");
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = k_cache.size(2), BS = k_cache.size(1), MB = block_tables.size(1);
   TORCH_CHECK(H % KVH == 0, "heads must be a multiple of KV heads");
@@ -525,15 +533,15 @@ torch::Tensor attention_on(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   return out;
 }
 
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor block_tables, torch::Tensor q_rows, torch::Tensor kv_lens,
+at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                              at::Tensor block_tables, at::Tensor q_rows, at::Tensor kv_lens,
                               double scale) {
   return attention_on(q, k_cache, v_cache, block_tables, q_rows, kv_lens, scale, true);
 }
 
 // The vector kernel whatever the dtype (benchmarks and tests compare it with the bf16 dot-product one).
-torch::Tensor paged_attention_vectors(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                      torch::Tensor block_tables, torch::Tensor q_rows, torch::Tensor kv_lens,
+at::Tensor paged_attention_vectors(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                      at::Tensor block_tables, at::Tensor q_rows, at::Tensor kv_lens,
                                       double scale) {
   return attention_on(q, k_cache, v_cache, block_tables, q_rows, kv_lens, scale, false);
 }
@@ -585,14 +593,14 @@ void gemv_rows_f32(const float* x, const float* w, float* y, int64_t M, int64_t 
 
 }  // namespace
 
-torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+at::Tensor skinny_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K], w [N, K]");
   auto x_c = x.contiguous();
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
   const int64_t threads = at::get_num_threads();
 #if defined(__AVX2__) && defined(__FMA__)
   if (x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && w.is_contiguous()) {
-    auto out = torch::empty({M, N}, x.options());
+    auto out = at::empty({M, N}, x.options());
     const float* xp = x_c.data_ptr<float>();
     const float* wp = w.data_ptr<float>();
     float* yp = out.data_ptr<float>();
@@ -602,7 +610,7 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
     return out;
   }
 #endif
-  auto out_t = torch::empty({N, M}, x.options());
+  auto out_t = at::empty({N, M}, x.options());
   const int64_t chunk = std::max<int64_t>(64, (N + threads - 1) / threads);
   const at::ThreadLocalState caller_state;  // inference mode, grad mode: worker threads must match the caller
   at::parallel_for(0, N, chunk, [&](int64_t begin, int64_t end) {
@@ -687,9 +695,9 @@ void rotate_heads(T* x, int64_t heads, int64_t head_dim, const T* c, const T* s)
 }  // namespace
 
 // x [T, D] (rows may be strided); returns w * normalise(x) as a new contiguous [T, D].
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.is_contiguous() && x.scalar_type() == w.scalar_type());
-  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
                             x.size(0), x.size(1), static_cast<float>(eps), nullptr);
@@ -698,10 +706,10 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 }
 
 // residual += x (in place), then returns w * normalise(residual): the residual add and the next norm in one pass.
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
+at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor w, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && residual.is_contiguous() && w.is_contiguous());
   TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type());
-  auto out = torch::empty_like(residual);
+  auto out = at::empty_like(residual);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
     rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
                             x.size(0), x.size(1), static_cast<float>(eps), residual.data_ptr<scalar_t>());
@@ -711,8 +719,8 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
 
 // qkv [T, (H + 2 KVH) D] (the fused projection's output): rotates q and k in place with cos/sin [T, D] and
 // writes k, v into the caches [blocks, block_size, KVH, D] at slot_mapping [T].
-void rotary_write_kv(torch::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, torch::Tensor cos,
-                     torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping) {
+void rotary_write_kv(at::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, at::Tensor cos,
+                     at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && cos.is_contiguous() && sin.is_contiguous());
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slot_mapping.scalar_type() == at::kLong);
   const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
@@ -749,10 +757,10 @@ void rotary_write_kv(torch::Tensor qkv, int64_t num_heads, int64_t num_kv_heads,
 }
 
 // gate_up [T, 2I] -> silu(gate) * up [T, I].
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+at::Tensor silu_mul(at::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous());
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
-  auto out = torch::empty({T, I}, gate_up.options());
+  auto out = at::empty({T, I}, gate_up.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
     at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
@@ -811,8 +819,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 // weight = exp(x), 0 below `lowest`. Two passes over a row instead of torch's seven (max, sub, div, compare, clamp,
 // exp, fill), into a buffer the sampler keeps (a fresh one pays page faults): ~10% of a 16-row decode step at
 // temperature 1. Rows whose top is not finite are not written (the sampler raises on them). Returns top [R].
-torch::Tensor sampling_weights(const torch::Tensor& logits, const torch::Tensor& temperature, double lowest,
-                               torch::Tensor out) {
+at::Tensor sampling_weights(const at::Tensor& logits, const at::Tensor& temperature, double lowest,
+                               at::Tensor out) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
               "contiguous float32 [R, V] logits");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == logits.sizes(),
@@ -820,7 +828,7 @@ torch::Tensor sampling_weights(const torch::Tensor& logits, const torch::Tensor&
   const auto temp = temperature.to(at::kFloat).contiguous();
   TORCH_CHECK(temp.numel() == logits.size(0), "one temperature per row");
   const int64_t R = logits.size(0), V = logits.size(1);
-  auto top = torch::empty({R}, logits.options());
+  auto top = at::empty({R}, logits.options());
   const float* lp = logits.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float* tp = temp.data_ptr<float>();
@@ -876,7 +884,7 @@ torch::Tensor sampling_weights(const torch::Tensor& logits, const torch::Tensor&
 
 // x @ w.T (+ b) with w prepacked in oneDNN's blocked layout (model/linear.py prepacks it once at load). Called
 // through the dispatcher: the op is registered by torch, its C++ symbol is not exported.
-torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& b) {
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& b) {
   static const auto op = c10::Dispatcher::singleton()
       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, std::string_view,
@@ -886,43 +894,43 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
 
 // bf16_linear.cpp: the bfloat16 matmuls (AMX tiles, AVX512-BF16 dot products) over one packed weight layout.
 std::string bf16_kernel();
-torch::Tensor bf16_pack(const torch::Tensor& w);
-torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias);
-torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias);
-torch::Tensor bf16_pack_gate_up(const torch::Tensor& w);
-torch::Tensor bf16_linear_silu(const torch::Tensor& x, const torch::Tensor& packed);
-torch::Tensor dpbf16_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                            const c10::optional<torch::Tensor>& bias);
+at::Tensor bf16_pack(const at::Tensor& w);
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+at::Tensor bf16_pack_gate_up(const at::Tensor& w);
+at::Tensor bf16_linear_silu(const at::Tensor& x, const at::Tensor& packed);
+at::Tensor dpbf16_linear(const at::Tensor& x, const at::Tensor& packed,
+                            const c10::optional<at::Tensor>& bias);
 // int8_linear.cpp: weight-only int8 (W8A16) on the same tiles.
-torch::Tensor int8_pack(const torch::Tensor& q);
-torch::Tensor int8_pack_gate_up(const torch::Tensor& q);
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                          const c10::optional<torch::Tensor>& bias);
-torch::Tensor int8_linear_silu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale);
-torch::Tensor fp8_pack(const torch::Tensor& q);
-torch::Tensor fp8_pack_gate_up(const torch::Tensor& q);
-torch::Tensor fp8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                         const c10::optional<torch::Tensor>& bias);
-torch::Tensor fp8_linear_silu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale);
+at::Tensor int8_pack(const at::Tensor& q);
+at::Tensor int8_pack_gate_up(const at::Tensor& q);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                          const c10::optional<at::Tensor>& bias);
+at::Tensor int8_linear_silu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale);
+at::Tensor fp8_pack(const at::Tensor& q);
+at::Tensor fp8_pack_gate_up(const at::Tensor& q);
+at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                         const c10::optional<at::Tensor>& bias);
+at::Tensor fp8_linear_silu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale);
 // gguf_linear.cpp: llama.cpp's Q4_0, Q4_1 and Q8_0 blocks kept, widened on the same tiles.
 int64_t gguf_tile_bytes(int64_t type);
 at::Tensor gather_tile_bytes(const at::Tensor& packed, const at::Tensor& rows, const at::Tensor& sources,
                              const at::Tensor& flip);
-torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                          const c10::optional<torch::Tensor>& bias);
-torch::Tensor gguf_linear_silu(const torch::Tensor& x, const torch::Tensor& pairs);
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed,
+                          const c10::optional<at::Tensor>& bias);
+at::Tensor gguf_linear_silu(const at::Tensor& x, const at::Tensor& pairs);
 std::string gguf_kernel();
-torch::Tensor gguf_tiles_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                                const c10::optional<torch::Tensor>& bias);
-torch::Tensor gguf_tiles_linear_silu(const torch::Tensor& x, const torch::Tensor& pairs);
+at::Tensor gguf_tiles_linear(const at::Tensor& x, const at::Tensor& packed,
+                                const c10::optional<at::Tensor>& bias);
+at::Tensor gguf_tiles_linear_silu(const at::Tensor& x, const at::Tensor& pairs);
 // gguf_vnni.cpp: the same blocks times int8-quantized activations (AVX512-VNNI, no AMX), as llama.cpp.
-torch::Tensor gguf_vnni_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                               const c10::optional<torch::Tensor>& bias);
-torch::Tensor gguf_vnni_linear_silu(const torch::Tensor& x, const torch::Tensor& pairs);
+at::Tensor gguf_vnni_linear(const at::Tensor& x, const at::Tensor& packed,
+                               const c10::optional<at::Tensor>& bias);
+at::Tensor gguf_vnni_linear_silu(const at::Tensor& x, const at::Tensor& pairs);
 // f32_linear.cpp: the float32 matmul over 16-feature panels.
 bool f32_panels_available();
-torch::Tensor f32_pack(const torch::Tensor& w);
-torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias);
+at::Tensor f32_pack(const at::Tensor& w);
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 
 // The linear layer of the decode path. A packed copy of the weight serves every row count: bytes (uint8) are a
 // quantized weight, int8 with its per-feature scales (int8_pack, [N/16, K/32, 16, 32]) or GGML blocks without
@@ -930,8 +938,8 @@ torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& packed, co
 // (bf16_pack) run bf16_linear; float32 panels f32_linear.
 // Without one: the skinny GEMV for a few rows (it reads the plain weight at memory speed), oneDNN's prepacked
 // GEMM when there is a oneDNN copy (1.5-3x BLAS at 8-128 rows), else BLAS.
-torch::Tensor linear_any(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
-                         const torch::Tensor& scale, c10::optional<torch::Tensor> b) {
+at::Tensor linear_any(const at::Tensor& x, const at::Tensor& w, const at::Tensor& packed,
+                         const at::Tensor& scale, c10::optional<at::Tensor> b) {
   if (packed.scalar_type() == at::kByte) {
     return scale.numel() > 0 ? int8_linear(x, packed, scale, b) : gguf_linear(x, packed, b);
   }
@@ -946,8 +954,8 @@ torch::Tensor linear_any(const torch::Tensor& x, const torch::Tensor& w, const t
 // silu(gate) * up of a fused gate/up projection: where its packed copy holds gate and up in pairs
 // (bf16_pack_gate_up, int8_pack_gate_up: 5-D; gguf_pack in pairs: 4-D bytes without scales) the matmul's
 // epilogue applies it; else the plain product, then silu_mul.
-torch::Tensor gate_up_silu(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
-                           const torch::Tensor& scale) {
+at::Tensor gate_up_silu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& packed,
+                           const at::Tensor& scale) {
   const bool bytes = packed.scalar_type() == at::kByte;
   if (packed.dim() == 5 && packed.scalar_type() == at::kFloat8_e4m3fn) return fp8_linear_silu(x, packed, scale);
   if (packed.dim() == 5) return bytes ? int8_linear_silu(x, packed, scale) : bf16_linear_silu(x, packed);
@@ -960,13 +968,13 @@ torch::Tensor gate_up_silu(const torch::Tensor& x, const torch::Tensor& w, const
 // input_norm, qkv weight, qkv bias (or an empty tensor), o_proj, post_norm, gate_up, down, then the packed
 // copies of qkv, o_proj, gate_up and down (or empty tensors), then their per-feature scales (int8 weights; else
 // empty tensors). Updates the residual stream x [T, hidden] in place.
-void decoder_layer(torch::Tensor x, const std::vector<torch::Tensor>& w, int64_t num_heads, int64_t num_kv_heads,
-                   double eps, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                   torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor q_rows,
-                   torch::Tensor kv_lens) {
+void decoder_layer(at::Tensor x, const std::vector<at::Tensor>& w, int64_t num_heads, int64_t num_kv_heads,
+                   double eps, at::Tensor cos, at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache,
+                   at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor q_rows,
+                   at::Tensor kv_lens) {
   TORCH_CHECK(w.size() == 15, "decoder_layer takes 15 weight tensors");
   const int64_t T = x.size(0), D = k_cache.size(3);
-  c10::optional<torch::Tensor> qkv_bias;
+  c10::optional<at::Tensor> qkv_bias;
   if (w[2].numel() > 0) qkv_bias = w[2];
   auto qkv = linear_any(rms_norm(x, w[0], eps), w[1], w[7], w[11], qkv_bias);
   rotary_write_kv(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping);

@@ -7,7 +7,8 @@
 // either way, so the two give identical results.
 //
 // Packed layout, [N/16, K, 16] float32: panel p holds features 16p..16p+15, one row of 16 per k.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -13,7 +13,8 @@
 // the very bfloat16 weights that path loads. The loop is the bfloat16 kernel's (tile_gemm.h: AMX tiles, else
 // AVX512-BF16 dot products), so a kept model's outputs are bit for bit those of the dequantized one, and
 // batch-invariant like them.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <cstdint>
 #include <string>

@@ -18,7 +18,8 @@
 //       its high nibble K 16 + 4t + i), so one AND or one shift gives the unsigned bytes of four K quads.
 //   Q8_0: 8 x 64 bytes: vector t, lane j, byte i = feature j's q[4t + i] + 128.
 //   then the fields as in the tiles: 16 float16 d (s), Q4_1's 16 float16 m, Q4_Z's 16 uint8 z.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <cstdint>
 #include <vector>

@@ -13,7 +13,9 @@
 // (x @ q = x @ u - 128 rowsum(x)) and applies the scale. The offset costs nothing measurable in accuracy: the
 // float32 sums carry ~1e-6 relative error against bfloat16's 4e-3. The widening is paid once per call, not per
 // row block, and, as for bfloat16, a row's result never depends on the batch it is in.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cstdint>

@@ -26,7 +26,8 @@
 // batched, chunked any way, agree bit for bit: the batch invariance the vector kernel gives, kept.
 // An FP8 e4m3 cache (--kv-cache-dtype fp8) runs the same tiles: each block's K and V rows are widened to bfloat16
 // first (exactly), so it computes what a bfloat16 cache holding the same values would.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -6,7 +6,9 @@
 // fixed sequence of dot products over K, whatever M and wherever its row sits: batch-invariant by construction.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
