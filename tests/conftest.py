@@ -1,0 +1,23 @@
+"""Suite-wide hooks: the long compiler jobs of tests/model/test_isa_builds.py start in the background, at the
+lowest CPU priority, as soon as collection shows they will run (tests/model/isa_jobs.py says why)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.model import isa_jobs
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
+    wanted = set()
+    for item in session.items:
+        if item.path.name == "test_isa_builds.py":
+            target = getattr(item, "callspec", None) and item.callspec.params.get("target")
+            wanted.add(f"build:{target}" if target else isa_jobs.AMX_SYNTAX)
+    isa_jobs.start([job for job in isa_jobs.background_jobs() if job in wanted])
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    isa_jobs.stop_all()  # jobs no test waited for (a -k or -x run): not left compiling
