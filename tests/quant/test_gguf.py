@@ -135,6 +135,31 @@ def test_reader_metadata_matches_gguf_package(smol_reader: GGUFReader, smol_file
     assert smol_file.version == smol_reader.fields["GGUF.version"].contents()
 
 
+def test_a_header_cut_inside_the_vocabulary_is_a_clear_error(tmp_path, smol_file: GGUFFile) -> None:
+    """The vocabulary's strings are read in their own loop: a file cut inside one, or inside the length before
+    one, names the file and says truncated, as the rest of the header does."""
+    data = default_model_path().read_bytes()
+    first = "<|im_start|>".encode()  # token 1: its length prefix sits in the 8 bytes before it
+    at = data.index(first)
+    for n, cut in enumerate((at - 4, at + 3, at + 40_000)):
+        path = tmp_path / f"cut{n}.gguf"
+        path.write_bytes(data[:cut])
+        with pytest.raises(ModelLoadError, match=rf"cut{n}\.gguf.*truncated"):
+            GGUFFile.open(path)
+
+
+def test_opening_the_same_file_again_reuses_its_header_until_it_changes(tmp_path, smol_file: GGUFFile) -> None:
+    again = GGUFFile.open(default_model_path())
+    assert again.metadata is smol_file.metadata or again.metadata == smol_file.metadata
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(default_model_path().read_bytes())
+    first = GGUFFile.open(copy)
+    assert GGUFFile.open(copy).metadata is first.metadata  # unchanged: not parsed again
+    copy.write_bytes(default_model_path().read_bytes()[:5000])  # rewritten: parsed again, and found cut
+    with pytest.raises(ModelLoadError, match="truncated"):
+        GGUFFile.open(copy)
+
+
 def test_reader_tensor_table_matches_gguf_package(smol_reader: GGUFReader, smol_file: GGUFFile) -> None:
     assert list(smol_file.tensors) == [t.name for t in smol_reader.tensors]
     for t in smol_reader.tensors:

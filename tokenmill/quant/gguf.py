@@ -33,6 +33,7 @@ _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f"
 _NUMPY_DTYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
                  6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -90,7 +91,30 @@ class _Cursor:
             dtype = np.dtype(_NUMPY_DTYPES[etype]).newbyteorder("<")
             start = self.take(count * dtype.itemsize)
             return np.frombuffer(self.buf, dtype=dtype, count=count, offset=start).tolist()
+        if etype == _STRING:
+            return self.strings(count)
         return [self.value(etype) for _ in range(count)]
+
+    def strings(self, count: int) -> list[str]:
+        """`count` strings in a row: the vocabulary and merges, ~100K strings a file, read in one tight loop (the
+        general path took 0.37 s per open of SmolLM2's header)."""
+        buf, pos, size, unpack = self.buf, self.pos, self.size, _U64.unpack_from
+        out = []
+        append = out.append
+        for _ in range(count):
+            if pos + 8 > size:
+                raise ValueError(f"unexpected end of header at byte {pos}, wanted 8 more bytes (truncated?)")
+            end = pos + 8 + unpack(buf, pos)[0]
+            if end > size:
+                raise ValueError(f"unexpected end of header at byte {pos + 8}, wanted {end - pos - 8} more bytes "
+                                 "(truncated?)")
+            append(buf[pos + 8:end].decode("utf-8"))
+            pos = end
+        self.pos = pos
+        return out
+
+
+_last_opened: list = []  # [(resolved path, size, mtime_ns), GGUFFile]: GGUFFile.open's one-entry cache
 
 
 @dataclass
@@ -104,8 +128,24 @@ class GGUFFile:
 
     @classmethod
     def open(cls, path: Path | str) -> GGUFFile:
-        """Parse the header; any malformed or truncated file raises ModelLoadError naming it."""
+        """Parse the header; any malformed or truncated file raises ModelLoadError naming it. A start-up opens the
+        same file three times (config, tokenizer, weights): the last header parsed is kept, for as long as the
+        file's size and modification time stay the same. Treat `metadata` and `tensors` as read-only."""
         path = Path(path)
+        try:
+            stat = path.stat()
+        except OSError as e:
+            raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+        key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+        if _last_opened and _last_opened[0] == key:
+            return cls(path=path, version=_last_opened[1].version, metadata=_last_opened[1].metadata,
+                       tensors=_last_opened[1].tensors)
+        opened = cls._parse(path)
+        _last_opened[:] = [key, opened]
+        return opened
+
+    @classmethod
+    def _parse(cls, path: Path) -> GGUFFile:
         try:
             with open(path, "rb") as f:
                 size = f.seek(0, 2)
