@@ -11,7 +11,7 @@ from tests.models.tiny import make_tiny_model
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.loader import default_model_path
 from tokenmill.quant.gguf import GGUFFile
-from tokenmill.tokenizer import Tokenizer, build_fast_gguf_tokenizer
+from tokenmill.tokenizer import Tokenizer, _plain_tokenizers_backend, build_fast_gguf_tokenizer
 
 TEXTS = [
     "Hello, world!",
@@ -137,6 +137,26 @@ def test_tiny_model_dir_tokenizer(tmp_path: Path, smol: Tokenizer) -> None:
         assert tok.encode(text) == smol.encode(text)
     messages = [{"role": "user", "content": "hello"}]
     assert tok.apply_chat_template(messages) == smol.apply_chat_template(messages)
+
+
+def test_a_plain_tokenizer_json_loads_as_autotokenizer_would(tmp_path: Path) -> None:
+    """A directory whose tokenizer_config names TokenizersBackend skips AutoTokenizer's config import; the result
+    must be the tokenizer AutoTokenizer gives. Another declared class still goes through AutoTokenizer."""
+    from transformers import AutoTokenizer
+
+    model_dir = make_tiny_model(tmp_path)
+    ours, auto = Tokenizer.load(model_dir)._hf, AutoTokenizer.from_pretrained(str(model_dir))
+    assert type(ours) is type(auto)
+    assert ours.all_special_tokens == auto.all_special_tokens and ours.get_vocab() == auto.get_vocab()
+    assert (ours.bos_token, ours.eos_token, ours.pad_token) == (auto.bos_token, auto.eos_token, auto.pad_token)
+    messages = [{"role": "user", "content": "hello"}]
+    assert ours.apply_chat_template(messages, tokenize=False) == auto.apply_chat_template(messages, tokenize=False)
+    for text in TEXTS:
+        assert ours.encode(text) == auto.encode(text)
+    cfg_path = model_dir / "tokenizer_config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "tokenizer_class": "GPT2TokenizerFast"}))
+    assert not _plain_tokenizers_backend(model_dir)
+    assert Tokenizer.load(model_dir).encode(TEXTS[0]) == auto.encode(TEXTS[0])
 
 
 def test_generation_config_eos_ids_join(tmp_path: Path) -> None:
