@@ -10,11 +10,12 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.errors import ConfigError
+
+if TYPE_CHECKING:  # torch only where a checkpoint is written: every `tokenmill` command builds this parser
+    import torch
 
 GROUP_SIZES = (128, 64, 32)  # the default: the largest that divides every matmul's input features
 
@@ -107,6 +108,7 @@ def write_checkpoint(out: Path, model: torch.nn.Module, quantized: dict, group: 
                      tokenizer: Any, args: argparse.Namespace) -> None:
     """The AWQ directory: model.safetensors (qweight/qzeros/scales per quantized weight, the rest in bfloat16),
     config.json with its quantization_config, and the tokenizer."""
+    import torch
     from safetensors.torch import save_file
 
     from tokenmill.quant.awq import dense_state
