@@ -238,6 +238,7 @@ def test_auto_dtype_takes_the_faster_of_the_two_packed_kernels(monkeypatch, fast
     slow, quick = 9.0, 1.0
     times = {"bfloat16": quick if faster == "bfloat16" else slow, "float32": quick if faster == "float32" else slow}
     monkeypatch.setattr(dtype_probe, "probe_matmul_ms", lambda ops: times)
+    monkeypatch.setattr(cpu_kernels, "build_directory", lambda: None)  # no times kept from an earlier start
     both = ops is not None and bool(ops.bf16_kernel()) and ops.f32_panels_available()
     assert auto_dtype("cpu") == (faster if both else "float32")
     assert auto_dtype("cuda") == "bfloat16"
@@ -250,6 +251,22 @@ def test_dtype_probe_times_both_kernels():
         pytest.skip("no packed bfloat16 kernel on this CPU: auto is float32 without a probe (tested above)")
     ms = dtype_probe.probe_matmul_ms(ops)
     assert set(ms) == {"bfloat16", "float32"} and all(0 < v < 10_000 for v in ms.values())
+
+
+def test_probe_times_are_kept_beside_the_build_and_a_bad_file_is_measured_again(monkeypatch, tmp_path):
+    from tokenmill.model.backends import dtype_probe
+
+    calls = []
+    monkeypatch.setattr(dtype_probe, "probe_matmul_ms", lambda ops: calls.append(ops) or {"bfloat16": 2.0,
+                                                                                          "float32": 3.0})
+    assert dtype_probe.measured_ms("ops", tmp_path) == {"bfloat16": 2.0, "float32": 3.0} and len(calls) == 1
+    assert dtype_probe.measured_ms("ops", tmp_path) == {"bfloat16": 2.0, "float32": 3.0} and len(calls) == 1
+    assert [p.name for p in tmp_path.iterdir()] == [dtype_probe.CACHE_NAME]  # no scratch file left
+    for bad in ("{", '{"bfloat16": 2.0}', '{"bfloat16": 2.0, "float32": -1.0}'):
+        (tmp_path / dtype_probe.CACHE_NAME).write_text(bad)
+        assert dtype_probe.measured_ms("ops", tmp_path)["float32"] == 3.0
+    assert len(calls) == 4
+    assert dtype_probe.measured_ms("ops", None) and len(calls) == 5  # nowhere to keep them: measured each time
 
 
 @pytest.mark.skipif(ops is None or not ops.bf16_kernel(), reason="bf16_pack needs our bfloat16 kernel")

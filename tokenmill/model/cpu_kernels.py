@@ -80,6 +80,17 @@ def _extension():
         return None
 
 
+def build_directory() -> Path | None:
+    """Where this CPU's build of these sources lives (its .so, and what is measured once per build beside it)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return Path(_get_build_directory(build_name(), verbose=False))
+    except Exception as e:  # noqa: BLE001 - torch's helper moved or the cache is not writable
+        log.debug("no kernel build directory (%s)", e)
+        return None
+
+
 def _built(name: str):
     """The module already built for this CPU and these sources (its name says both), imported straight away.
     torch's `load` would first take the build directory's lock file, and a process killed while holding it (a rank

@@ -43,7 +43,7 @@ def auto_dtype(device: str | torch.device, quantization: str | None = None) -> s
     built): elsewhere bfloat16 would be emulated (about 2x slower, BENCHMARKS.md "dtype"), or run on oneDNN,
     whose result for a row changes with the batch size (csrc/bf16_linear.cpp says why). Where it runs, both dtypes
     keep a request's greedy output bit-for-bit the same whatever else is batched, and the faster one on this CPU,
-    measured (model/backends/dtype_probe.py), wins. Quantized weights (`quantization`) compute in bfloat16
+    measured once per kernel build (model/backends/dtype_probe.py), wins. Quantized weights (`quantization`) compute in bfloat16
     wherever their kernels (AMX tiles or AVX512-BF16) run: they are the only fast paths for them here."""
     if torch.device(device).type != "cpu":
         return "bfloat16"
@@ -54,7 +54,7 @@ def auto_dtype(device: str | torch.device, quantization: str | None = None) -> s
         return "bfloat16"
     if not ops.f32_panels_available():
         return "bfloat16"
-    ms = dtype_probe.probe_matmul_ms(ops)
+    ms = dtype_probe.measured_ms(ops, cpu_kernels.build_directory())
     choice = "bfloat16" if ms["bfloat16"] <= ms["float32"] else "float32"
     _log_once(f"--dtype auto: {choice} (probe matmuls here: bfloat16 {ms['bfloat16']:.2f} ms, "
               f"float32 {ms['float32']:.2f} ms)")
