@@ -35,25 +35,33 @@ constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_Z = 256;  // as gguf_line
 #ifdef TOKENMILL_VNNI
 namespace {
 
-// x [M, K] bfloat16 as int8 blocks of 32: q [M, K], per block the scale dx, the sum of its quants sx, and
+// x [M, K] bfloat16 as int8 blocks of 32: per block its quants, the scale dx, the sum of its quants sx, and
 // dx * sx in float32 (Q4_1's min term: one broadcast operand in the block loop instead of three scalar ops).
+// Stored in panels of `panel` rows (kPanelRows, or all M when fewer), block by block ([M/8][K/32][8 rows]): the
+// rows a vnni_block multiplies sit at fixed offsets from one pointer. Row by row, each of 8 rows kept its own
+// pointer, and the compiler, short of general registers, parked them in vector registers and moved them back (44
+// vmovq per tile beside 64 vpdpbusd).
+constexpr int64_t kPanelRows = 8;
+
 struct QuantizedRows {
-  std::vector<int8_t> q;
+  int64_t KB, panel;
+  std::vector<int8_t> q;  // 32 a block
   std::vector<float> scale;
   std::vector<int32_t> sum;
   std::vector<float> scaled_sum;
+  // the index of row m's block kb (times 32 for its quants)
+  int64_t block(int64_t m, int64_t kb) const { return ((m / panel) * KB + kb) * panel + m % panel; }
 };
 
-// Built without -ffast-math: 127 / max|x| must be a true division (not a reciprocal estimate), so x's rounding
-// is reproducible (a value at k + 0.5 rounds the same here and in a reference).
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math")
 QuantizedRows quantize_rows(const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1), KB = K / 32;
   const auto xs = x.stride(1) == 1 ? x : x.contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>());
-  QuantizedRows out{std::vector<int8_t>(M * K), std::vector<float>(M * KB), std::vector<int32_t>(M * KB),
-                    std::vector<float>(M * KB)};
+  const int64_t panel = std::min(M, kPanelRows), blocks = (M + panel - 1) / panel * panel * KB;  // tail unused
+  QuantizedRows out{KB, panel, std::vector<int8_t>(blocks * 32), std::vector<float>(blocks),
+                    std::vector<int32_t>(blocks), std::vector<float>(blocks)};
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     const __m512 sign = _mm512_set1_ps(-0.f);
     for (int64_t m = begin; m < end; ++m) {
@@ -65,13 +73,14 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
         // nearest, ties to even (the default rounding mode); |x| * 127 / amax rounds to at most 127
         const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
         const __m512i hi = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
-        int8_t* dst = out.q.data() + m * K + kb * 32;
+        const int64_t at = out.block(m, kb);
+        int8_t* dst = out.q.data() + at * 32;
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(lo));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(hi));
-        out.scale[m * KB + kb] = d;
+        out.scale[at] = d;
         const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi));
-        out.sum[m * KB + kb] = sum;
-        out.scaled_sum[m * KB + kb] = d * static_cast<float>(sum);
+        out.sum[at] = sum;
+        out.scaled_sum[at] = d * static_cast<float>(sum);
       }
     }
   });
@@ -80,13 +89,13 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
 #pragma GCC pop_options
 
 // The int32 dot products of one 16-feature x 32-K tile's quants (8 vectors of unsigned quads) with each of
-// Rows rows' 32 int8 activations (row r's at qx[r]): lane j of s[r] = sum over K of feature j's quant times x's.
+// Rows rows' 32 int8 activations (row r's at qx + 32 r): lane j of s[r] = sum over K of feature j's quant times x's.
 // A row's 8 VPDPBUSD would depend on each other (a chain 8 latencies long), and a compiled loop over rows keeps
 // only ~3 rows in flight (half the multipliers idle), so the rows' chains go side by side, quad by quad, and a
 // block of up to 4 rows splits each row's sum over more chains (2 for 3-4 rows, 4 for 1-2). The sums are exact
 // integers: their grouping cannot change a result.
 template <int Rows>
-inline void tile_dots(const __m512i (&w)[8], const int8_t* const (&qx)[Rows], __m512i (&s)[Rows]) {
+inline void tile_dots(const __m512i (&w)[8], const int8_t* qx, __m512i (&s)[Rows]) {
   constexpr int kChains = Rows >= 5 ? 1 : Rows >= 3 ? 2 : 4;  // partial sums per row
   __m512i part[kChains][Rows];
 #pragma GCC unroll 8
@@ -97,7 +106,7 @@ inline void tile_dots(const __m512i (&w)[8], const int8_t* const (&qx)[Rows], __
 #pragma GCC unroll 8
     for (int r = 0; r < Rows; ++r) {
       int32_t quad;
-      std::memcpy(&quad, qx[r] + 4 * t, sizeof(quad));
+      std::memcpy(&quad, qx + 32 * r + 4 * t, sizeof(quad));
       part[t % kChains][r] = _mm512_dpbusd_epi32(part[t % kChains][r], w[t], _mm512_set1_epi32(quad));
     }
   }
@@ -135,12 +144,18 @@ constexpr int64_t quant_bytes() { return Type == kQ8_0 ? 512 : 256; }
 // were evicted before use and held its few miss buffers. On Zen 4 (BENCHMARKS.md, seventeenth session) L2
 // prefetches made one-row layers 3.89 -> 3.07 ms and the head 0.92 -> 0.72 ms; one greedy stream 99 -> 125 tok/s.
 template <int64_t Type, int Rows, int Cols>
-void vnni_block(const QuantizedRows& xq, int64_t K, int64_t m0, const uint8_t* w0, int64_t KB, int64_t tile_bytes,
+void vnni_block(const QuantizedRows& xq, int64_t m0, const uint8_t* w0, int64_t KB, int64_t tile_bytes,
                 float* c, const uint8_t* prefetch_until) {
   __m512 acc[Rows][Cols];
 #pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r)
     for (int j = 0; j < Cols; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t first = xq.block(m0, 0);  // rows m0 .. m0 + Rows - 1 lie in one panel, block after block
+  const int8_t* qx_panel = xq.q.data() + first * 32;
+  const float* scale = xq.scale.data() + first;
+  const int32_t* sum = xq.sum.data() + first;
+  const float* scaled_sum = xq.scaled_sum.data() + first;
+  const int64_t panel = xq.panel;
   for (int64_t kb = 0; kb < KB; ++kb) {
 #pragma GCC unroll 2
     for (int j = 0; j < Cols; ++j) {
@@ -157,19 +172,16 @@ void vnni_block(const QuantizedRows& xq, int64_t K, int64_t m0, const uint8_t* w
         mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(fields + 32)));
       if constexpr (Type == kQ4_Z)
         zero_points = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(fields + 32)));
-      const int8_t* qx[Rows];
       __m512i s[Rows];
-#pragma GCC unroll 8
-      for (int r = 0; r < Rows; ++r) qx[r] = xq.q.data() + (m0 + r) * K + kb * 32;
-      tile_dots<Rows>(w, qx, s);
+      tile_dots<Rows>(w, qx_panel + kb * panel * 32, s);
 #pragma GCC unroll 8
       for (int r = 0; r < Rows; ++r) {
-        const int64_t row = (m0 + r) * (K / 32) + kb;
+        const int64_t row = kb * panel + r;
         __m512i sr = s[r];
         if constexpr (Type != kQ4_1)
-          sr = _mm512_sub_epi32(sr, _mm512_mullo_epi32(zero_points, _mm512_set1_epi32(xq.sum[row])));
-        acc[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xq.scale[row])), _mm512_cvtepi32_ps(sr), acc[r][j]);
-        if constexpr (Type == kQ4_1) acc[r][j] = _mm512_fmadd_ps(mins, _mm512_set1_ps(xq.scaled_sum[row]), acc[r][j]);
+          sr = _mm512_sub_epi32(sr, _mm512_mullo_epi32(zero_points, _mm512_set1_epi32(sum[row])));
+        acc[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(scale[row])), _mm512_cvtepi32_ps(sr), acc[r][j]);
+        if constexpr (Type == kQ4_1) acc[r][j] = _mm512_fmadd_ps(mins, _mm512_set1_ps(scaled_sum[row]), acc[r][j]);
       }
     }
   }
@@ -185,24 +197,25 @@ void vnni_block(const QuantizedRows& xq, int64_t K, int64_t m0, const uint8_t* w
 // so the choice cannot change a row's result.
 constexpr int64_t kVnniRows = 8;
 constexpr int64_t kVnniRowsSmallM = 4;
+static_assert(kPanelRows == kVnniRows && kPanelRows % kVnniRowsSmallM == 0, "a block of rows within a panel");
 
 template <int64_t Type, int Cols>
-void vnni_rows(const QuantizedRows& xq, int64_t K, int64_t m0, int64_t rows, const uint8_t* w0, int64_t KB,
+void vnni_rows(const QuantizedRows& xq, int64_t m0, int64_t rows, const uint8_t* w0, int64_t KB,
                int64_t tile_bytes, float* c, const uint8_t* prefetch_until) {
   if constexpr (Cols == 1) {  // blocks of more than 4 rows go one column block at a time (vnni_tiles)
     switch (rows) {
-      case 8: vnni_block<Type, 8, 1>(xq, K, m0, w0, KB, tile_bytes, c, prefetch_until); return;
-      case 7: vnni_block<Type, 7, 1>(xq, K, m0, w0, KB, tile_bytes, c, prefetch_until); return;
-      case 6: vnni_block<Type, 6, 1>(xq, K, m0, w0, KB, tile_bytes, c, prefetch_until); return;
-      case 5: vnni_block<Type, 5, 1>(xq, K, m0, w0, KB, tile_bytes, c, prefetch_until); return;
+      case 8: vnni_block<Type, 8, 1>(xq, m0, w0, KB, tile_bytes, c, prefetch_until); return;
+      case 7: vnni_block<Type, 7, 1>(xq, m0, w0, KB, tile_bytes, c, prefetch_until); return;
+      case 6: vnni_block<Type, 6, 1>(xq, m0, w0, KB, tile_bytes, c, prefetch_until); return;
+      case 5: vnni_block<Type, 5, 1>(xq, m0, w0, KB, tile_bytes, c, prefetch_until); return;
       default: break;
     }
   }
   switch (rows) {
-    case 4: vnni_block<Type, 4, Cols>(xq, K, m0, w0, KB, tile_bytes, c, prefetch_until); break;
-    case 3: vnni_block<Type, 3, Cols>(xq, K, m0, w0, KB, tile_bytes, c, prefetch_until); break;
-    case 2: vnni_block<Type, 2, Cols>(xq, K, m0, w0, KB, tile_bytes, c, prefetch_until); break;
-    default: vnni_block<Type, 1, Cols>(xq, K, m0, w0, KB, tile_bytes, c, prefetch_until); break;
+    case 4: vnni_block<Type, 4, Cols>(xq, m0, w0, KB, tile_bytes, c, prefetch_until); break;
+    case 3: vnni_block<Type, 3, Cols>(xq, m0, w0, KB, tile_bytes, c, prefetch_until); break;
+    case 2: vnni_block<Type, 2, Cols>(xq, m0, w0, KB, tile_bytes, c, prefetch_until); break;
+    default: vnni_block<Type, 1, Cols>(xq, m0, w0, KB, tile_bytes, c, prefetch_until); break;
   }
 }
 
@@ -210,7 +223,7 @@ void vnni_rows(const QuantizedRows& xq, int64_t K, int64_t m0, int64_t rows, con
 // [m0, m0 + rows) and column blocks nb, nb + 1 go to epilogue(c, m0, rows, nb, two_cols).
 template <int64_t Type, typename Epilogue>
 void vnni_tiles(const at::Tensor& x, const at::Tensor& packed, const Epilogue& epilogue) {
-  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), KB = packed.size(1), tile_bytes = packed.size(2);
+  const int64_t M = x.size(0), NB = packed.size(0), KB = packed.size(1), tile_bytes = packed.size(2);
   if (M == 0) return;
   const QuantizedRows xq = quantize_rows(x);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
@@ -226,12 +239,12 @@ void vnni_tiles(const at::Tensor& x, const at::Tensor& packed, const Epilogue& e
         const int64_t rows = std::min(block, M - m0);
         const uint8_t* until = m0 == 0 ? weight_end : nullptr;  // the next pair's tiles, once
         if (block == kVnniRows) {  // one column block at a time: 8 accumulators beside the 8 unpacked vectors
-          vnni_rows<Type, 1>(xq, K, m0, rows, w0, KB, tile_bytes, c, until);
-          if (two_cols) vnni_rows<Type, 1>(xq, K, m0, rows, w0 + KB * tile_bytes, KB, tile_bytes, c + 16, until);
+          vnni_rows<Type, 1>(xq, m0, rows, w0, KB, tile_bytes, c, until);
+          if (two_cols) vnni_rows<Type, 1>(xq, m0, rows, w0 + KB * tile_bytes, KB, tile_bytes, c + 16, until);
         } else if (two_cols) {
-          vnni_rows<Type, 2>(xq, K, m0, rows, w0, KB, tile_bytes, c, until);
+          vnni_rows<Type, 2>(xq, m0, rows, w0, KB, tile_bytes, c, until);
         } else {
-          vnni_rows<Type, 1>(xq, K, m0, rows, w0, KB, tile_bytes, c, until);
+          vnni_rows<Type, 1>(xq, m0, rows, w0, KB, tile_bytes, c, until);
         }
         epilogue(c, m0, rows, nb, two_cols);
       }
