@@ -88,6 +88,14 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
 }
 #pragma GCC pop_options
 
+// acc += w's unsigned bytes times the 4 signed bytes at `quad`, in every lane, with the broadcast folded into
+// VPDPBUSD's memory operand ({1to16}): GCC otherwise emits a separate VPBROADCASTD for each.
+inline void dpbusd_broadcast(__m512i& acc, const __m512i& w, const int8_t* quad) {
+  asm("vpdpbusd %[x]%{1to16%}, %[w], %[acc]"
+      : [acc] "+v"(acc)
+      : [w] "v"(w), [x] "m"(*reinterpret_cast<const int32_t*>(quad)));
+}
+
 // The int32 dot products of one 16-feature x 32-K tile's quants (8 vectors of unsigned quads) with each of
 // Rows rows' 32 int8 activations (row r's at qx + 32 r): lane j of s[r] = sum over K of feature j's quant times x's.
 // A row's 8 VPDPBUSD would depend on each other (a chain 8 latencies long), and a compiled loop over rows keeps
@@ -105,9 +113,7 @@ inline void tile_dots(const __m512i (&w)[8], const int8_t* qx, __m512i (&s)[Rows
   for (int t = 0; t < 8; ++t) {
 #pragma GCC unroll 8
     for (int r = 0; r < Rows; ++r) {
-      int32_t quad;
-      std::memcpy(&quad, qx + 32 * r + 4 * t, sizeof(quad));
-      part[t % kChains][r] = _mm512_dpbusd_epi32(part[t % kChains][r], w[t], _mm512_set1_epi32(quad));
+      dpbusd_broadcast(part[t % kChains][r], w[t], qx + 32 * r + 4 * t);
     }
   }
 #pragma GCC unroll 8
