@@ -11,7 +11,7 @@ from tests.models.tiny import make_tiny_model
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.loader import default_model_path
 from tokenmill.quant.gguf import GGUFFile
-from tokenmill.tokenizer import Tokenizer, _plain_tokenizers_backend, build_fast_gguf_tokenizer
+from tokenmill.tokenizer import Tokenizer, _direct_loader, build_fast_gguf_tokenizer
 
 TEXTS = [
     "Hello, world!",
@@ -155,7 +155,7 @@ def test_a_plain_tokenizer_json_loads_as_autotokenizer_would(tmp_path: Path) -> 
         assert ours.encode(text) == auto.encode(text)
     cfg_path = model_dir / "tokenizer_config.json"
     cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "tokenizer_class": "GPT2TokenizerFast"}))
-    assert not _plain_tokenizers_backend(model_dir)
+    assert _direct_loader(model_dir) is None
     assert Tokenizer.load(model_dir).encode(TEXTS[0]) == auto.encode(TEXTS[0])
 
 

@@ -51,14 +51,10 @@ class Tokenizer:
     @classmethod
     def _load_hf_dir(cls, path: Path) -> Tokenizer:
         try:
-            if _plain_tokenizers_backend(path):
-                from transformers import TokenizersBackend
-
-                hf = TokenizersBackend.from_pretrained(str(path))
-            else:
-                from transformers import AutoTokenizer
-
-                hf = AutoTokenizer.from_pretrained(str(path))
+            loader = _direct_loader(path)
+            if loader is None:
+                from transformers import AutoTokenizer as loader
+            hf = loader.from_pretrained(str(path))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ModelLoadError(f"cannot load the tokenizer in {path}: {e}") from e
         eos: list[int] = []
@@ -152,13 +148,19 @@ def _ids(value: Any) -> list[int]:
     return [int(value)] if isinstance(value, int) else [int(v) for v in value]
 
 
-def _plain_tokenizers_backend(path: Path) -> bool:
-    """Whether the directory's tokenizer is a plain `tokenizer.json` that AutoTokenizer would load as a
-    TokenizersBackend anyway: then that class loads it directly. AutoTokenizer first reads the model's config
-    through AutoConfig, whose imports (the model family's modules) took 1.7 s of a 5 s server start."""
+def _direct_loader(path: Path) -> Any | None:
+    """TokenizersBackend where the directory's tokenizer is a plain `tokenizer.json` that AutoTokenizer would load
+    as one anyway, else None (AutoTokenizer decides). AutoTokenizer first reads the model's config through
+    AutoConfig, whose imports (the model family's modules) took 1.7 s of a tiny model's 5 s server start."""
     declared = _json_field(path / "tokenizer_config.json", "tokenizer_class")
-    return ((path / "tokenizer.json").is_file() and declared in ("TokenizersBackend", "PreTrainedTokenizerFast")
-            and _json_field(path / "tokenizer_config.json", "auto_map") is None)
+    if (not (path / "tokenizer.json").is_file() or declared not in ("TokenizersBackend", "PreTrainedTokenizerFast")
+            or _json_field(path / "tokenizer_config.json", "auto_map") is not None):
+        return None
+    try:
+        from transformers import TokenizersBackend
+    except ImportError:  # transformers 4 has no such class
+        return None
+    return TokenizersBackend
 
 
 def _json_field(path: Path, key: str) -> Any:

@@ -43,8 +43,9 @@ def auto_dtype(device: str | torch.device, quantization: str | None = None) -> s
     built): elsewhere bfloat16 would be emulated (about 2x slower, BENCHMARKS.md "dtype"), or run on oneDNN,
     whose result for a row changes with the batch size (csrc/bf16_linear.cpp says why). Where it runs, both dtypes
     keep a request's greedy output bit-for-bit the same whatever else is batched, and the faster one on this CPU,
-    measured once per kernel build (model/backends/dtype_probe.py), wins. Quantized weights (`quantization`) compute in bfloat16
-    wherever their kernels (AMX tiles or AVX512-BF16) run: they are the only fast paths for them here."""
+    measured once per kernel build (model/backends/dtype_probe.py), wins. Quantized weights (`quantization`)
+    compute in bfloat16 wherever their kernels (AMX tiles or AVX512-BF16) run: they are the only fast paths for
+    them here."""
     if torch.device(device).type != "cpu":
         return "bfloat16"
     ops = cpu_kernels._extension()
