@@ -13,6 +13,7 @@ import mmap
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -114,7 +115,21 @@ class _Cursor:
         return out
 
 
-_last_opened: list = []  # [(resolved path, size, mtime_ns), GGUFFile]: GGUFFile.open's one-entry cache
+@lru_cache(maxsize=1)
+def _parsed_header(path: Path, size: int, mtime_ns: int) -> tuple[int, dict[str, Any], dict[str, GGUFTensorInfo]]:
+    """The header of the file at `path` (resolved) as it is at `size` and `mtime_ns`: the last one is kept, since a
+    start-up opens the same file three times (config, tokenizer, weights)."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            if size < 24:
+                raise ValueError(f"file is {size} bytes, too small for a GGUF header")
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                return _parse_header(mm, size)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+    except (OSError, ValueError, struct.error, UnicodeDecodeError, KeyError, OverflowError) as e:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
 
 
 @dataclass
@@ -128,36 +143,15 @@ class GGUFFile:
 
     @classmethod
     def open(cls, path: Path | str) -> GGUFFile:
-        """Parse the header; any malformed or truncated file raises ModelLoadError naming it. A start-up opens the
-        same file three times (config, tokenizer, weights): the last header parsed is kept, for as long as the
-        file's size and modification time stay the same. Treat `metadata` and `tensors` as read-only."""
+        """Parse the header; any malformed or truncated file raises ModelLoadError naming it. The last header
+        parsed is kept while the file's size and modification time stay the same (_parsed_header): treat
+        `metadata` and `tensors` as read-only."""
         path = Path(path)
         try:
             stat = path.stat()
         except OSError as e:
             raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
-        key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-        if _last_opened and _last_opened[0] == key:
-            return cls(path=path, version=_last_opened[1].version, metadata=_last_opened[1].metadata,
-                       tensors=_last_opened[1].tensors)
-        opened = cls._parse(path)
-        _last_opened[:] = [key, opened]
-        return opened
-
-    @classmethod
-    def _parse(cls, path: Path) -> GGUFFile:
-        try:
-            with open(path, "rb") as f:
-                size = f.seek(0, 2)
-                if size < 24:
-                    raise ValueError(f"file is {size} bytes, too small for a GGUF header")
-                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                    parsed = _parse_header(mm, size)
-        except ModelLoadError as e:
-            raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
-        except (OSError, ValueError, struct.error, UnicodeDecodeError, KeyError, OverflowError) as e:
-            raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
-        version, metadata, tensors = parsed
+        version, metadata, tensors = _parsed_header(path.resolve(), stat.st_size, stat.st_mtime_ns)
         return cls(path=path, version=version, metadata=metadata, tensors=tensors)
 
     def get(self, key: str, default: Any = None) -> Any:

@@ -53,6 +53,8 @@ struct QuantizedRows {
   int64_t block(int64_t m, int64_t kb) const { return ((m / panel) * KB + kb) * panel + m % panel; }
 };
 
+// Built without -ffast-math: 127 / max|x| must be a true division (not a reciprocal estimate), so x's rounding
+// is reproducible (a value at k + 0.5 rounds the same here and in a reference).
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math")
 QuantizedRows quantize_rows(const at::Tensor& x) {
@@ -97,7 +99,8 @@ inline void dpbusd_broadcast(__m512i& acc, const __m512i& w, const int8_t* quad)
 }
 
 // The int32 dot products of one 16-feature x 32-K tile's quants (8 vectors of unsigned quads) with each of
-// Rows rows' 32 int8 activations (row r's at qx + 32 r): lane j of s[r] = sum over K of feature j's quant times x's.
+// Rows rows' 32 int8 activations (row r's at qx + 32 r): lane j of s[r] = sum over K of feature j's quant times
+// x's.
 // A row's 8 VPDPBUSD would depend on each other (a chain 8 latencies long), and a compiled loop over rows keeps
 // only ~3 rows in flight (half the multipliers idle), so the rows' chains go side by side, quad by quad, and a
 // block of up to 4 rows splits each row's sum over more chains (2 for 3-4 rows, 4 for 1-2). The sums are exact
