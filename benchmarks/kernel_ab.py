@@ -7,8 +7,8 @@ measured by interleaving the two builds' calls (medians of rounds), not by runs 
 ~/.cache/tokenmill-kernel-ab/). Parts:
 - matmul: 30 DRAM-resident layers of SmolLM2's shapes kept as Q4_1 blocks (66 MB) and its Q8_0 LM head, at
   1, 8, 16 and 64 rows (the VNNI kernel; needs AVX512-VNNI);
-- attention: paged decode attention, 64 sequences x 400 keys, 9/3 heads x 64, over one layer's pool (L3-resident)
-  and over 30 layers' (DRAM-resident) with each sequence's blocks in order;
+- attention: paged attention, 9/3 heads x 64, blocks scattered over the pool: 64 decodes x ~400 keys over one
+  layer's pool (L3-resident) and over 30 (DRAM-resident), and a prefill chunk of 512 tokens after 512 keys;
 - engine: one engine (the embedded GGUF), one greedy stream, its kernel module swapped between the builds every
   50 steps.
 The builds' outputs must be equal bit for bit (matmul, attention) unless --allow-differences.
@@ -106,26 +106,35 @@ def matmul_part(mods: list[ModuleType], rounds: int, allow: bool) -> None:
 
 
 def attention_part(mods: list[ModuleType], rounds: int, allow: bool) -> None:
-    seqs, context, heads, kv_heads, dim = 64, 400, 9, 3, 64
-    blocks = (context + 15) // 16
+    heads, kv_heads, dim = 9, 3, 64
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(seqs, heads, dim, generator=g).to(torch.bfloat16)
-    rows = torch.arange(seqs)
-    lens = torch.randint(context - 40, context + 1, (seqs,), generator=g)
-    tables = torch.arange(seqs * blocks).view(seqs, blocks)
-    print(f"attention: ms a layer, medians; decode, {seqs} sequences x ~{context} keys, "
-          f"{heads}/{kv_heads} heads x {dim}")
-    for layers, where in ((1, "L3-resident"), (30, "DRAM-resident")):
-        pools = [tuple(torch.randn(seqs * blocks, 16, kv_heads, dim, generator=g).to(torch.bfloat16) for _ in "kv")
+
+    def batch(seqs: int, context: int, chunk: int):
+        """`seqs` requests of ~`context` keys, each with its last `chunk` tokens as queries (chunk 1: decodes),
+        their blocks scattered over the pool as a serving engine's are after some churn."""
+        blocks = (context + 15) // 16
+        tables = torch.randperm(seqs * blocks, generator=g).view(seqs, blocks)
+        ends = torch.randint(context - 40, context + 1, (seqs,), generator=g) if chunk == 1 else [context] * seqs
+        lens = torch.cat([torch.arange(int(end) - chunk + 1, int(end) + 1) for end in ends])
+        rows = torch.arange(seqs).repeat_interleave(chunk)
+        q = torch.randn(len(rows), heads, dim, generator=g).to(torch.bfloat16)
+        return q, tables, rows, lens, seqs * blocks
+
+    print(f"attention: ms a layer, medians; {heads}/{kv_heads} heads x {dim}, blocks scattered over the pool")
+    cases = [("decode 64 x ~400 keys", batch(64, 400, 1), 1, "L3-resident"),
+             ("decode 64 x ~400 keys", batch(64, 400, 1), 30, "DRAM-resident"),
+             ("prefill chunk of 512 after 512 keys", batch(1, 1024, 512), 8, "DRAM-resident")]
+    for label, (q, tables, rows, lens, num_blocks), layers, where in cases:
+        pools = [tuple(torch.randn(num_blocks, 16, kv_heads, dim, generator=g).to(torch.bfloat16) for _ in "kv")
                  for _ in range(layers)]
         for k, v in pools[:1]:
             check_equal(mods[0].paged_attention(q, k, v, tables, rows, lens, 0.125),
                         mods[1].paged_attention(q, k, v, tables, rows, lens, 0.125), "attention", allow)
-        reps = max(1, 300 // layers)
+        reps = max(1, 30 // layers)
         times = interleaved([lambda m=m, reps=reps, pools=pools: [m.paged_attention(q, k, v, tables, rows, lens, 0.125)
                                                                   for _ in range(reps) for k, v in pools]
                              for m in mods], rounds)
-        print(f"  {where}: {times[0] / reps / layers * 1e3:.3f} -> {times[1] / reps / layers * 1e3:.3f}")
+        print(f"  {label}, {where}: {times[0] / reps / layers * 1e3:.3f} -> {times[1] / reps / layers * 1e3:.3f}")
 
 
 def engine_part(mods: list[ModuleType], rounds: int) -> None:

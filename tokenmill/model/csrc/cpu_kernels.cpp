@@ -432,17 +432,11 @@ void attend(const T* q, const C* k_cache, const C* v_cache, const int64_t* block
         const int64_t n = std::min(bs, len - start);
         const C* k_blk = k_cache + (table[start / bs] * bs * num_kv_heads + h) * D;
         const C* v_blk = v_cache + (table[start / bs] * bs * num_kv_heads + h) * D;
-        if (start + bs < len) {  // the next block into L1, the one after into L2 (as tile_attention.cpp does)
+        if (start + bs < len) {  // the next block into L2 (as tile_attention.cpp does; into L1 it stalls loads)
           const int64_t next = table[start / bs + 1] * bs * num_kv_heads + h;
           const int64_t next_n = std::min(bs, len - start - bs);
-          prefetch_rows<true>(k_cache + next * D, row_stride * sizeof(C), next_n, D * sizeof(C));
-          prefetch_rows<true>(v_cache + next * D, row_stride * sizeof(C), next_n, D * sizeof(C));
-        }
-        if (start + 2 * bs < len) {
-          const int64_t after = table[start / bs + 2] * bs * num_kv_heads + h;
-          const int64_t after_n = std::min(bs, len - start - 2 * bs);
-          prefetch_rows<false>(k_cache + after * D, row_stride * sizeof(C), after_n, D * sizeof(C));
-          prefetch_rows<false>(v_cache + after * D, row_stride * sizeof(C), after_n, D * sizeof(C));
+          prefetch_rows<false>(k_cache + next * D, row_stride * sizeof(C), next_n, D * sizeof(C));
+          prefetch_rows<false>(v_cache + next * D, row_stride * sizeof(C), next_n, D * sizeof(C));
         }
         for (int64_t j = 0; j < n; ++j) {
           k_rows[j] = as_float(k_blk + j * row_stride, kbuf.data() + j * D, D);

@@ -489,18 +489,14 @@ void attend_tiles(const uint16_t* q, const C* k_cache, const C* v_cache, const i
       for (int64_t start = 0; start < len; start += kKeys) {
         const int64_t n = std::min(kKeys, len - start);
         const int64_t base = (table[start / kKeys] * kKeys * num_kv_heads + h) * D;
-        // Blocks sit anywhere in the pool (no hardware prefetcher can guess the next): the next one into L1, the
-        // one after into L2. One block ahead alone keeps too few lines in flight for DRAM (64 x 400 keys over
-        // pools that miss L3: 1.02 -> 0.81 ms a layer on Zen 5); more blocks into L1 evict the ones in use.
+        // Blocks sit anywhere in the pool (no hardware prefetcher can guess the next): the next one into L2.
+        // Without it DRAM-resident pools run at half speed. Into L1 instead (with the block after into L2, as on
+        // Zen 5 before) the prefetches stall the loads in use: on Zen 4, 64 decodes x ~400 keys over pools that
+        // miss L3 take 0.97 ms a layer with L2 alone, 1.23 ms with both (BENCHMARKS.md, nineteenth session).
         if (start + kKeys < len) {
           const int64_t next = (table[start / kKeys + 1] * kKeys * num_kv_heads + h) * D;
-          prefetch_rows<true>(k_cache + next, stride * sizeof(C), kKeys, D * sizeof(C));
-          prefetch_rows<true>(v_cache + next, stride * sizeof(C), kKeys, D * sizeof(C));
-        }
-        if (start + 2 * kKeys < len) {
-          const int64_t after = (table[start / kKeys + 2] * kKeys * num_kv_heads + h) * D;
-          prefetch_rows<false>(k_cache + after, stride * sizeof(C), kKeys, D * sizeof(C));
-          prefetch_rows<false>(v_cache + after, stride * sizeof(C), kKeys, D * sizeof(C));
+          prefetch_rows<false>(k_cache + next, stride * sizeof(C), kKeys, D * sizeof(C));
+          prefetch_rows<false>(v_cache + next, stride * sizeof(C), kKeys, D * sizeof(C));
         }
         const uint16_t* k_rows;  // the block's K and V rows as bfloat16, rows_stride elements apart
         const uint16_t* v_rows;
