@@ -268,3 +268,30 @@ def test_fused_weights_refuse_non_finite_logits_and_reuse_their_buffer():
     assert torch.equal(small, torch.ones(2, 40))  # every logit at the max: weight exp(0)
     big = fused._weights(torch.zeros(3, 100), params + params[:1])
     assert big.shape == (3, 100) and fused._buffer.numel() >= 300
+
+
+@pytest.mark.parametrize("vocab", [49_152, 1_003, 7])  # SmolLM2's; vector tails; shorter than one vector
+def test_backend_first_argmax_is_torch_max_indices(vocab):
+    """Greedy rows' token through the CPU kernel: the first index of the maximum (ties to the lowest index, in one
+    lane or across lanes, in the tail), a NaN anywhere taking its first one, -inf rows giving 0, as torch's
+    max(dim=1).indices: Hugging Face's argmax, so greedy parity holds."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(12, vocab, generator=g)
+    top = float(logits.max()) + 1
+    logits[1, [vocab - 1, vocab // 2]] = top  # the same maximum twice: the first wins
+    logits[2, [min(17, vocab - 1), min(33, vocab - 1)]] = top  # in one lane, two vectors apart
+    logits[3, vocab - 1] = top  # only in the tail
+    logits[4, [vocab // 3, vocab - 2]] = float("nan")  # NaNs: the first one
+    logits[5] = float("-inf")
+    logits[6, :] = 2.0  # all equal: index 0
+    logits[7, 0] = float("nan")
+    logits[8, [vocab - 1]] = float("inf")
+    logits[8, [max(0, vocab - 3)]] = float("inf")
+    backend = cpu_backend()
+    ours = backend.first_argmax(logits)
+    assert ours.dtype == torch.long and torch.equal(ours, logits.max(dim=1).indices)
+    assert int(ours[1]) == min(vocab - 1, vocab // 2) and int(ours[5]) == 0 and int(ours[6]) == 0
+    rows = [row(SamplingParams(temperature=0.0, max_tokens=4), seed=i) for i in range(12)]
+    assert [t for t, _ in Sampler(backend)(logits[[0, 1, 2, 3, 6, 8]], rows[:6])] == \
+        logits[[0, 1, 2, 3, 6, 8]].max(dim=1).indices.tolist()
+    assert backend.first_argmax(logits.t()) is None  # not contiguous: torch's max instead

@@ -113,6 +113,12 @@ class Backend(ABC):
         ops"."""
         return None
 
+    def first_argmax(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """Optional fast path for greedy rows (engine/sampler.py): per row of float32 logits [R, V], the index of
+        the first maximal value, a NaN counting as the maximum (as torch's max(dim=1).indices), int64 [R]; or
+        None, meaning "not here: torch's max"."""
+        return None
+
     def describe(self) -> str:
         """One line for the start-up log: which backend, and on what."""
         return self.name

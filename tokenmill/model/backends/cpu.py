@@ -141,6 +141,12 @@ class CpuBackend(TorchBackend):
             return None
         return fused(logits, temperature, lowest, out)
 
+    def first_argmax(self, logits):
+        fused = getattr(self.ops, "first_argmax", None)
+        if fused is None or logits.dtype != torch.float32 or not logits.is_contiguous() or logits.dim() != 2:
+            return None
+        return fused(logits)
+
     def rms_norm(self, x, weight, eps):
         if _rows(x) and weight.dtype == x.dtype and weight.is_contiguous():
             return self.ops.rms_norm(x, weight, eps)

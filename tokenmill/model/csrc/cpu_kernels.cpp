@@ -876,6 +876,59 @@ at::Tensor sampling_weights(const at::Tensor& logits, const at::Tensor& temperat
   return top;
 }
 
+// Greedy decoding's token per row of float32 logits [R, V]: the index of the first maximal value, a NaN counting
+// as the maximum (its first one), as torch's max(dim=1).indices gives it, which scans a row with scalar compares:
+// 2.7 ms for 64 x 49,152 on 2 cores, ~3% of a 64-row decode step (vectors here: each lane keeps its own first
+// maximum, the lowest index among the lanes holding the row's maximum wins). Returns int64 [R].
+at::Tensor first_argmax(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "contiguous float32 [R, V] logits");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0 && V < (int64_t{1} << 31), "a vocabulary of 1 .. 2^31 - 1 entries");
+  auto out = at::empty({R}, logits.options().dtype(at::kLong));
+  const float* lp = logits.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = lp + r * V;
+      float m = -std::numeric_limits<float>::infinity();
+      int64_t best = 0, j = 0;
+      bool nan = false;
+#if defined(__AVX512F__)
+      if (V >= 16) {
+        __m512 mv = _mm512_set1_ps(m);
+        __m512i at = _mm512_setzero_si512();  // per lane: the first index of its maximum so far
+        __m512i idx = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        const __m512i step = _mm512_set1_epi32(16);
+        __mmask16 unordered = 0;
+        for (; j + 16 <= V; j += 16) {
+          const __m512 v = _mm512_loadu_ps(x + j);
+          unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+          const __mmask16 greater = _mm512_cmp_ps_mask(v, mv, _CMP_GT_OQ);  // strictly: a lane keeps its first
+          mv = _mm512_mask_mov_ps(mv, greater, v);
+          at = _mm512_mask_mov_epi32(at, greater, idx);
+          idx = _mm512_add_epi32(idx, step);
+        }
+        nan = unordered != 0;
+        m = _mm512_reduce_max_ps(mv);
+        const __mmask16 holders = _mm512_cmp_ps_mask(mv, _mm512_set1_ps(m), _CMP_EQ_OQ);
+        best = _mm512_mask_reduce_min_epi32(holders, at);  // all -inf: every lane holds it at its first index
+      }
+#endif
+      for (; j < V && !nan; ++j) {
+        if (std::isnan(x[j])) nan = true;
+        else if (x[j] > m) m = x[j], best = j;
+      }
+      if (nan) {  // the first NaN, wherever it is
+        for (j = 0; j < V && !std::isnan(x[j]); ++j) {}
+        best = j;
+      }
+      op[r] = best;
+    }
+  });
+  return out;
+}
+
 // x @ w.T (+ b) with w prepacked in oneDNN's blocked layout (model/linear.py prepacks it once at load). Called
 // through the dispatcher: the op is registered by torch, its C++ symbol is not exported.
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& b) {
@@ -987,6 +1040,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of [T, D] rows");
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMSNorm of residual");
   m.def("rotary_write_kv", &rotary_write_kv, "rotary on q and k in place, then k and v into the paged caches");
+  m.def("first_argmax", &first_argmax, "per row of float32 logits, the first index of the maximum (NaN first)");
   m.def("sampling_weights", &sampling_weights, "the sampler's exp((x - max) / t), 0 below `lowest`, into out; -> max");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] projection");
   m.def("bf16_kernel", &bf16_kernel, "the packed bfloat16 matmul kernel here: amx, avx512_bf16 or none");
