@@ -25,13 +25,16 @@ constexpr int64_t kTileK = 32;      // bfloat16 elements of K per tile dot produ
 constexpr int64_t kTileN = 16;      // output features per C tile
 constexpr int64_t kTileElems = kTileRows * kTileK;  // bfloat16 elements of one B tile
 
-// Work items are 32-feature column pairs (the last may be 16 wide), taken ~4 chunks per thread as the threads
-// go (work_split.h): body(queue) runs once per thread and loops over the chunks it takes. (8 chunks a thread
-// cost a one-row matmul ~0.5 us more, the shared counter's line moving between the cores.)
+// Work items are 32-feature column pairs (the last may be 16 wide), taken as the threads go (work_split.h) in
+// guided chunks: each a share of what is left (half of it over 2 threads), down to one pair. A thread streams long
+// runs of the weight, its prefetch two pairs ahead landing in its own run; fixed chunks of ~1/8 of the pairs began
+// each run cold and prefetched into the other thread's. On Zen 4, 30 Q4_1 layers (66 MB): one row 2.76 -> 2.53
+// ms, 8 rows 4.83 -> 4.25, 64 rows 27.5 -> 25.9 (BENCHMARKS.md, nineteenth session). body(queue) runs once per
+// thread and loops over the chunks it takes.
 template <typename F>
 void for_column_pairs(int64_t NB, const F& body) {
   const int64_t pairs = (NB + 1) / 2;
-  parallel_take(pairs, std::max<int64_t>(1, pairs / (4 * at::get_num_threads())), body);
+  parallel_take(pairs, 1, body, at::get_num_threads());
 }
 
 

@@ -12,12 +12,25 @@
 #include <atomic>
 #include <cstdint>
 
-// Items [0, n), handed out a chunk at a time, in order.
+// Items [0, n), handed out a chunk at a time, in order: `chunk` items each, or with `guided` > 0 a 1/guided share
+// of the items left (at least `chunk`), so the first chunks are long runs and the last ones short.
 class WorkQueue {
  public:
-  WorkQueue(int64_t n, int64_t chunk) : n_(n), chunk_(std::max<int64_t>(chunk, 1)) {}
+  WorkQueue(int64_t n, int64_t chunk, int64_t guided = 0)
+      : n_(n), chunk_(std::max<int64_t>(chunk, 1)), guided_(guided) {}
   // The next chunk [begin, end); false once every item is taken.
   bool take(int64_t& begin, int64_t& end) {
+    if (guided_ > 0) {
+      int64_t next = next_.load(std::memory_order_relaxed);
+      for (;;) {
+        if (next >= n_) return false;
+        const int64_t size = std::max(chunk_, (n_ - next) / guided_);
+        if (next_.compare_exchange_weak(next, next + size, std::memory_order_relaxed)) {
+          begin = next, end = std::min(n_, next + size);
+          return true;
+        }
+      }
+    }
     begin = next_.fetch_add(chunk_, std::memory_order_relaxed);
     if (begin >= n_) return false;
     end = std::min(n_, begin + chunk_);
@@ -26,15 +39,15 @@ class WorkQueue {
 
  private:
   std::atomic<int64_t> next_{0};
-  const int64_t n_, chunk_;
+  const int64_t n_, chunk_, guided_;
 };
 
-// fn(queue) once on each thread (so per-thread scratch is set up once), every thread taking chunks of `chunk`
-// items from one shared queue until none is left.
+// fn(queue) once on each thread (so per-thread scratch is set up once), every thread taking chunks (of `chunk`
+// items, or guided: WorkQueue) from one shared queue until none is left.
 template <typename F>
-void parallel_take(int64_t n, int64_t chunk, const F& fn) {
+void parallel_take(int64_t n, int64_t chunk, const F& fn, int64_t guided = 0) {
   if (n <= 0) return;
-  WorkQueue queue(n, chunk);
+  WorkQueue queue(n, chunk, guided);
   const int64_t chunks = (n + std::max<int64_t>(chunk, 1) - 1) / std::max<int64_t>(chunk, 1);
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), chunks);
   if (threads <= 1 || at::in_parallel_region()) {
