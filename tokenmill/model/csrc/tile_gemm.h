@@ -28,9 +28,9 @@ constexpr int64_t kTileElems = kTileRows * kTileK;  // bfloat16 elements of one 
 // Work items are 32-feature column pairs (the last may be 16 wide), taken as the threads go (work_split.h) in
 // guided chunks: each a share of what is left (half of it over 2 threads), down to one pair. A thread streams long
 // runs of the weight, its prefetch two pairs ahead landing in its own run; fixed chunks of ~1/8 of the pairs began
-// each run cold and prefetched into the other thread's. On Zen 4, 30 Q4_1 layers (66 MB): one row 2.76 -> 2.53
-// ms, 8 rows 4.83 -> 4.25, 64 rows 27.5 -> 25.9 (BENCHMARKS.md, nineteenth session). body(queue) runs once per
-// thread and loops over the chunks it takes.
+// each run cold and prefetched into the other thread's. On Zen 4, 30 Q4_1 layers (66 MB, kernel_ab.py): one row
+// 3.19 -> 2.91 ms, 8 rows 5.72 -> 5.25, 64 rows 30.4 -> 29.0 (BENCHMARKS.md, nineteenth session). body(queue) runs
+// once per thread and loops over the chunks it takes.
 template <typename F>
 void for_column_pairs(int64_t NB, const F& body) {
   const int64_t pairs = (NB + 1) / 2;
