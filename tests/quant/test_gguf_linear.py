@@ -128,6 +128,36 @@ def test_vnni_rows_do_not_depend_on_the_batch():
     assert torch.equal(ops.gguf_vnni_linear(x[order], packed, None), alone[order])
 
 
+@needs_kept
+@pytest.mark.parametrize("m", [1, 8, 64])
+def test_column_split_over_threads_changes_no_output(m):
+    """The threads take column pairs in guided chunks, a share of what is left each (csrc/tile_gemm.h): with 1, 2
+    and 3 threads every output is the same bit for bit, and matches the dense product (no pair dropped or computed
+    twice), over 37 column blocks (the last pair 16 wide); the bfloat16 tiles too, where they run."""
+    g = torch.Generator().manual_seed(m)
+    n, k = 16 * 37, 576
+    raw = blocks_of(torch.randn(n, k, generator=g) * 0.05, T.Q4_1)
+    dense = dequantize(raw, T.Q4_1, (n, k), torch.bfloat16)
+    packed, dense_packed = gguf_pack(raw, T.Q4_1, layout=LAYOUT), ops.bf16_pack(dense) if TILES else None
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    kept, tiles = [], []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            kept.append(ops.gguf_linear(x, packed, None))
+            if TILES:
+                tiles.append(ops.bf16_linear(x, dense_packed, None))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(kept[0], other) for other in kept[1:])
+    assert all(torch.equal(tiles[0], other) for other in tiles[1:])
+    exact = F.linear(x.float(), dense.float())
+    torch.testing.assert_close(kept[0].float(), exact, atol=0.05, rtol=0.05)  # x's int8 blocks on VNNI
+    if TILES:
+        torch.testing.assert_close(tiles[0].float(), exact, atol=2e-2, rtol=1e-2)
+
+
 def test_reference_gguf_linear_is_the_dequantized_product():
     g = torch.Generator().manual_seed(2)
     raw = blocks_of(torch.randn(40, 64, generator=g), T.Q4_1)
