@@ -71,8 +71,14 @@ class Loop:
         return self.recv_until(lambda m: m.stats.num_running == m.stats.num_waiting == 0 and m.stats.kv_usage == 0)
 
     def stop(self) -> None:
+        """Shutdown, reading what the loop still sends meanwhile, as the API process's reader does: a loop that
+        stepped on while this thread was descheduled can fill the output pipe and wait in send() until it is read."""
         self.send(Shutdown())
-        self.thread.join(10)
+        deadline = time.monotonic() + 10
+        while self.thread.is_alive() and time.monotonic() < deadline:
+            while self.outputs.poll(0):
+                self.received.append(self.outputs.recv())
+            self.thread.join(0.05)
         assert not self.thread.is_alive()
 
 
