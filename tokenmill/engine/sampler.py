@@ -213,7 +213,7 @@ class Sampler:
 
     def _first_argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """first_argmax, through the backend's kernel where it has one (torch's max scans a row with scalar
-        compares: 2.7 ms for 64 x 49,152 on 2 cores, against ~0.1 ms)."""
+        compares: 2.8 ms for 64 x 49,152 on 2 cores, the CPU kernel 0.25 ms)."""
         fast = None if self.backend is None else self.backend.first_argmax(logits)
         return first_argmax(logits) if fast is None else fast
 

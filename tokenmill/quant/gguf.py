@@ -126,9 +126,7 @@ def _parsed_header(path: Path, size: int, mtime_ns: int) -> tuple[int, dict[str,
                 raise ValueError(f"file is {size} bytes, too small for a GGUF header")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
                 return _parse_header(mm, size)
-    except ModelLoadError as e:
-        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
-    except (OSError, ValueError, struct.error, UnicodeDecodeError, KeyError, OverflowError) as e:
+    except (ModelLoadError, OSError, ValueError, struct.error, UnicodeDecodeError, KeyError, OverflowError) as e:
         raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
 
 
