@@ -276,6 +276,11 @@ def test_tied_embedding_reads_its_rows_from_the_heads_tiles(tmp_path):
     w = torch.randn(96, 64).bfloat16()
     ids = torch.tensor([[0, 95, 17], [16, 15, 40]])
     assert torch.equal(tile_rows(ops.bf16_pack(w))(ids), w[ids])
+    assert torch.equal(tile_rows(ops.bf16_pack(w), ops.tile_rows)(ids), w[ids])  # the C++ gather
+    q = torch.randint(-127, 128, (96, 64), dtype=torch.int8)  # int8_pack's tiles: the same order, bytes q + 128
+    assert torch.equal((ops.tile_rows(ops.int8_pack(q), ids) ^ 0x80).view(torch.int8), q[ids.reshape(-1)])
+    with pytest.raises(RuntimeError, match="row 96 of 96"):
+        ops.tile_rows(ops.bf16_pack(w), torch.tensor([96]))
     # a tied bfloat16 model releases its table once the head is packed; the lookups give the same rows
     path = make_tiny_model(tmp_path, tie_word_embeddings=True)
     cfg = load_model_config(path)

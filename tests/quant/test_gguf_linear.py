@@ -187,6 +187,31 @@ def test_unpacked_rows_are_the_packed_rows_blocks(qtype, layout, kernel):
         gguf_unpack_rows(gguf_pack(raw[:32], qtype, pairs=True, layout=layout), int(qtype), ids, layout)
 
 
+@pytest.mark.skipif(ops is None, reason="no kernels")
+@pytest.mark.parametrize("qtype", TILE_TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rows_decoded_in_cpp_are_the_decoders_bits(qtype, dtype):
+    """A kept embedding's lookup decodes its blocks in C++ (ops.gguf_decode_rows): every value must be the one
+    quant/gguf.py's decoders give, in float32 and after its rounding to the model's dtype."""
+    from tokenmill.model.backends.cpu import DECODED_IN_CPP, gguf_tile_rows
+    from tokenmill.quant.gguf import decode_rows
+
+    g = torch.Generator().manual_seed(7)
+    raw = blocks_of(torch.randn(48, 96, generator=g) * 3, qtype)
+    out = torch.empty(raw.shape[0], 96, dtype=dtype)
+    ops.gguf_decode_rows(raw, int(qtype), out)
+    assert torch.equal(out, decode_rows(raw, int(qtype), 96, dtype))
+    assert int(qtype) in DECODED_IN_CPP
+    packed = gguf_pack(raw, qtype, layout="quads")
+    ids = torch.tensor([[3, 47], [16, 0]])
+    lookup = gguf_tile_rows(packed, int(qtype), "quads", dtype, ops.gather_tile_bytes, ops.gguf_decode_rows)
+    assert torch.equal(lookup(ids), decode_rows(raw, int(qtype), 96, dtype)[ids])
+    with pytest.raises(RuntimeError, match="not 3 blocks"):
+        ops.gguf_decode_rows(raw[:, :-1].contiguous(), int(qtype), out)
+    with pytest.raises(RuntimeError, match="not type 6"):
+        ops.gguf_decode_rows(raw, 6, out)
+
+
 def test_gguf_pack_needs_whole_tiles():
     raw = blocks_of(torch.randn(24, 32), T.Q8_0)
     with pytest.raises(ValueError, match="16-feature tiles"):

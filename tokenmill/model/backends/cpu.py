@@ -27,7 +27,7 @@ from tokenmill.model.backends.base import LinearWeights
 from tokenmill.model.backends.huge_pages import move_to_huge_pages
 from tokenmill.model.backends.reference import TorchBackend, split_qkv
 from tokenmill.model.cpu_kernels import cpu_isa, cpu_tag
-from tokenmill.quant.gguf import decode_rows
+from tokenmill.quant.gguf import Q4_Z, decode_rows
 from tokenmill.quant.gguf_tiles import TileByteGather, gguf_pack, gguf_unpack_rows
 
 if TYPE_CHECKING:
@@ -37,7 +37,8 @@ log = logging.getLogger("tokenmill")
 
 SKINNY_MAX_ROWS = 4  # measured on 2 AVX2 cores: at 8 rows BLAS gemm is already as fast (BENCHMARKS.md)
 PREPACK_ROWS_HINT = 64  # oneDNN picks its blocking for this many rows; measured best across 2-512 rows
-_LAYER_WEIGHTS = "cpu.decoder_layer_weights"  # key of this backend's entry in model.backend_cache
+_LAYER_WEIGHTS = "cpu.decoder_layer_weights"
+DECODED_IN_CPP = (2, 3, 8, Q4_Z)  # ops.gguf_decode_rows' GGML types: Q4_0, Q4_1, Q8_0, and our Q4_Z  # key of this backend's entry in model.backend_cache
 
 
 def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -55,34 +56,48 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def tile_rows(packed: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+TileGather = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # ops.tile_rows: (packed, ids) -> [n, K]
+BlockDecoder = Callable[[torch.Tensor, int, torch.Tensor], None]  # ops.gguf_decode_rows: (raw, type, out)
+
+
+def tile_rows(packed: torch.Tensor, gather: TileGather | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
     """Token ids -> rows of a weight packed by bf16_pack ([N/16, K/32, 16 r, 16 n x 2]: feature n's K 2r, 2r + 1
-    in each 32-wide K block): a tied embedding reads its head's tiles, so the dense table need not stay."""
+    in each 32-wide K block): a tied embedding reads its head's tiles, so the dense table need not stay.
+    `gather` (the C++ ops.tile_rows) does it in one call on the CPU; torch indexing otherwise."""
     nb, kb = packed.shape[:2]
     tiles = packed.view(nb, kb, 16, 16, 2)
 
     def rows(ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).to(packed.device)
+        if gather is not None and packed.device.type == "cpu":
+            return gather(packed, flat).view(*ids.shape, kb * 32).to(ids.device)
         return tiles[flat // 16, :, :, flat % 16, :].reshape(*ids.shape, kb * 32).to(ids.device)
 
     return rows
 
 
 def gguf_tile_rows(packed: torch.Tensor, ggml_type: int, layout: str, dtype: torch.dtype,
-                   gather: TileByteGather | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+                   gather: TileByteGather | None = None, decode: BlockDecoder | None = None
+                   ) -> Callable[[torch.Tensor], torch.Tensor]:
     """Token ids -> rows of a tied embedding kept as GGML blocks, read from its LM head's packed copy (gguf_pack's
     `layout`) and decoded as the whole table would be, so the file's table (30 MB of SmolLM2's Q8_0) is not held
-    a second time for the lookups."""
+    a second time for the lookups. `decode` (the C++ ops.gguf_decode_rows, bit for bit quant/gguf.py's decoders)
+    decodes the blocks in one call where it takes the type."""
     cols = packed.shape[1] * 32
+    native = decode is not None and packed.device.type == "cpu" and int(ggml_type) in DECODED_IN_CPP
 
     def rows(ids: torch.Tensor) -> torch.Tensor:
         raw = gguf_unpack_rows(packed, ggml_type, ids, layout, gather)
+        if native:
+            out = torch.empty(raw.shape[0], cols, dtype=dtype)
+            decode(raw, int(ggml_type), out)
+            return out.to(ids.device).view(*ids.shape, cols)
         return decode_rows(raw, ggml_type, cols, dtype).to(ids.device).view(*ids.shape, cols)
 
     return rows
 
 
-def int8_tile_rows(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+def int8_tile_rows(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, gather: TileGather | None = None
                    ) -> Callable[[torch.Tensor], torch.Tensor]:
     """Token ids -> rows of a tied embedding quantized to int8 (quant/int8.py), read from its LM head's int8_pack
     copy (bytes q + 128 in bf16_pack's tile layout) and scaled as the int8 table's rows would be, so the int8
@@ -92,7 +107,10 @@ def int8_tile_rows(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 
     def rows(ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).to(packed.device)
-        q = (tiles[flat // 16, :, :, flat % 16, :] ^ 0x80).view(torch.int8).reshape(-1, kb * 32)
+        if gather is not None and packed.device.type == "cpu":
+            q = (gather(packed, flat) ^ 0x80).view(torch.int8)
+        else:
+            q = (tiles[flat // 16, :, :, flat % 16, :] ^ 0x80).view(torch.int8).reshape(-1, kb * 32)
         return (q.float() * scale[flat].unsqueeze(-1)).to(dtype).to(ids.device).view(*ids.shape, kb * 32)
 
     return rows
@@ -330,13 +348,15 @@ class CpuBackend(TorchBackend):
                 or packed.dim() not in (3, 4)):
             return
         dtype = m.embedding.weight.dtype
+        gather = getattr(self.ops, "tile_rows", None)
         if getattr(m, "gguf_type", None) is not None and packed.dim() == 3:
             layout = "quads" if self.gguf_kernel == "vnni" else "tiles"
-            m.embedding.keep_rows(gguf_tile_rows(packed, m.gguf_type, layout, dtype, self.ops.gather_tile_bytes))
+            m.embedding.keep_rows(gguf_tile_rows(packed, m.gguf_type, layout, dtype, self.ops.gather_tile_bytes,
+                                                 getattr(self.ops, "gguf_decode_rows", None)))
         elif getattr(m, "weight_scale", None) is not None and packed.dtype == torch.uint8 and packed.dim() == 4:
-            m.embedding.keep_rows(int8_tile_rows(packed, m.weight_scale, dtype))
+            m.embedding.keep_rows(int8_tile_rows(packed, m.weight_scale, dtype, gather))
         elif _head_tiles_serve_lookups(m):
-            m.embedding.keep_rows(tile_rows(packed))
+            m.embedding.keep_rows(tile_rows(packed, gather))
 
     @staticmethod
     def _pair_order(scale: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,36 @@ at::Tensor bf16_pack(const at::Tensor& w) {
       .contiguous().view({N / kTileN, K / kTileK, kTileRows, 2 * kTileN});
 }
 
+// Rows `ids` of a weight packed by bf16_pack (or int8_pack: the same tile order, one byte an element) as the
+// [n, K] weight held them: a tied embedding's lookups read its LM head's tiles in one call (the torch indexing it
+// replaces took ~0.13 ms of a decode step).
+at::Tensor tile_rows(const at::Tensor& packed, const at::Tensor& ids) {
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kTileRows && packed.size(3) == 2 * kTileN &&
+                  packed.is_contiguous() && (packed.element_size() == 2 || packed.element_size() == 1),
+              "tile_rows reads a weight packed by bf16_pack or int8_pack: [N/16, K/32, 16, 32]");
+  const auto flat = ids.reshape(-1).to(at::kLong).contiguous();
+  const int64_t n = flat.numel(), KB = packed.size(1), N = packed.size(0) * kTileN, K = KB * kTileK;
+  const int64_t* id = flat.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < N, "row ", id[i], " of ", N);
+  auto out = at::empty({n, K}, packed.options());
+  const auto gather = [&](auto* dst, const auto* src) {
+    for (int64_t i = 0; i < n; ++i, dst += K) {
+      const auto* block = src + (id[i] / kTileN) * KB * kTileRows * 2 * kTileN + (id[i] % kTileN) * 2;
+      for (int64_t kb = 0; kb < KB; ++kb)  // K 32 kb + 2r + e sits at [kb][r][n][e]
+        for (int64_t r = 0; r < kTileRows; ++r) {
+          const auto* pair = block + (kb * kTileRows + r) * 2 * kTileN;
+          dst[kb * kTileK + 2 * r] = pair[0];
+          dst[kb * kTileK + 2 * r + 1] = pair[1];
+        }
+    }
+  };
+  if (packed.element_size() == 2)
+    gather(static_cast<uint16_t*>(out.data_ptr()), static_cast<const uint16_t*>(packed.data_ptr()));
+  else
+    gather(static_cast<uint8_t*>(out.data_ptr()), static_cast<const uint8_t*>(packed.data_ptr()));
+  return out;
+}
+
 namespace {
 
 struct Bf16Problem {

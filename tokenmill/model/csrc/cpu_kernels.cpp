@@ -942,6 +942,7 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c1
 // bf16_linear.cpp: the bfloat16 matmuls (AMX tiles, AVX512-BF16 dot products) over one packed weight layout.
 std::string bf16_kernel();
 at::Tensor bf16_pack(const at::Tensor& w);
+at::Tensor tile_rows(const at::Tensor& packed, const at::Tensor& ids);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 at::Tensor bf16_pack_gate_up(const at::Tensor& w);
@@ -967,6 +968,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed,
                           const c10::optional<at::Tensor>& bias);
 at::Tensor gguf_linear_silu(const at::Tensor& x, const at::Tensor& pairs);
 std::string gguf_kernel();
+void gguf_decode_rows(const at::Tensor& raw, int64_t type, const at::Tensor& out);
 at::Tensor gguf_tiles_linear(const at::Tensor& x, const at::Tensor& packed,
                                 const c10::optional<at::Tensor>& bias);
 at::Tensor gguf_tiles_linear_silu(const at::Tensor& x, const at::Tensor& pairs);
@@ -1058,6 +1060,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_linear", &fp8_linear, "(x @ q.T) * scale (+ b), q e4m3 from fp8_pack; batch-invariant");
   m.def("fp8_linear_silu", &fp8_linear_silu, "silu(gate) * up of FP8 gate/up pairs");
   m.def("gguf_tile_bytes", &gguf_tile_bytes, "packed bytes per 16 x 32 tile of a kept GGML type (0: not kept)");
+  m.def("gguf_decode_rows", &gguf_decode_rows, "whole rows of Q8_0, Q4_0, Q4_1 or Q4_Z blocks decoded into out");
+  m.def("tile_rows", &tile_rows, "rows ids of a weight packed by bf16_pack or int8_pack, as [n, K]");
   m.def("gather_tile_bytes", &gather_tile_bytes, "packed[rows / 16, kb, sources[rows % 16]] ^ flip");
   m.def("gguf_linear", &gguf_linear, "x @ w.T (+ b), w in GGML blocks packed by gguf_pack for gguf_kernel()");
   m.def("gguf_linear_silu", &gguf_linear_silu, "silu(gate) * up of GGML gate/up block pairs, on gguf_kernel()");
