@@ -163,13 +163,15 @@ def decode(runs: int, tokens: int, gbs: float) -> None:
             llm.generate(["Once upon a time"], params, use_tqdm=False)
             rates[fmt].append(tokens / (time.perf_counter() - t))
     print(f"decode: one stream, {tokens} tokens, SmolLM2-135M, tokens/s (median of {runs} rounds)")
-    print("format | tok/s | vs bf16 | weight MiB | floor tok/s (every matmul weight read once per token)")
+    print("format | tok/s | vs bf16 | weight MiB | floor tok/s (every matmul weight read once per token) | "
+          "ms a step | of which reading the weights at the bandwidth | beyond the weights")
     base = statistics.median(rates["bfloat16"])
     for fmt, llm in llms.items():
         model = llm.engine.core.runner.model
         rate = statistics.median(rates[fmt])
+        step, reading = 1e3 / rate, matmul_bytes(model) / (gbs * 1e9) * 1e3
         print(f"{fmt} | {rate:.1f} | {rate / base:.2f}x | {weight_bytes(model) / 2**20:.0f} | "
-              f"{gbs * 1e9 / matmul_bytes(model):.1f}")
+              f"{gbs * 1e9 / matmul_bytes(model):.1f} | {step:.2f} | {reading:.2f} | {step - reading:.2f}")
 
 
 def batched(runs: int) -> None:

@@ -37,8 +37,9 @@ log = logging.getLogger("tokenmill")
 
 SKINNY_MAX_ROWS = 4  # measured on 2 AVX2 cores: at 8 rows BLAS gemm is already as fast (BENCHMARKS.md)
 PREPACK_ROWS_HINT = 64  # oneDNN picks its blocking for this many rows; measured best across 2-512 rows
-_LAYER_WEIGHTS = "cpu.decoder_layer_weights"
-DECODED_IN_CPP = (2, 3, 8, Q4_Z)  # ops.gguf_decode_rows' GGML types: Q4_0, Q4_1, Q8_0, and our Q4_Z  # key of this backend's entry in model.backend_cache
+_LAYER_WEIGHTS = "cpu.decoder_layer_weights"  # key of this backend's entry in model.backend_cache
+_LAYER_STACK = "cpu.decoder_stack"  # the same weights as one ops.DecoderStack
+DECODED_IN_CPP = (2, 3, 8, Q4_Z)  # ops.gguf_decode_rows' GGML types: Q4_0, Q4_1, Q8_0, and our Q4_Z
 
 
 def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -328,6 +329,7 @@ class CpuBackend(TorchBackend):
                 self._lookups_from_head(m)
         self._to_huge_pages(model)
         model.backend_cache.pop(_LAYER_WEIGHTS, None)
+        model.backend_cache.pop(_LAYER_STACK, None)
         return packed_any
 
     def _to_huge_pages(self, model: nn.Module) -> None:
@@ -368,20 +370,27 @@ class CpuBackend(TorchBackend):
     def decode_layers(self, model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
                       ) -> torch.Tensor | None:
-        """When every token reads the cache (decode steps, later prefill chunks), each Llama decoder layer is
-        one C++ call (`decoder_layer`: no Python between its ~10 ops), the same math as the modules."""
+        """When every token reads the cache (decode steps, later prefill chunks), the Llama decoder layers are
+        one C++ call (`DecoderStack.run`: no Python between a step's ~300 ops, each layer's residual add joined
+        with the next one's input norm), the same math as the modules."""
         if meta.fresh_spans or not _rows(x) or not x.is_contiguous():
             return None
-        layer_weights = self._layer_weights(model)
-        if layer_weights is None:
+        stack = self._layer_stack(model)
+        if stack is None or len(stack) != len(kv_caches):
             return None
         cfg, t = model.config, x.shape[0]
         cos, sin = cos.reshape(t, -1).contiguous(), sin.reshape(t, -1).contiguous()
-        for weights, (k_cache, v_cache) in zip(layer_weights, kv_caches):
-            self.ops.decoder_layer(x, weights, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, cos, sin,
-                                   k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.q_rows,
-                                   meta.kv_lens)
+        stack.run(x, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, cos, sin, [k for k, _ in kv_caches],
+                  [v for _, v in kv_caches], meta.slot_mapping, meta.block_tables, meta.q_rows, meta.kv_lens)
         return x
+
+    def _layer_stack(self, model: nn.Module) -> Any:
+        """The model's layers as one ops.DecoderStack (_layer_weights' tensors, held in C++), built once per model
+        and kept in model.backend_cache; None where _layer_weights is."""
+        if _LAYER_STACK not in model.backend_cache:
+            weights = self._layer_weights(model)
+            model.backend_cache[_LAYER_STACK] = None if weights is None else self.ops.DecoderStack(weights)
+        return model.backend_cache[_LAYER_STACK]
 
     def _layer_weights(self, model: nn.Module) -> list[list[torch.Tensor]] | None:
         """Per layer, the 15 tensors `decoder_layer` takes (csrc/cpu_kernels.cpp), gathered once per model and
