@@ -462,7 +462,10 @@ void attend_tiles(const uint16_t* q, const C* k_cache, const C* v_cache, const i
   const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1;
   const int64_t items = num_tiles * num_kv_heads;
   parallel_take(items, 1, [&](WorkQueue& work) {
-    auto w = std::make_unique<Scratch>();
+    // each thread's scratch (~75 KB) kept from call to call: a decode step calls this once a layer
+    static thread_local std::unique_ptr<Scratch> kept;
+    if (!kept) kept = std::make_unique<Scratch>();
+    Scratch* w = kept.get();
     Products products;
     for (int64_t begin, end; work.take(begin, end);) for (int64_t i = begin; i < end; ++i) {
       const int64_t item = items - 1 - i;  // the last tiles first: a causal prefill's read the most blocks
