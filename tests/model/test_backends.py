@@ -189,7 +189,7 @@ def test_reference_runner_runs_no_cpp_op(tiny, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_extension", no_extension)
     if ops is not None:  # and the module already loaded refuses every call
         for name in ("paged_attention", "skinny_linear", "rms_norm", "add_rms_norm", "rotary_write_kv",
-                     "silu_mul", "decoder_layer"):
+                     "silu_mul", "DecoderStack"):
             monkeypatch.setattr(ops, name, Refusing().__getattr__(name))
     runner = make_runner(tiny, use_kernel=False)
     assert type(runner.backend) is TorchBackend and not runner.prepacked

@@ -393,9 +393,9 @@ class CpuBackend(TorchBackend):
         return model.backend_cache[_LAYER_STACK]
 
     def _layer_weights(self, model: nn.Module) -> list[list[torch.Tensor]] | None:
-        """Per layer, the 15 tensors `decoder_layer` takes (csrc/cpu_kernels.cpp), gathered once per model and
-        kept in model.backend_cache (which the model empties when its weights change); None where a quantized
-        weight has no packed copy (the C++ layer reads quantized weights only from their packed copies)."""
+        """Per layer, the 15 tensors a layer of `DecoderStack` takes (csrc/cpu_kernels.cpp), gathered once per
+        model and kept in model.backend_cache (which the model empties when its weights change); None where a
+        quantized weight has no packed copy (the C++ layer reads quantized weights only from their packed copies)."""
         if _LAYER_WEIGHTS not in model.backend_cache and any(
                 (getattr(m, "qweight", None) is not None or getattr(m, "gguf_type", None) is not None)
                 and m.packed_weight is None for m in model.linear_layers()):

@@ -1014,8 +1014,11 @@ at::Tensor gate_up_silu(const at::Tensor& x, const at::Tensor& w, const at::Tens
 
 namespace {
 
-// A decoder layer from its normed input xn to its MLP output (the attention's residual add done: x += attention):
-// decoder_layer and DecoderStack add the MLP output to x themselves. The weights as decoder_layer takes them.
+// A decoder layer, for a batch whose tokens all read their context from the cache (decodes and later prefill
+// chunks), from its normed input xn to its MLP output, with the attention's residual added to x in place (the MLP's
+// is left to the caller). `w` holds input_norm, qkv weight, qkv bias (or an empty tensor), o_proj, post_norm,
+// gate_up, down, then the packed copies of qkv, o_proj, gate_up and down (or empty tensors), then their
+// per-feature scales (int8 weights; else empty tensors).
 at::Tensor layer_to_mlp(at::Tensor x, const at::Tensor& xn, const std::vector<at::Tensor>& w, int64_t num_heads,
                         int64_t num_kv_heads, double eps, const at::Tensor& cos, const at::Tensor& sin,
                         const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
@@ -1041,24 +1044,10 @@ void check_layer_weights(const std::vector<at::Tensor>& w) {
 
 }  // namespace
 
-// One whole decoder layer for a batch whose tokens all read their context from the cache (decodes and later
-// prefill chunks), composed of the kernels above in C++: no Python between the ~10 ops of a layer. `w` holds
-// input_norm, qkv weight, qkv bias (or an empty tensor), o_proj, post_norm, gate_up, down, then the packed
-// copies of qkv, o_proj, gate_up and down (or empty tensors), then their per-feature scales (int8 weights; else
-// empty tensors). Updates the residual stream x [T, hidden] in place.
-void decoder_layer(at::Tensor x, const std::vector<at::Tensor>& w, int64_t num_heads, int64_t num_kv_heads,
-                   double eps, at::Tensor cos, at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache,
-                   at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor q_rows,
-                   at::Tensor kv_lens) {
-  check_layer_weights(w);
-  x.add_(layer_to_mlp(x, rms_norm(x, w[0], eps), w, num_heads, num_kv_heads, eps, cos, sin, k_cache, v_cache,
-                      slot_mapping, block_tables, q_rows, kv_lens));
-}
-
-// Every decoder layer of a model (each as decoder_layer takes it), held once and run in one call a step: Python
-// crosses into C++ once a step instead of once a layer, and each layer's residual add joins the next layer's
-// input norm in one pass (add_rms_norm rounds the sum as the add does, then normalises it: the same bits as
-// decoder_layer after decoder_layer). In a one-stream decode step on Zen 4 the small ops between matmuls took
+// Every decoder layer of a model (each layer's weights as layer_to_mlp takes them), held once and run in one call
+// a step, composed of the kernels above: Python crosses into C++ once a step instead of once a layer (or once an
+// op), and each layer's residual add joins the next layer's input norm in one pass (add_rms_norm rounds the sum as
+// the add does, then normalises it: the same bits as the add, then the norm). In a one-stream decode step on Zen 4 the small ops between matmuls took
 // ~3 us each (their code and data cold after the weights streamed through the caches).
 class DecoderStack {
  public:
@@ -1130,9 +1119,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether paged_attention runs on AMX tiles for a bf16 cache of this block size, head_dim and heads");
   m.def("tile_attention_applies", &tile_attention_applies,
         "whether paged_attention runs bf16 dot products (AMX or AVX512-BF16) for a bf16 cache of this shape");
-  py::class_<DecoderStack>(m, "DecoderStack", "every decoder layer of a model, run in one call a step")
+  // module_local: a build for another CPU (tests/model/test_isa_builds.py) loads into the same process
+  py::class_<DecoderStack>(m, "DecoderStack", "every decoder layer of a model, run in one call a step",
+                           py::module_local())
       .def(py::init<std::vector<std::vector<at::Tensor>>>())
       .def("__len__", &DecoderStack::size)
       .def("run", &DecoderStack::run, "x through every layer, in place (an all-paged batch)");
-  m.def("decoder_layer", &decoder_layer, "a whole decoder layer for an all-paged batch, residual updated in place");
 }
