@@ -224,7 +224,8 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(hidden, ordered) if scoring else {}
         if not sampling:
             return StepResult(prompt_logprobs=prompt_logprobs)
-        logits = self.model.compute_logits(hidden[self._long(last_rows)])
+        every_row = len(last_rows) == hidden.shape[0] and last_rows[-1] == len(last_rows) - 1  # rows ascend
+        logits = self.model.compute_logits(hidden if every_row else hidden[self._long(last_rows)])
         if self.structured is not None and len(self.structured):  # constrained requests: their rows' masks
             masks = self.structured.bitmask([(s.request.request_id, s.request.spec_token_ids[:s.num_spec_tokens])
                                              for s in sampling])
