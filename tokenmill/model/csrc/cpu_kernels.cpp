@@ -1047,8 +1047,9 @@ void check_layer_weights(const std::vector<at::Tensor>& w) {
 // Every decoder layer of a model (each layer's weights as layer_to_mlp takes them), held once and run in one call
 // a step, composed of the kernels above: Python crosses into C++ once a step instead of once a layer (or once an
 // op), and each layer's residual add joins the next layer's input norm in one pass (add_rms_norm rounds the sum as
-// the add does, then normalises it: the same bits as the add, then the norm). In a one-stream decode step on Zen 4 the small ops between matmuls took
-// ~3 us each (their code and data cold after the weights streamed through the caches).
+// the add does, then normalises it: the same bits as the add, then the norm). In a one-stream decode step on Zen 4
+// the small ops between matmuls took ~3 us each (their code and data cold after the weights streamed through the
+// caches).
 class DecoderStack {
  public:
   explicit DecoderStack(std::vector<std::vector<at::Tensor>> layers) : layers_(std::move(layers)) {
