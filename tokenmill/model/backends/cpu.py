@@ -27,7 +27,7 @@ from tokenmill.model.backends.base import LinearWeights
 from tokenmill.model.backends.huge_pages import move_to_huge_pages
 from tokenmill.model.backends.reference import TorchBackend, split_qkv
 from tokenmill.model.cpu_kernels import cpu_isa, cpu_tag
-from tokenmill.quant.gguf import Q4_Z, decode_rows
+from tokenmill.quant.gguf import KEPT_TYPES, decode_rows
 from tokenmill.quant.gguf_tiles import TileByteGather, gguf_pack, gguf_unpack_rows
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ SKINNY_MAX_ROWS = 4  # measured on 2 AVX2 cores: at 8 rows BLAS gemm is already 
 PREPACK_ROWS_HINT = 64  # oneDNN picks its blocking for this many rows; measured best across 2-512 rows
 _LAYER_WEIGHTS = "cpu.decoder_layer_weights"  # key of this backend's entry in model.backend_cache
 _LAYER_STACK = "cpu.decoder_stack"  # the same weights as one ops.DecoderStack
-DECODED_IN_CPP = (2, 3, 8, Q4_Z)  # ops.gguf_decode_rows' GGML types: Q4_0, Q4_1, Q8_0, and our Q4_Z
+DECODED_IN_CPP = KEPT_TYPES  # ops.gguf_decode_rows decodes every block type kept at run time
 
 
 def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:

@@ -1038,10 +1038,6 @@ at::Tensor layer_to_mlp(at::Tensor x, const at::Tensor& xn, const std::vector<at
   return linear_any(act, w[6], w[10], w[14], c10::nullopt);
 }
 
-void check_layer_weights(const std::vector<at::Tensor>& w) {
-  TORCH_CHECK(w.size() == 15, "a decoder layer takes 15 weight tensors");
-}
-
 }  // namespace
 
 // Every decoder layer of a model (each layer's weights as layer_to_mlp takes them), held once and run in one call
@@ -1053,7 +1049,7 @@ void check_layer_weights(const std::vector<at::Tensor>& w) {
 class DecoderStack {
  public:
   explicit DecoderStack(std::vector<std::vector<at::Tensor>> layers) : layers_(std::move(layers)) {
-    for (const auto& w : layers_) check_layer_weights(w);
+    for (const auto& w : layers_) TORCH_CHECK(w.size() == 15, "a decoder layer takes 15 weight tensors");
   }
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
   // x [T, hidden] updated in place through every layer; k_caches / v_caches one per layer.
