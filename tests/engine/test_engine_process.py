@@ -72,12 +72,17 @@ class Loop:
 
     def stop(self) -> None:
         """Shutdown, reading what the loop still sends meanwhile, as the API process's reader does: a loop that
-        stepped on while this thread was descheduled can fill the output pipe and wait in send() until it is read."""
+        stepped on while this thread was descheduled can fill the output pipe and wait in send() until it is read.
+        Once the loop returns, its end of the pipe is closed (the thread drops its arguments): poll() then says
+        readable and recv() meets the end of file."""
         self.send(Shutdown())
         deadline = time.monotonic() + 10
         while self.thread.is_alive() and time.monotonic() < deadline:
-            while self.outputs.poll(0):
-                self.received.append(self.outputs.recv())
+            try:
+                while self.outputs.poll(0):
+                    self.received.append(self.outputs.recv())
+            except EOFError:  # the loop returned and its end of the pipe went with the thread's arguments
+                pass
             self.thread.join(0.05)
         assert not self.thread.is_alive()
 
