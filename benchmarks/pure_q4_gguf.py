@@ -2,13 +2,14 @@
 (tied to the LM head: 30 MB, a third of the file's matmul bytes) requantized to --type, the rest copied as it is.
 
     python benchmarks/pure_q4_gguf.py --type Q4_1 --out /tmp/smollm2-pure-q4_1.gguf
-    python benchmarks/quant.py --parts bandwidth,decode --formats bfloat16,gguf --checkpoints pure=/tmp/smollm2-pure-q4_1.gguf
+    python benchmarks/quant.py --parts bandwidth,decode --formats bfloat16,gguf \
+        --checkpoints pure=/tmp/smollm2-pure-q4_1.gguf
 
 Issue 14 asks "Q4 GGUF >= 2.5x bf16" for one stream; the embedded file is Q4_1 in its layers but Q8_0 in its head,
 so per token it reads 96 MB against bfloat16's 269 MB (2.8x), and with the per-step costs that do not shrink with
-the weights its ratio stays near 2.3x (BENCHMARKS.md). This file is what `llama-quantize --pure` makes of it (gguf-py's
-quantizers round as ggml's reference ones), so the 4-bit format itself can be measured; the head in 4 bits costs
-quality, which `benchmarks/quality.py --formats pure=FILE` measures.
+the weights its ratio stays near 2.3x (BENCHMARKS.md). This is the kind of file `llama-quantize --pure` writes
+(gguf-py's quantizers round as ggml's reference ones), so the 4-bit format itself can be measured; the head in 4
+bits costs quality, which `benchmarks/quality.py --formats pure=FILE` measures.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from gguf.quants import dequantize, quantize
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tokenmill.model.paths import default_model_path  # noqa: E402
+from tokenmill.model.paths import default_model_path
 
 TARGETS = {"Q4_0": GGMLQuantizationType.Q4_0, "Q4_1": GGMLQuantizationType.Q4_1}
 REQUANTIZED_FROM = {GGMLQuantizationType.Q8_0, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
@@ -70,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     src = args.src or Path(default_model_path())
     for line in requantize(src, args.out, TARGETS[args.type]):
         print(line)
-    print(f"wrote {args.out} ({args.out.stat().st_size / 2**20:.1f} MiB; {src.name} {src.stat().st_size / 2**20:.1f} MiB)")
+    mib = lambda p: p.stat().st_size / 2**20
+    print(f"wrote {args.out} ({mib(args.out):.1f} MiB; {src.name} {mib(src):.1f} MiB)")
     return 0
 
 

@@ -74,6 +74,23 @@ def test_fast_build_tokenizes_like_transformers(smol: Tokenizer, reference, text
                 ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
 
 
+def test_decode_goes_straight_to_the_backend_only_where_transformers_would(smol: Tokenizer) -> None:
+    import copy
+
+    ids = smol.encode("<|im_start|>assistant\nHi, there!<|im_end|>")
+    assert smol._backend_decode is not None  # SmolLM2's fast tokenizer: the `tokenizers` call itself
+    assert smol.decode(ids) == smol.hf_tokenizer.decode(ids, skip_special_tokens=True,
+                                                        clean_up_tokenization_spaces=False)
+
+    class OwnDecode(type(smol.hf_tokenizer)):  # a tokenizer class with its own _decode keeps it
+        def _decode(self, token_ids, skip_special_tokens=False, **kwargs):
+            return "own"
+
+    hf = copy.copy(smol.hf_tokenizer)
+    hf.__class__ = OwnDecode
+    assert Tokenizer(hf).decode(ids) == "own"
+
+
 def test_special_tokens_like_transformers(smol: Tokenizer, reference) -> None:
     ours = smol.hf_tokenizer
     for attr in ("bos_token", "eos_token", "unk_token", "pad_token", "chat_template"):
