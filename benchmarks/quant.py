@@ -10,7 +10,8 @@
   nothing stays in the caches between layers as in a real step) at M rows, per format, beside the format's byte
   floor (weight bytes / bandwidth).
 - decode: one stream of greedy decode on SmolLM2 through the offline engine, tokens/s per format (median of runs),
-  beside the floor of reading every weight once per token.
+  beside the floor of reading every weight once per token; "paired" is the median of each round's ratio to that
+  round's bfloat16 (a round runs the formats back to back, so a spell of the machine moves both sides of it).
 - batched: ShareGPT through the offline engine with 64 requests at a time (`--max-num-seqs 64`, 128 prompts,
   128 output tokens), output tokens/s per format: dequantization must not eat the compute-bound case. Engines
   are built once; the rounds then take the formats in turn, so a slow spell of the machine hits all of them.
@@ -163,14 +164,16 @@ def decode(runs: int, tokens: int, gbs: float) -> None:
             llm.generate(["Once upon a time"], params, use_tqdm=False)
             rates[fmt].append(tokens / (time.perf_counter() - t))
     print(f"decode: one stream, {tokens} tokens, SmolLM2-135M, tokens/s (median of {runs} rounds)")
-    print("format | tok/s | vs bf16 | weight MiB | floor tok/s (every matmul weight read once per token) | "
-          "ms a step | of which reading the weights at the bandwidth | beyond the weights")
+    print("format | tok/s | vs bf16 | paired vs bf16 (median of the rounds' ratios) | weight MiB | floor tok/s "
+          "(every matmul weight read once per token) | ms a step | of which reading the weights at the bandwidth | "
+          "beyond the weights")
     base = statistics.median(rates["bfloat16"])
     for fmt, llm in llms.items():
         model = llm.engine.core.runner.model
         rate = statistics.median(rates[fmt])
+        paired = statistics.median(r / b for r, b in zip(rates[fmt], rates["bfloat16"]))
         step, reading = 1e3 / rate, matmul_bytes(model) / (gbs * 1e9) * 1e3
-        print(f"{fmt} | {rate:.1f} | {rate / base:.2f}x | {weight_bytes(model) / 2**20:.0f} | "
+        print(f"{fmt} | {rate:.1f} | {rate / base:.2f}x | {paired:.2f}x | {weight_bytes(model) / 2**20:.0f} | "
               f"{gbs * 1e9 / matmul_bytes(model):.1f} | {step:.2f} | {reading:.2f} | {step - reading:.2f}")
 
 
