@@ -62,17 +62,20 @@ def requantize(src: Path, out: Path, target: GGMLQuantizationType) -> list[str]:
     return changed
 
 
+def _mib(path: Path) -> float:
+    return path.stat().st_size / 2**20
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--src", type=Path, default=None, help="a GGUF file (default: the embedded SmolLM2 Q4_1)")
     p.add_argument("--type", choices=sorted(TARGETS), default="Q4_1")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
-    src = args.src or Path(default_model_path())
+    src = args.src or default_model_path()
     for line in requantize(src, args.out, TARGETS[args.type]):
         print(line)
-    mib = lambda p: p.stat().st_size / 2**20
-    print(f"wrote {args.out} ({mib(args.out):.1f} MiB; {src.name} {mib(src):.1f} MiB)")
+    print(f"wrote {args.out} ({_mib(args.out):.1f} MiB; {src.name} {_mib(src):.1f} MiB)")
     return 0
 
 

@@ -45,5 +45,6 @@ def test_tokenmill_reads_the_written_file(written):
     info = f.tensors["token_embd.weight"]
     assert info.ggml_type == GGMLQuantizationType.Q4_1 and info.shape == (49152, 576)
     ours = f.read_tensor("token_embd.weight")  # our Q4_1 decoder against gguf-py's on the same blocks
-    theirs = dequantize(f.read_raw("token_embd.weight").numpy().reshape(info.shape[0], -1), GGMLQuantizationType.Q4_1)
+    blocks = f.read_raw("token_embd.weight").numpy().reshape(info.shape[0], -1)
+    theirs = dequantize(blocks, GGMLQuantizationType.Q4_1)
     assert torch.equal(ours, torch.from_numpy(theirs))
