@@ -131,17 +131,17 @@ def matmul(rows: list[int], gbs: float) -> None:
         print(f"{m} | {cells}")
 
 
-def engines(max_num_seqs: int = 128) -> dict:
+def engines(max_num_seqs: int = 128, num_scheduler_steps: int = 1) -> dict:
     """An engine per --formats name (DECODE's, on the embedded GGUF) and per --checkpoints LABEL=PATH (served in
     its own format, e.g. an AWQ directory from `tokenmill quantize`)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from tokenmill import LLM
 
-    out = {fmt: LLM(dtype="bfloat16", quantization=q.partition(":")[0], max_num_seqs=max_num_seqs,
-                    kv_cache_dtype=q.partition(":")[2] or "auto")
+    common = {"dtype": "bfloat16", "max_num_seqs": max_num_seqs, "num_scheduler_steps": num_scheduler_steps}
+    out = {fmt: LLM(quantization=q.partition(":")[0], kv_cache_dtype=q.partition(":")[2] or "auto", **common)
            for fmt, q in DECODE.items() if SELECTED is None or fmt.split(" ")[0] in SELECTED}
     for label, path in CHECKPOINTS.items():
-        out[label] = LLM(path, dtype="bfloat16", max_num_seqs=max_num_seqs)
+        out[label] = LLM(path, **common)
     return out
 
 
@@ -149,32 +149,34 @@ SELECTED: set[str] | None = None  # --formats: DECODE names (the first word) to 
 CHECKPOINTS: dict[str, str] = {}  # --checkpoints
 
 
-def decode(runs: int, tokens: int, gbs: float) -> None:
+def decode(runs: int, tokens: int, gbs: float, steps: list[int]) -> None:
+    """`steps`: --num-scheduler-steps values; each format runs under each (one engine apiece), and its ratios are
+    to the bfloat16 engine with the same steps."""
     from tokenmill import SamplingParams
     from tokenmill.engine.runner import weight_bytes
 
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    llms = engines()
-    rates: dict[str, list[float]] = {fmt: [] for fmt in llms}
+    llms = {(fmt, k): llm for k in steps for fmt, llm in engines(num_scheduler_steps=k).items()}
+    rates: dict[tuple[str, int], list[float]] = {key: [] for key in llms}
     for llm in llms.values():
         llm.generate(["Warm up"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     for _ in range(runs):
-        for fmt, llm in llms.items():
+        for key, llm in llms.items():
             t = time.perf_counter()
             llm.generate(["Once upon a time"], params, use_tqdm=False)
-            rates[fmt].append(tokens / (time.perf_counter() - t))
+            rates[key].append(tokens / (time.perf_counter() - t))
     print(f"decode: one stream, {tokens} tokens, SmolLM2-135M, tokens/s (median of {runs} rounds)")
-    print("format | tok/s | vs bf16 | paired vs bf16 (median of the rounds' ratios) | weight MiB | floor tok/s "
-          "(every matmul weight read once per token) | ms a step | of which reading the weights at the bandwidth | "
-          "beyond the weights")
-    base = statistics.median(rates["bfloat16"])
-    for fmt, llm in llms.items():
-        model = llm.engine.core.runner.model
-        rate = statistics.median(rates[fmt])
-        paired = statistics.median(r / b for r, b in zip(rates[fmt], rates["bfloat16"]))
+    print("format | scheduler steps | tok/s | vs bf16 | paired vs bf16 (median of the rounds' ratios) | weight MiB "
+          "| floor tok/s (every matmul weight read once per token) | ms a token | of which reading the weights at "
+          "the bandwidth | beyond the weights")
+    for (fmt, k), llm in llms.items():
+        model, base = llm.engine.core.runner.model, rates[("bfloat16", k)]
+        rate = statistics.median(rates[(fmt, k)])
+        paired = statistics.median(r / b for r, b in zip(rates[(fmt, k)], base))
         step, reading = 1e3 / rate, matmul_bytes(model) / (gbs * 1e9) * 1e3
-        print(f"{fmt} | {rate:.1f} | {rate / base:.2f}x | {paired:.2f}x | {weight_bytes(model) / 2**20:.0f} | "
-              f"{gbs * 1e9 / matmul_bytes(model):.1f} | {step:.2f} | {reading:.2f} | {step - reading:.2f}")
+        print(f"{fmt} | {k} | {rate:.1f} | {rate / statistics.median(base):.2f}x | {paired:.2f}x | "
+              f"{weight_bytes(model) / 2**20:.0f} | {gbs * 1e9 / matmul_bytes(model):.1f} | {step:.2f} | "
+              f"{reading:.2f} | {step - reading:.2f}")
 
 
 def batched(runs: int) -> None:
@@ -217,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(first word; default all; bfloat16 is the baseline and must be among them)")
     p.add_argument("--checkpoints", default="", help="decode/batched: LABEL=PATH,... checkpoints served in their "
                    "own format beside the formats (e.g. awq=DIR from `tokenmill quantize`)")
+    p.add_argument("--num-scheduler-steps", default="1", help="decode: comma-separated multi-step decode settings, "
+                   "each format run under each (e.g. 1,8)")
     args = p.parse_args(argv)
     global SELECTED
     SELECTED = None if args.formats is None else set(args.formats.split(",")) | {"bfloat16"}
@@ -228,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     if "matmul" in parts:
         matmul([int(r) for r in args.rows.split(",")], gbs)
     if "decode" in parts:
-        decode(args.runs, args.tokens, gbs)
+        decode(args.runs, args.tokens, gbs, [int(k) for k in args.num_scheduler_steps.split(",")])
     if "batched" in parts:
         batched(args.runs)
     return 0

@@ -18,7 +18,7 @@ CHANGED = {"model": ("m.gguf", "m.gguf"), "tokenizer": ("tok", "tok"), "dtype": 
            "long_prefill_token_threshold": ("100", 100), "max_model_len": ("4096", 4096),
            "scheduling_policy": ("static", "static"), "batch_invariant": (None, False),
            "quantization": ("int8", "int8"), "max_prefill_tokens_while_decoding": ("64", 64),
-           "max_decode_slowdown": ("2.5", 2.5),
+           "max_decode_slowdown": ("2.5", 2.5), "num_scheduler_steps": ("8", 8),
            "speculative_config": ('{"num_speculative_tokens": 3}', '{"num_speculative_tokens": 3}'),
            "priority_aging_s": ("5", 5.0), "new_token_ratio": ("0.5", 0.5), "slo_ttft_ms": ("800", 800.0),
            "slo_itl_ms": ("150", 150.0), "tensor_parallel_size": ("2", 2),

@@ -169,6 +169,9 @@ class SchedulerConfig:
     # this share of the output tokens the running requests may still write; the share decays to a tenth of itself
     # while nothing is preempted and goes back up when blocks run out. 0: admit whatever fits now.
     new_token_ratio: float = 0.7
+    # multi-step decode: a batch of a few plain decodes (nothing waiting, no ITL target) runs up to this many steps
+    # in a row without the engine's per-step Python between them (engine/scheduler.py _decode_steps); 1: off
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -191,6 +194,8 @@ class SchedulerConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"{flag} must be a positive number, got {value}")
+        if self.num_scheduler_steps < 1:
+            raise ConfigError(f"--num-scheduler-steps must be >= 1, got {self.num_scheduler_steps}")
         if not 0 <= self.new_token_ratio <= 1:
             raise ConfigError(f"--new-token-ratio must be in [0, 1], got {self.new_token_ratio}")
 

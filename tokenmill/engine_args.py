@@ -112,6 +112,11 @@ class EngineArgs:
                                        "for this share of the output tokens running requests may still write "
                                        "(decays while nothing is preempted, rises when blocks run out; 0: off)",
                                   type=float, config="scheduler")
+    num_scheduler_steps: int = _opt(
+        1, "multi-step decode (vLLM's flag): while a few requests (8 at most) only decode, nothing waits and none "
+           "has an ITL target, run up to this many decode steps in a row, each sampled token fed straight back, "
+           "without the engine's scheduling and output processing between them; tokens then stream in bursts of "
+           "up to this many, and a newcomer waits for the run to end. 1: off", type=int, config="scheduler")
     slo_ttft_ms: float | None = _opt(None, "time-to-first-token target of requests that give none "
                                            "(`slo_ttft_ms`): orders admission by slack under policy priority",
                                      type=float, config="scheduler")

@@ -114,16 +114,22 @@ class Request:
 
     def check_stop(self) -> bool:
         """After a token is appended: set a finished status if it ends the request (EOS, stop id, length)."""
-        token = self.output_token_ids[-1]
-        if len(self.output_token_ids) >= self.params.min_tokens:
+        end = self._end(self.output_token_ids[-1], len(self.output_token_ids))
+        if end is not None:
+            self.status, self.stop_reason = end
+        return end is not None
+
+    def would_stop(self, token: int, num_output: int) -> bool:
+        """Whether `token` as the request's `num_output`-th output token would end it: check_stop asked ahead
+        (multi-step decode ends early once every request of its batch has ended)."""
+        return self._end(token, num_output) is not None
+
+    def _end(self, token: int, num_output: int) -> tuple[RequestStatus, int | None] | None:
+        if num_output >= self.params.min_tokens:
             if not self.params.ignore_eos and token in self.eos_token_ids:
-                self.status = RequestStatus.FINISHED_STOPPED
-                return True
+                return RequestStatus.FINISHED_STOPPED, None
             if token in self.params.stop_token_ids:
-                self.status = RequestStatus.FINISHED_STOPPED
-                self.stop_reason = token
-                return True
-        if len(self.output_token_ids) >= self.max_tokens:
-            self.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
+                return RequestStatus.FINISHED_STOPPED, token
+        if num_output >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None

@@ -21,9 +21,10 @@ def make_request(rid: str, prompt_len: int, max_tokens: int, eos: int | None = N
 
 
 def run_step(sched: Scheduler, token=7):
+    """One step whose sampler draws `token` (as many as a multi-step run's steps)."""
     out = sched.schedule()
     assert all(s.num_new_tokens > 0 for s in out.scheduled)
-    sampled = {s.request.request_id: SampledTokens([token]) for s in out.scheduled if s.samples}
+    sampled = {s.request.request_id: SampledTokens([token] * out.num_steps) for s in out.scheduled if s.samples}
     finished = sched.update(out, sampled)
     return out, finished
 
@@ -209,14 +210,16 @@ def b_running(sched):
     return any(r.request_id == "b" for r in sched.running)
 
 
+@pytest.mark.parametrize("steps", [1, 4])  # one decode a step; multi-step decode
 @pytest.mark.parametrize("ratio", [0.0, 0.7])  # no headroom for decode growth (preempts more), the default
 @pytest.mark.parametrize("threshold", [None, 1, 10_000])  # default, everything long, no sharing
 @pytest.mark.parametrize("seed", range(6))
-def test_random_workload_with_aborts_and_preemptions_leaves_the_pool_whole(seed, threshold, ratio):
+def test_random_workload_with_aborts_and_preemptions_leaves_the_pool_whole(seed, threshold, ratio, steps):
     rng = random.Random(seed)
     kv = KVCacheManager(rng.randint(12, 40), rng.choice([1, 4, 16]))
     sched = Scheduler(SchedulerConfig(max_num_seqs=rng.randint(1, 8), max_num_batched_tokens=rng.randint(8, 64),
                                       long_prefill_token_threshold=threshold, new_token_ratio=ratio), kv)
+    sched.max_steps = steps
     capacity = kv.pool.num_blocks * kv.block_size
     n_added, preemptions = 0, 0
     for step in range(400):
@@ -379,3 +382,89 @@ def test_a_chunk_the_pool_cannot_grow_stays_capped_and_preempts_no_one():
 def test_long_prefill_token_threshold_is_validated():
     with pytest.raises(ConfigError, match="--long-prefill-token-threshold must be >= 1"):
         SchedulerConfig(long_prefill_token_threshold=0)
+
+
+# ---- multi-step decode ----------------------------------------------------------------------------------------------
+def multi_step_scheduler(steps=4, num_blocks=64, block_size=4) -> Scheduler:
+    sched = Scheduler(SchedulerConfig(), KVCacheManager(num_blocks, block_size))
+    sched.max_steps = steps
+    return sched
+
+
+def test_plain_decodes_run_several_steps_with_their_slots_allocated():
+    sched = multi_step_scheduler(steps=4)
+    a, b = make_request("a", 5, 10), make_request("b", 3, 10)
+    sched.add_request(a)
+    sched.add_request(b)
+    out, _ = run_step(sched)  # the prompts: one step
+    assert out.num_steps == 1
+    out = sched.schedule()  # the first decodes: 4 steps, slots for 4 tokens each
+    assert out.num_steps == 4 and [s.num_new_tokens for s in out.scheduled] == [1, 1]
+    assert len(a.block_ids) == sched.kv.blocks_needed(5 + 4) and len(b.block_ids) == sched.kv.blocks_needed(3 + 4)
+    sched.update(out, {"a": SampledTokens([7, 8, 9, 10]), "b": SampledTokens([7, 8, 9, 10])})
+    # each token but the last was fed back: computed up to the last token, which the next step feeds
+    assert a.output_token_ids == [7, 7, 8, 9, 10] and a.num_computed_tokens == a.num_tokens - 1 == 9
+    check_blocks_match_tokens(sched)
+    out, _ = run_step(sched)
+    assert out.num_steps == 4 and a.num_output_tokens == 9
+    out, _ = run_step(sched)  # one token left to write: one step
+    assert out.num_steps == 1 and not sched.has_unfinished
+    sched.kv.pool.check_whole()
+
+
+def test_a_run_ends_at_the_token_that_stops_the_request():
+    sched = multi_step_scheduler(steps=4)
+    req = make_request("a", 5, 20, eos=2)
+    sched.add_request(req)
+    run_step(sched)
+    out = sched.schedule()
+    got = SampledTokens([7, 2, 8, 9])
+    assert sched.update(out, {"a": got}) == [req]
+    assert req.output_token_ids == [7, 7, 2] and got.token_ids == [7, 2]  # what came after the EOS is dropped
+    assert req.status is RequestStatus.FINISHED_STOPPED
+    sched.kv.pool.check_whole()
+
+
+def test_a_run_cut_short_gives_back_the_slots_it_did_not_use():
+    sched = multi_step_scheduler(steps=8, block_size=2)
+    req = make_request("a", 4, 20)
+    sched.add_request(req)
+    run_step(sched)
+    out = sched.schedule()
+    assert out.num_steps == 8 and len(req.block_ids) == 6  # 4 + 8 tokens
+    sched.update(out, {"a": SampledTokens([7, 8])})  # the runner stopped after 2 (its sampling failed)
+    assert req.num_computed_tokens == 6 and req.num_tokens == 7
+    assert len(req.block_ids) == sched.kv.blocks_needed(req.num_computed_tokens + 1) == 4
+
+
+@pytest.mark.parametrize("case", ["waiting", "itl target", "prompt chunk", "too many", "pool short", "first token"])
+def test_one_step_at_a_time_unless_a_run_is_safe(case):
+    sched = multi_step_scheduler(steps=8 if case == "pool short" else 4, num_blocks=4 if case == "pool short" else 256)
+    reqs = [make_request(f"r{i}", 4, 10) for i in range(9 if case == "too many" else 1)]
+    if case == "itl target":
+        reqs[0].itl_target = 0.05
+    for r in reqs:
+        sched.add_request(r)
+    out, _ = run_step(sched)
+    assert out.num_steps == 1
+    if case == "first token":  # the step after the prompt has a token: the next runs
+        assert run_step(sched)[0].num_steps == 4
+        return
+    if case == "waiting":  # a newcomer would wait for the whole run
+        sched.add_request(make_request("late", 4, 10))
+        sched.config.max_num_seqs = 1
+    if case == "prompt chunk":
+        sched.add_request(make_request("long", 40, 10))
+    if case == "pool short":  # 4 blocks of 4: the prompt's 1 and another's 2 held; a run of 8 needs 3
+        other = make_request("other", 7, 10)
+        assert sched.kv.allocate_slots(other, 8)
+    out, _ = run_step(sched)
+    assert out.num_steps == 1
+    assert [s.request.request_id for s in out.scheduled][:1] == ["r0"] and (case != "waiting" or sched.waiting)
+    for r in reqs:  # nothing allocated for a run that did not happen
+        assert len(r.block_ids) == sched.kv.blocks_needed(r.num_computed_tokens)
+
+
+def test_the_number_of_scheduler_steps_is_validated():
+    with pytest.raises(ConfigError, match="--num-scheduler-steps must be >= 1"):
+        SchedulerConfig(num_scheduler_steps=0)

@@ -187,6 +187,9 @@ class EngineCore:
             self.speculator = build_speculator(config.speculative, self, self.step_cost)
             self.scheduler.spec_stats = SpecDecodeStats()
             self.scheduler.lookahead = self.cache_info.reserved_tokens = self.speculator.lookahead
+        # multi-step decode where the runner holds the whole model and nothing acts between tokens (drafts)
+        self.num_steps = (config.scheduler.num_scheduler_steps if getattr(self.runner, "multi_step", False)
+                          and self.speculator is None and config.kv_transfer is None else 1)
         self._unstarted: set[str] = set()  # added, never scheduled yet: reported in `started` when first scheduled
         self.structured: StructuredOutputs | None = None  # made at the first constrained request
         # disaggregated prefill/decode (tokenmill/disagg/): the connector, a producer's shipments and the finished
@@ -404,6 +407,8 @@ class EngineCore:
     def step(self) -> EngineOutputs:
         """Schedule and run one step: the tokens it sampled, and the sequences it scheduled for the first time."""
         outputs = self._admit_constrained()
+        # constrained requests advance their grammar token by token: one step at a time while any is here
+        self.scheduler.max_steps = 1 if self.structured is not None and len(self.structured) else self.num_steps
         sched = self.scheduler.schedule()
         if sched.empty:
             if self._held:  # only transfers under way: wait a little for their outcome rather than spin
@@ -420,7 +425,7 @@ class EngineCore:
             self._load_external(sched)
         start = time.perf_counter()
         result = self._execute(sched)
-        self.step_cost.observe(sched.num_tokens, time.perf_counter() - start, pairs)
+        self.step_cost.observe(sched.num_tokens, (time.perf_counter() - start) / sched.num_steps, pairs)
         if self._shipments:
             self._ship(sched, result)
         for rid, why in result.failed.items():

@@ -28,6 +28,7 @@ from tokenmill.spec.rejection import rejection_sample
 
 if TYPE_CHECKING:
     from tokenmill.parallel.group import PipelineParallel, TensorParallel
+    from tokenmill.request import Request
     from tokenmill.structured.manager import StructuredOutputs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -90,6 +91,8 @@ class ModelRunner:
                  kv_dtype: torch.dtype | None = None, tp: TensorParallel | None = None,
                  pp: PipelineParallel | None = None, cp: ContextParallel | None = None):
         self.use_kernel = use_kernel
+        # multi-step decode (execute with num_steps > 1) runs the model here, in one process, whole
+        self.multi_step = tp is None and pp is None and cp is None
         # batch_invariant: every prompt token reads its context through the block tables (its K/V written first),
         # so its attention is the same computation however the prompt was chunked and whatever shares the step,
         # and the backend picks matmul kernels whose rows do not depend on the batch. Otherwise a prompt's first
@@ -194,6 +197,8 @@ class ModelRunner:
     # ---- one step ----------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
+        if out.num_steps > 1:
+            return self._decode_steps(out)
         # Paged tokens (decodes, later prefill chunks) first, then fresh prefills: see model/attention.py.
         if self.batch_invariant:
             paged, fresh = list(out.scheduled), []
@@ -251,6 +256,66 @@ class ModelRunner:
                 i += n
         result.prompt_logprobs = prompt_logprobs
         return result
+
+    def _decode_steps(self, out: SchedulerOutput) -> StepResult:
+        """Multi-step decode: `out.num_steps` decode steps of the same requests in a row, each sampled token the
+        next step's input, their KV slots allocated by the scheduler; no scheduling, output processing or
+        detokenizing between them. Each token is sampled as a step of its own would sample it (the same rows:
+        penalties and min_tokens over the output so far, the generator of its position). Stops early once every
+        request has ended (EOS, stop id), or after a step whose sampling failed (what was sampled stays)."""
+        scheduled, bs = out.scheduled, self.block_size
+        reqs = [s.request for s in scheduled]
+        starts = [r.num_computed_tokens for r in reqs]
+        steps = out.num_steps
+        max_blocks = -(-(max(starts) + steps) // bs)
+        meta_tables = self._long([b for r in reqs for b in r.block_ids[:max_blocks] + [0] * (max_blocks - len(
+            r.block_ids[:max_blocks]))]).view(len(reqs), max_blocks)
+        q_rows = self._long(list(range(len(reqs))))
+        positions = self._long([[p + j for p in starts] for j in range(steps)])
+        slots = self._long([[r.block_ids[(p + j) // bs] * bs + (p + j) % bs for r, p in zip(reqs, starts)]
+                            for j in range(steps)])
+        input_ids = self._long([r.tokens_with_spec(p, p + 1)[0] for r, p in zip(reqs, starts)])
+        new: list[list[int]] = [[] for _ in reqs]
+        logprobs: list[list[dict[int, float]] | None] = [
+            [] if r.params.logprobs is not None else None for r in reqs]
+        failed: dict[str, str] = {}
+        ended = [False] * len(reqs)
+        for j in range(steps):
+            meta = AttentionMetadata(slot_mapping=slots[j], num_paged_tokens=len(reqs), block_tables=meta_tables,
+                                     q_rows=q_rows, kv_lens=positions[j] + 1)
+            logits = self.model.compute_logits(self.model(input_ids, positions[j], meta, self.kv_caches))
+            rows = [self._step_row(r, r.output_token_ids + mine) for r, mine in zip(reqs, new)]
+            try:
+                results = self.sampler(logits, rows)
+            except Exception:  # noqa: BLE001 - as execute: the requests at fault fail, the others keep this token
+                step = self._sample_one_by_one(logits, rows, scheduled)
+                failed = step.failed
+                results = [(t.token_ids[0], t.logprobs[0] if t.logprobs else None)
+                           if (t := step.sampled.get(r.request_id)) is not None else None for r in reqs]
+            for i, (r, got) in enumerate(zip(reqs, results)):
+                if got is None or ended[i]:
+                    continue
+                new[i].append(got[0])
+                if logprobs[i] is not None:
+                    logprobs[i].append(got[1])
+                ended[i] = r.would_stop(got[0], len(r.output_token_ids) + len(new[i]))
+            if failed or all(ended):
+                break
+            input_ids = self._long([mine[-1] if mine else 0 for mine in new])
+        result = StepResult(failed=failed)
+        for r, mine, lps in zip(reqs, new, logprobs):
+            if r.request_id not in failed:
+                result.sampled[r.request_id] = SampledTokens(mine, lps)
+        return result
+
+    def _step_row(self, req: Request, output: list[int]) -> SamplingRow:
+        """The sampling row of a request's next output token after `output`."""
+        p = req.params
+        blocked = None
+        if len(output) < p.min_tokens:
+            blocked = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids)))
+        gen = None if p.greedy else self.position_generator(req.request_id, p.seed, len(output))
+        return SamplingRow(p, req.prompt_token_ids, output, gen, blocked)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, ordered: list[ScheduledRequest]
                          ) -> dict[str, list[dict[int, float]]]:
@@ -370,16 +435,9 @@ class ModelRunner:
     def _sampling_rows(self, s: ScheduledRequest) -> list[SamplingRow]:
         """One row per output position this step samples: the next token, then one after each draft token (its
         output so far includes the drafts before it, for penalties and min_tokens)."""
-        req, p = s.request, s.request.params
-        rows = []
-        for j in range(1 + s.num_spec_tokens):
-            output = req.output_token_ids + req.spec_token_ids[:j] if j else req.output_token_ids
-            blocked = None
-            if len(output) < p.min_tokens:
-                blocked = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids)))
-            gen = None if p.greedy else self.position_generator(req.request_id, p.seed, len(output))
-            rows.append(SamplingRow(p, req.prompt_token_ids, output, gen, blocked))
-        return rows
+        req = s.request
+        return [self._step_row(req, req.output_token_ids + req.spec_token_ids[:j] if j else req.output_token_ids)
+                for j in range(1 + s.num_spec_tokens)]
 
 
 Span = tuple[ScheduledRequest, int, int]  # a scheduled chunk, or part of it: (scheduled, offset, tokens)

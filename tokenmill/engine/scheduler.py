@@ -27,6 +27,13 @@ scheduled 1 + k tokens (the budget may cut drafts off); `update` keeps the accep
 back over the rejected ones, whose KV slots the next step overwrites. A draft model writes its own KV a few
 positions ahead of the target (`lookahead`), so each allocation makes room for that many more.
 
+Multi-step decode (`max_steps` > 1, --num-scheduler-steps, as vLLM's): a step whose batch is a few plain decodes
+(MULTI_STEP_MAX_REQUESTS at most), with no one waiting and no inter-token latency target among them, runs up to
+`max_steps` decodes in a row in the runner, the KV slots of all of them allocated here first (never by preempting:
+short of blocks, one step). `update` then takes several tokens per request, as after a verify pass, and stops at the
+one that ends a request. What it saves is the engine's Python between tokens (scheduling, output processing,
+detokenizing); what it costs is tokens arriving in bursts and a newcomer or an abort waiting for the run to end.
+
 Latency targets and priorities (any policy): while requests with an inter-token latency target decode, a step
 carries no more than the measured step cost (engine/step_cost.py) fits within the smallest target: the decodes it
 protects are reserved first, and each chunk is costed where it sits in its context. The order of service, of
@@ -53,6 +60,9 @@ from tokenmill.spec.stats import SpecDecodeStats
 
 NEW_TOKEN_RATIO_FLOOR = 1 / 7  # of the configured ratio: where its decay stops (SGLang's 0.7 -> 0.1)
 NEW_TOKEN_RATIO_DECAY_STEPS = 600  # steps from the configured ratio down to the floor
+# Multi-step decode (`max_steps` > 1) applies to batches of at most this many decodes: beyond it a step's Python is
+# a few percent of its time, while K steps in one go hold back aborts and bursts for K times longer.
+MULTI_STEP_MAX_REQUESTS = 8
 
 
 @dataclass
@@ -95,6 +105,9 @@ class SampledTokens:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # > 1: every scheduled request is one decode token, and the runner decodes this many tokens in a row for each
+    # (each sampled token fed back as the next input), its KV slots already allocated (multi-step decode)
+    num_steps: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -138,6 +151,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prefill_tokens_computed = 0  # prompt (and recomputed) tokens run through the model: not cache hits
         self.lookahead = 0  # KV slots past the scheduled tokens a draft model writes (engine/core.py sets it)
+        self.max_steps = 1  # multi-step decode: up to this many tokens a step for small decode batches (core sets it)
         self.spec_stats: SpecDecodeStats | None = None  # counted in `update` when speculation is on
         self.step_cost: StepCostModel | None = None  # measured step times (engine/core.py sets it)
         self.preemptions_by_cause = {"blocks": 0, "priority": 0}
@@ -220,7 +234,34 @@ class Scheduler:
                 self._admit_waiting(out, budget, now, None, capped)
             self._count_skips(queue)
         out.scheduled = [s for s in out.scheduled if s.num_new_tokens]  # chunks phase A left for C, or out of time
+        if self.max_steps > 1 and out.scheduled:
+            out.num_steps = self._decode_steps(out)
         return out
+
+    def _decode_steps(self, out: SchedulerOutput) -> int:
+        """How many decode steps this step may run in a row (multi-step decode), their KV slots allocated: up to
+        `max_steps` when the batch is a few plain decodes and no one waits (a newcomer would wait for all of
+        them), no request has an inter-token latency target (the tokens come in bursts) and none has fewer
+        tokens left to write; 1 otherwise, or when the pool is short of the blocks the extra tokens need."""
+        if (self.waiting or out.preempted or self.lookahead or len(out.scheduled) > MULTI_STEP_MAX_REQUESTS):
+            return 1
+        steps = self.max_steps
+        for s in out.scheduled:
+            req = s.request
+            if (s.num_new_tokens != 1 or s.num_spec_tokens or not s.samples or not req.output_token_ids
+                    or req.itl_target is not None):
+                return 1
+            steps = min(steps, req.max_tokens - len(req.output_token_ids))
+        if steps <= 1:
+            return 1
+        kv = self.kv
+        need = sum(max(0, kv.blocks_needed(s.request.num_computed_tokens + steps) - len(s.request.block_ids))
+                   for s in out.scheduled)
+        if need > kv.num_free_blocks:
+            return 1
+        for s in out.scheduled:
+            kv.allocate_slots(s.request, steps)
+        return steps
 
     def _decay_new_token_ratio(self) -> None:
         top = self.config.new_token_ratio
@@ -388,6 +429,10 @@ class Scheduler:
             req.num_computed_tokens += s.num_new_tokens
             req.spec_token_ids = []
             got = sampled.get(req.request_id)
+            if out.num_steps > 1 and got is not None:  # each token after the first was fed back, so computed
+                req.num_computed_tokens += len(got.token_ids) - 1
+                # a run cut short (its sampling failed) leaves slots allocated for tokens never computed
+                self.kv.trim(req, req.num_computed_tokens + 1)
             if drafts:
                 accepted = len(got.token_ids) - 1 if got is not None else 0
                 req.num_computed_tokens -= drafts - accepted

@@ -1,0 +1,125 @@
+"""Multi-step decode (`num_scheduler_steps`): several decode steps in one engine step give the tokens one step at a
+time gives, sampling parameters and all, and lose no block or request."""
+
+import pytest
+
+from tests.models.tiny import make_tiny_model
+from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.sampling_params import SamplingParams
+
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("multi_step"), vocab_size=256))
+
+
+def make_engine(path: str, steps: int) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=path, dtype="float32", cache=CacheConfig(kv_cache_memory=8 << 20),
+                                  scheduler=SchedulerConfig(num_scheduler_steps=steps)))
+
+
+@pytest.fixture(scope="module")
+def engines(model_path):
+    """One step at a time, and multi-step; the latter counts the runs of several steps it made."""
+    single, multi = make_engine(model_path, 1), make_engine(model_path, STEPS)
+    runner = multi.core.runner
+    execute = runner.execute
+    multi.runs = []
+
+    def counting(out):
+        multi.runs.append(out.num_steps)
+        return execute(out)
+
+    runner.execute = counting
+    return single, multi
+
+
+def run(engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams) -> dict:
+    for rid, ids in prompts.items():
+        engine.add_request(rid, {"prompt_token_ids": ids}, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+    engine.core.check_idle_invariants()
+    return done
+
+
+PROMPTS = {f"p{i}": [3 + i, 40 + 7 * i, 90, 17 + i][:2 + i % 3] for i in range(5)}
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=40),  # EOS may end a request inside a run
+    SamplingParams(temperature=0.9, seed=11, max_tokens=30, logprobs=3),
+    SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_tokens=30),  # unseeded: a seed per request
+    SamplingParams(temperature=0.8, seed=5, max_tokens=30, repetition_penalty=1.4, frequency_penalty=0.5,
+                   min_tokens=20, stop_token_ids=[9, 12]),  # penalties over the run's own tokens, stops held back
+    SamplingParams(temperature=0, max_tokens=25, stop_token_ids=[7, 30, 31, 60, 61, 99, 100, 101, 200]),
+], ids=["greedy", "greedy-eos", "seeded-logprobs", "unseeded-filters", "penalties-min-tokens", "stop-ids"])
+def test_several_steps_at_once_give_the_tokens_of_one_at_a_time(engines, params):
+    single, multi = engines
+    multi.runs.clear()
+    for prompts in ({"one": [5, 6, 7]}, PROMPTS):
+        if params.seed is None and not params.greedy:  # the engines draw each request's seed from their own rng
+            single.core.runner._seed_rng.seed(0)
+            multi.core.runner._seed_rng.seed(0)
+        want, got = run(single, prompts, params), run(multi, prompts, params)
+        for rid in prompts:
+            assert got[rid].token_ids == want[rid].token_ids, rid
+            assert got[rid].finish_reason == want[rid].finish_reason
+            assert got[rid].logprobs == want[rid].logprobs
+    assert any(n > 1 for n in multi.runs), "no run of several steps happened"
+
+
+def test_a_batch_larger_than_a_run_takes_steps_one_at_a_time(engines):
+    single, multi = engines
+    multi.runs.clear()
+    prompts = {f"r{i}": [i + 1, 2 * i + 3] for i in range(9)}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    assert {k: o.token_ids for k, o in run(multi, prompts, params).items()} == {
+        k: o.token_ids for k, o in run(single, prompts, params).items()}
+    assert set(multi.runs) == {1}
+
+
+def test_an_abort_between_runs_frees_the_request(engines):
+    _, multi = engines
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    multi.add_request("keep", {"prompt_token_ids": [4, 5]}, params)
+    multi.add_request("drop", {"prompt_token_ids": [6, 7]}, params)
+    for _ in range(3):
+        multi.step()
+    assert multi.abort_request("drop") is not None
+    done = {}
+    while multi.has_unfinished_requests():
+        for out in multi.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+    assert len(done["keep"].token_ids) == 100
+    multi.core.check_idle_invariants()
+
+
+def test_non_finite_logits_inside_a_run_fail_that_request_alone(engines, monkeypatch):
+    _, multi = engines
+    model = multi.core.runner.model
+    compute_logits = model.compute_logits
+    calls = []
+
+    def nan_in_a_later_step(hidden):
+        logits = compute_logits(hidden)
+        calls.append(logits.shape[0])
+        if len(calls) == 6 and logits.shape[0] == 2:  # inside the first run of both requests' decodes
+            logits[1] = float("nan")
+        return logits
+
+    monkeypatch.setattr(model, "compute_logits", nan_in_a_later_step)
+    multi.runs.clear()
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=20, ignore_eos=True)
+    done = run(multi, {"a": [1, 2, 3], "b": [4, 5, 6]}, params)
+    assert multi.runs[:2] == [1, STEPS]
+    assert done["a"].finish_reason == "length" and len(done["a"].token_ids) == 20
+    assert done["b"].finish_reason == "error" and "non-finite logits" in done["b"].error
