@@ -123,3 +123,54 @@ def test_non_finite_logits_inside_a_run_fail_that_request_alone(engines, monkeyp
     assert multi.runs[:2] == [1, STEPS]
     assert done["a"].finish_reason == "length" and len(done["a"].token_ids) == 20
     assert done["b"].finish_reason == "error" and "non-finite logits" in done["b"].error
+
+
+def count_native_runs(engine: LLMEngine) -> list[int]:
+    """Wraps the model's greedy decode path: the list gets each run it served (its steps), not the ones it
+    declined."""
+    model, served = engine.core.runner.model, []
+    decode_greedy = model.decode_greedy
+
+    def counting(*args, **kwargs):
+        tokens = decode_greedy(*args, **kwargs)
+        if tokens is not None:
+            served.append(tokens.shape[0])
+        return tokens
+
+    model.decode_greedy = counting
+    return served
+
+
+@pytest.mark.parametrize("dtype,quantization", [("float32", None), ("bfloat16", None), ("bfloat16", "int8"),
+                                                ("bfloat16", "fp8"), ("bfloat16", "int4")])
+@pytest.mark.parametrize("tied", [True, False])
+def test_greedy_runs_in_one_backend_call_give_the_same_tokens(tmp_path, dtype, quantization, tied):
+    path = str(make_tiny_model(tmp_path, vocab_size=256, tie_word_embeddings=tied, num_kv_heads=2))
+    single, multi = (LLMEngine(EngineConfig(
+        model=path, dtype=dtype, quantization=quantization, cache=CacheConfig(kv_cache_memory=8 << 20),
+        scheduler=SchedulerConfig(num_scheduler_steps=steps))) for steps in (1, STEPS))
+    served = count_native_runs(multi)
+    prompts = {f"p{i}": [3 + i, 40 + 7 * i, 90] for i in range(3)}
+    params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[5, 6])
+    want, got = run(single, prompts, params), run(multi, prompts, params)
+    assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in want.items()}
+    assert {k: o.finish_reason for k, o in got.items()} == {k: o.finish_reason for k, o in want.items()}
+    if multi.core.runner.backend.name == "cpu":  # the C++ kernels built: every run went through them
+        assert served and all(n > 1 for n in served[:1])
+
+
+def test_the_embedded_gguf_decodes_the_same_tokens_in_runs():
+    """SmolLM2's GGUF as served by default (Q4_1 layers and a Q8_0 tied head kept in their blocks, where this CPU
+    has their kernel), prompts through its tokenizer: runs of greedy steps give the step-by-step tokens."""
+    from tokenmill import LLM
+
+    single, multi = LLM(), LLM(num_scheduler_steps=STEPS)
+    served = count_native_runs(multi.engine)
+    prompts = ["Once upon a time", "The three primary colors are", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    want = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in multi.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    if multi.engine.core.runner.backend.name == "cpu":
+        assert served
+    multi.engine.core.check_idle_invariants()

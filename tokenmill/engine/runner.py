@@ -275,6 +275,11 @@ class ModelRunner:
         slots = self._long([[r.block_ids[(p + j) // bs] * bs + (p + j) % bs for r, p in zip(reqs, starts)]
                             for j in range(steps)])
         input_ids = self._long([r.tokens_with_spec(p, p + 1)[0] for r, p in zip(reqs, starts)])
+        if all(_plain_greedy(r) for r in reqs):  # the backend may run them all without Python between tokens
+            tokens = self.model.decode_greedy(input_ids, positions[0], meta_tables, self.kv_caches, steps,
+                                              self._stop_ids(reqs))
+            if tokens is not None:
+                return StepResult(sampled={r.request_id: SampledTokens(col) for r, col in zip(reqs, tokens.t().tolist())})
         new: list[list[int]] = [[] for _ in reqs]
         logprobs: list[list[dict[int, float]] | None] = [
             [] if r.params.logprobs is not None else None for r in reqs]
@@ -307,6 +312,13 @@ class ModelRunner:
             if r.request_id not in failed:
                 result.sampled[r.request_id] = SampledTokens(mine, lps)
         return result
+
+    def _stop_ids(self, reqs: list[Request]) -> torch.Tensor:
+        """[B, S] each request's stop token ids (EOS unless ignored, its stop_token_ids), -1 pads."""
+        stops = [sorted(set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(r.eos_token_ids)))
+                 for r in reqs]
+        width = max(1, max(len(s) for s in stops))
+        return self._long([s + [-1] * (width - len(s)) for s in stops])
 
     def _step_row(self, req: Request, output: list[int]) -> SamplingRow:
         """The sampling row of a request's next output token after `output`."""
@@ -438,6 +450,13 @@ class ModelRunner:
         req = s.request
         return [self._step_row(req, req.output_token_ids + req.spec_token_ids[:j] if j else req.output_token_ids)
                 for j in range(1 + s.num_spec_tokens)]
+
+
+def _plain_greedy(req: Request) -> bool:
+    """Greedy with nothing on top: no penalty, no logprobs, past min_tokens (no stop id held back): each token is
+    the first argmax of the raw logits, and it ends the request if it is a stop id."""
+    p = req.params
+    return p.greedy and p.logprobs is None and not p.has_penalties and len(req.output_token_ids) >= p.min_tokens
 
 
 Span = tuple[ScheduledRequest, int, int]  # a scheduled chunk, or part of it: (scheduled, offset, tokens)

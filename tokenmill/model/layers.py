@@ -88,11 +88,16 @@ class RotaryEmbedding(nn.Module):
         """[T, 1, head_dim] cos and sin for the batch's positions, shared by every layer of one step. The whole
         tables are rounded to `dtype` once (the same values as rounding the rows picked), so a step indexes them
         and nothing more: a decode step ran ~6 torch ops here."""
+        cos, sin = self.rounded(dtype)
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+    def rounded(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole [max positions, head_dim] cos and sin tables in `dtype`, rounded once."""
         key = (dtype, self.cos.device)
         tables = self._rounded.get(key)
         if tables is None:
-            tables = self._rounded[key] = (self.cos.to(dtype).unsqueeze(1), self.sin.to(dtype).unsqueeze(1))
-        return tables[0][positions], tables[1][positions]
+            tables = self._rounded[key] = (self.cos.to(dtype), self.sin.to(dtype))
+        return tables
 
 
 class SwiGLU(nn.Module):

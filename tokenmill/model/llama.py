@@ -119,6 +119,15 @@ class LlamaForCausalLM(nn.Module):
             x = fast
         return self.norm(x) if self.last else x
 
+    def decode_greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], steps: int, stop_ids: torch.Tensor
+                      ) -> torch.Tensor | None:
+        """Up to `steps` greedy decode steps of one token per row in one backend call (Backend.decode_greedy: the
+        tokens [steps run, B]), or None where the backend has no such path or the model is split over ranks."""
+        if self.tp is not None or not (self.first and self.last):
+            return None
+        return self.backend.decode_greedy(self, input_ids, positions, block_tables, kv_caches, steps, stop_ids)
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
             return self.embed_tokens(input_ids)

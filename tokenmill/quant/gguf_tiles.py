@@ -59,14 +59,14 @@ def gguf_unpack_rows(tiles: torch.Tensor, ggml_type: int, rows: torch.Tensor, la
                      gather: TileByteGather | None = None) -> torch.Tensor:
     """The raw blocks [n, K/32 * block bytes] of features `rows` of a weight packed by gguf_pack (not in pairs):
     gguf_pack undone for a few rows, so a tied embedding looks its rows up in its LM head's packed copy and the
-    file's table need not stay beside it. Each block byte is one tile byte (_block_byte_sources says which, per
+    file's table need not stay beside it. Each block byte is one tile byte (block_byte_sources says which, per
     lane), Q8_0's quads with the + 128 undone; only Q4 in the AMX tiles regroups nibbles, from two gathers."""
     size, quants_at, _ = BLOCK_LAYOUT[int(ggml_type)]
     if tiles.dim() != 3:
         raise ValueError("rows of a weight packed by gguf_pack without pairs: [N/16, K/32, tile bytes]")
     gather = gather or _gather_tile_bytes
     flat = rows.reshape(-1).to(tiles.device)
-    sources, flip = _block_byte_sources(int(ggml_type), layout, str(tiles.device))
+    sources, flip = block_byte_sources(int(ggml_type), layout, str(tiles.device))
     if sources.dim() == 2:
         return gather(tiles, flat, sources, flip).reshape(flat.numel(), tiles.shape[1] * size)
     # Q4 in AMX tiles: quant byte j = nibble of K j | nibble of K j + 16 << 4, each nibble half of a tile byte
@@ -87,7 +87,7 @@ def _gather_tile_bytes(tiles: torch.Tensor, rows: torch.Tensor, sources: torch.T
 
 
 @functools.cache
-def _block_byte_sources(ggml_type: int, layout: str, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def block_byte_sources(ggml_type: int, layout: str, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """For each of a tile's 16 features, the tile byte of each byte of its block: [16, block bytes] (for Q4 in the
     AMX tiles [2, 16, block bytes]: the bytes holding the nibbles of K j and of K j + 16 of quant byte j), and
     the bits to flip in each block byte (Q8_0's quads hold q + 128)."""

@@ -105,6 +105,16 @@ class Backend(ABC):
         decode step is tiny and per-op Python overhead would dominate it."""
         return None
 
+    def decode_greedy(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                      block_tables: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], steps: int,
+                      stop_ids: torch.Tensor) -> torch.Tensor | None:
+        """Optional fast path: up to `steps` greedy decode steps of `model` for a batch of one token per row (ids
+        and positions [B], block tables [B, blocks] holding every slot the steps write), each step's first argmax
+        of the logits fed back as the next input, ending early once every row has produced one of its stop ids
+        (stop_ids [B, S], -1 pads). Returns the tokens [steps run, B], or None ("not here": the caller steps the
+        model itself). Exists because a one-stream decode step's Python is a tenth of it on a CPU."""
+        return None
+
     def sampling_weights(self, logits: torch.Tensor, temperature: torch.Tensor, lowest: float, out: torch.Tensor
                          ) -> torch.Tensor | None:
         """Optional fast path for the sampler (engine/sampler.py): from float32 logits [R, V] into `out`, per row

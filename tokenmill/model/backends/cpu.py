@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,7 +29,7 @@ from tokenmill.model.backends.huge_pages import move_to_huge_pages
 from tokenmill.model.backends.reference import TorchBackend, split_qkv
 from tokenmill.model.cpu_kernels import cpu_isa, cpu_tag
 from tokenmill.quant.gguf import KEPT_TYPES, decode_rows
-from tokenmill.quant.gguf_tiles import TileByteGather, gguf_pack, gguf_unpack_rows
+from tokenmill.quant.gguf_tiles import TileByteGather, block_byte_sources, gguf_pack, gguf_unpack_rows
 
 if TYPE_CHECKING:
     from tokenmill.model.attention import AttentionMetadata
@@ -39,6 +40,7 @@ SKINNY_MAX_ROWS = 4  # measured on 2 AVX2 cores: at 8 rows BLAS gemm is already 
 PREPACK_ROWS_HINT = 64  # oneDNN picks its blocking for this many rows; measured best across 2-512 rows
 _LAYER_WEIGHTS = "cpu.decoder_layer_weights"  # key of this backend's entry in model.backend_cache
 _LAYER_STACK = "cpu.decoder_stack"  # the same weights as one ops.DecoderStack
+_GREEDY = "cpu.greedy_decoder"  # the stack with the embedding, final norm and LM head: one ops.GreedyDecoder
 DECODED_IN_CPP = KEPT_TYPES  # ops.gguf_decode_rows decodes every block type kept at run time
 
 
@@ -58,6 +60,19 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 TileGather = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # ops.tile_rows: (packed, ids) -> [n, K]
+
+
+@dataclass(frozen=True)
+class NativeRows:
+    """How a rows-callable below looks rows up, as ops.RowLookup takes it (the callable's `native` attribute, None
+    where its lookup is not the C++ ops'): the C++ greedy decoder looks rows up the same way between tokens."""
+
+    kind: str  # "tiles", "int8", "gguf" (RowLookup's kinds)
+    table: torch.Tensor
+    scale: torch.Tensor | None = None  # int8: per-row scales
+    ggml_type: int = 0  # gguf: the block type, its tile byte sources and the bits to flip
+    sources: torch.Tensor | None = None
+    flip: torch.Tensor | None = None
 BlockDecoder = Callable[[torch.Tensor, int, torch.Tensor], None]  # ops.gguf_decode_rows: (raw, type, out)
 
 
@@ -74,6 +89,7 @@ def tile_rows(packed: torch.Tensor, gather: TileGather | None = None) -> Callabl
             return gather(packed, flat).view(*ids.shape, kb * 32).to(ids.device)
         return tiles[flat // 16, :, :, flat % 16, :].reshape(*ids.shape, kb * 32).to(ids.device)
 
+    rows.native = NativeRows("tiles", packed) if gather is not None and packed.device.type == "cpu" else None
     return rows
 
 
@@ -95,6 +111,11 @@ def gguf_tile_rows(packed: torch.Tensor, ggml_type: int, layout: str, dtype: tor
             return out.to(ids.device).view(*ids.shape, cols)
         return decode_rows(raw, ggml_type, cols, dtype).to(ids.device).view(*ids.shape, cols)
 
+    rows.native = None
+    if native and gather is not None:
+        sources, flip = block_byte_sources(int(ggml_type), layout, str(packed.device))
+        if sources.dim() == 2:  # one gather (not Q4 in the AMX tiles, whose nibbles are regrouped)
+            rows.native = NativeRows("gguf", packed, ggml_type=int(ggml_type), sources=sources, flip=flip)
     return rows
 
 
@@ -114,6 +135,7 @@ def int8_tile_rows(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
             q = (tiles[flat // 16, :, :, flat % 16, :] ^ 0x80).view(torch.int8).reshape(-1, kb * 32)
         return (q.float() * scale[flat].unsqueeze(-1)).to(dtype).to(ids.device).view(*ids.shape, kb * 32)
 
+    rows.native = NativeRows("int8", packed, scale) if gather is not None and packed.device.type == "cpu" else None
     return rows
 
 
@@ -328,8 +350,8 @@ class CpuBackend(TorchBackend):
             else:
                 self._lookups_from_head(m)
         self._to_huge_pages(model)
-        model.backend_cache.pop(_LAYER_WEIGHTS, None)
-        model.backend_cache.pop(_LAYER_STACK, None)
+        for key in (_LAYER_WEIGHTS, _LAYER_STACK, _GREEDY):
+            model.backend_cache.pop(key, None)
         return packed_any
 
     def _to_huge_pages(self, model: nn.Module) -> None:
@@ -383,6 +405,51 @@ class CpuBackend(TorchBackend):
         stack.run(x, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, cos, sin, [k for k, _ in kv_caches],
                   [v for _, v in kv_caches], meta.slot_mapping, meta.block_tables, meta.q_rows, meta.kv_lens)
         return x
+
+    def decode_greedy(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                      block_tables: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], steps: int,
+                      stop_ids: torch.Tensor) -> torch.Tensor | None:
+        """The steps in one C++ call (`GreedyDecoder.run`): the embedding lookup, the layers, the final norm, the
+        LM head and the argmax, each the op the Python step runs, so the same tokens."""
+        if _GREEDY not in model.backend_cache:
+            model.backend_cache[_GREEDY] = self._greedy_decoder(model)
+        decoder = model.backend_cache[_GREEDY]
+        if decoder is None or input_ids.device.type != "cpu":
+            return None
+        return decoder.run(input_ids, positions, block_tables, [k for k, _ in kv_caches], [v for _, v in kv_caches],
+                           steps, stop_ids)
+
+    def _greedy_decoder(self, model: nn.Module) -> Any:
+        """ops.GreedyDecoder for a whole Llama model here (no tensor or pipeline split) whose every part of a step
+        has its C++ op: the layers a DecoderStack, the embedding a table or a NativeRows lookup, the LM head a
+        packed copy that linear_any runs as the Python head does (or a plain weight); None otherwise."""
+        make, stack = getattr(self.ops, "GreedyDecoder", None), self._layer_stack(model)
+        if (make is None or stack is None or getattr(model, "tp", None) is not None or not (model.first and model.last)
+                or model.rotary is None):
+            return None
+        emb, norm = model.embed_tokens, model.norm.weight
+        if emb.rows is not None and emb.weight.is_meta:
+            native = getattr(emb.rows, "native", None)
+        else:
+            native = NativeRows("dense", emb.weight) if emb.weight.device.type == "cpu" else None
+        head = model.lm_head if model.lm_head is not None else model.tied_head
+        packed, scale = head.packed_weight, getattr(head, "weight_scale", None)
+        quantized = getattr(head, "gguf_type", None) is not None or scale is not None
+        if native is None or head.bias is not None or (
+                packed is None if quantized or head.weight.is_meta else False):
+            return None
+        if quantized and (norm.dtype != torch.bfloat16 or packed.dtype not in (torch.uint8, torch.float8_e4m3fn)):
+            return None  # the Python head takes the reference path there
+        empty = torch.empty(0, dtype=norm.dtype)
+        lookup = self.ops.RowLookup(
+            native.kind, native.table, native.sources if native.sources is not None else empty.long(),
+            native.flip if native.flip is not None else empty.byte(), native.ggml_type,
+            native.scale if native.scale is not None else empty.float(), norm)
+        cos, sin = model.rotary.rounded(norm.dtype)
+        cfg = model.config
+        return make(stack, lookup, norm, cfg.rms_norm_eps, head.weight, packed if packed is not None else empty,
+                    scale if scale is not None and packed is not None else empty, empty,
+                    cos, sin, cfg.num_heads, cfg.num_kv_heads)
 
     def _layer_stack(self, model: nn.Module) -> Any:
         """The model's layers as one ops.DecoderStack (_layer_weights' tensors, held in C++), built once per model
