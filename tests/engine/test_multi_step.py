@@ -167,10 +167,13 @@ def test_the_embedded_gguf_decodes_the_same_tokens_in_runs():
     single, multi = LLM(), LLM(num_scheduler_steps=STEPS)
     served = count_native_runs(multi.engine)
     prompts = ["Once upon a time", "The three primary colors are", "def fibonacci(n):"]
-    params = SamplingParams(temperature=0, max_tokens=48)
-    want = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
-    got = [o.outputs[0].token_ids for o in multi.generate(prompts, params, use_tqdm=False)]
-    assert got == want
+    for params in (SamplingParams(temperature=0, max_tokens=48),
+                   SamplingParams(temperature=0, max_tokens=48, stop=[" the", ":"])):  # stop strings inside a run
+        want = [o.outputs[0] for o in single.generate(prompts, params, use_tqdm=False)]
+        got = [o.outputs[0] for o in multi.generate(prompts, params, use_tqdm=False)]
+        assert [(o.token_ids, o.text, o.finish_reason) for o in got] == [
+            (o.token_ids, o.text, o.finish_reason) for o in want]
+        assert not params.stop or any(o.finish_reason == "stop" for o in got)
     if multi.engine.core.runner.backend.name == "cpu":
         assert served
     multi.engine.core.check_idle_invariants()

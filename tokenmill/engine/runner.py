@@ -267,26 +267,27 @@ class ModelRunner:
         reqs = [s.request for s in scheduled]
         starts = [r.num_computed_tokens for r in reqs]
         steps = out.num_steps
-        max_blocks = -(-(max(starts) + steps) // bs)
-        meta_tables = self._long([b for r in reqs for b in r.block_ids[:max_blocks] + [0] * (max_blocks - len(
-            r.block_ids[:max_blocks]))]).view(len(reqs), max_blocks)
+        tables = self._block_tables([r.block_ids for r in reqs], max(starts) + steps)
         q_rows = self._long(list(range(len(reqs))))
         positions = self._long([[p + j for p in starts] for j in range(steps)])
         slots = self._long([[r.block_ids[(p + j) // bs] * bs + (p + j) % bs for r, p in zip(reqs, starts)]
                             for j in range(steps)])
         input_ids = self._long([r.tokens_with_spec(p, p + 1)[0] for r, p in zip(reqs, starts)])
         if all(_plain_greedy(r) for r in reqs):  # the backend may run them all without Python between tokens
-            tokens = self.model.decode_greedy(input_ids, positions[0], meta_tables, self.kv_caches, steps,
-                                              self._stop_ids(reqs))
+            stop_ids = [_stop_ids(r) for r in reqs]
+            width = max(1, *map(len, stop_ids))
+            tokens = self.model.decode_greedy(input_ids, positions[0], tables, self.kv_caches, steps,
+                                              self._long([ids + [-1] * (width - len(ids)) for ids in stop_ids]))
             if tokens is not None:
-                return StepResult(sampled={r.request_id: SampledTokens(col) for r, col in zip(reqs, tokens.t().tolist())})
+                columns = tokens.t().tolist()
+                return StepResult(sampled={r.request_id: SampledTokens(t) for r, t in zip(reqs, columns)})
         new: list[list[int]] = [[] for _ in reqs]
         logprobs: list[list[dict[int, float]] | None] = [
             [] if r.params.logprobs is not None else None for r in reqs]
         failed: dict[str, str] = {}
         ended = [False] * len(reqs)
         for j in range(steps):
-            meta = AttentionMetadata(slot_mapping=slots[j], num_paged_tokens=len(reqs), block_tables=meta_tables,
+            meta = AttentionMetadata(slot_mapping=slots[j], num_paged_tokens=len(reqs), block_tables=tables,
                                      q_rows=q_rows, kv_lens=positions[j] + 1)
             logits = self.model.compute_logits(self.model(input_ids, positions[j], meta, self.kv_caches))
             rows = [self._step_row(r, r.output_token_ids + mine) for r, mine in zip(reqs, new)]
@@ -313,19 +314,16 @@ class ModelRunner:
                 result.sampled[r.request_id] = SampledTokens(mine, lps)
         return result
 
-    def _stop_ids(self, reqs: list[Request]) -> torch.Tensor:
-        """[B, S] each request's stop token ids (EOS unless ignored, its stop_token_ids), -1 pads."""
-        stops = [sorted(set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(r.eos_token_ids)))
-                 for r in reqs]
-        width = max(1, max(len(s) for s in stops))
-        return self._long([s + [-1] * (width - len(s)) for s in stops])
+    def _block_tables(self, block_ids: list[list[int]], num_positions: int) -> torch.Tensor:
+        """[R, blocks] tables of the blocks holding positions [0, num_positions), padded with block 0 (never read
+        past a row's kv_len)."""
+        width = -(-num_positions // self.block_size)
+        return self._long([ids[:width] + [0] * (width - len(ids[:width])) for ids in block_ids]).view(-1, width)
 
     def _step_row(self, req: Request, output: list[int]) -> SamplingRow:
         """The sampling row of a request's next output token after `output`."""
         p = req.params
-        blocked = None
-        if len(output) < p.min_tokens:
-            blocked = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids)))
+        blocked = _stop_ids(req) if len(output) < p.min_tokens else None
         gen = None if p.greedy else self.position_generator(req.request_id, p.seed, len(output))
         return SamplingRow(p, req.prompt_token_ids, output, gen, blocked)
 
@@ -414,15 +412,12 @@ class ModelRunner:
     def _paged_metadata(self, meta: AttentionMetadata, spans: list[tuple[list[int], int, int]]) -> None:
         """Block tables (one row per span, padded with block 0, never read past kv_len) and, per token, its row
         and how many keys it sees. A span: a request's block ids, its first new position, how many new tokens."""
-        max_blocks = -(-max(start + n for _, start, n in spans) // self.block_size)
-        tables, q_rows, kv_lens = [], [], []
-        for i, (block_ids, start, n) in enumerate(spans):
-            blocks = block_ids[:max_blocks]
-            tables.extend(blocks + [0] * (max_blocks - len(blocks)))
+        q_rows, kv_lens = [], []
+        for i, (_, start, n) in enumerate(spans):
             q_rows.extend([i] * n)
             kv_lens.extend(range(start + 1, start + n + 1))
         meta.num_paged_tokens = len(q_rows)
-        meta.block_tables = self._long(tables).view(len(spans), max_blocks)
+        meta.block_tables = self._block_tables([ids for ids, _, _ in spans], max(start + n for _, start, n in spans))
         meta.q_rows = self._long(q_rows)
         meta.kv_lens = self._long(kv_lens)
 
@@ -450,6 +445,12 @@ class ModelRunner:
         req = s.request
         return [self._step_row(req, req.output_token_ids + req.spec_token_ids[:j] if j else req.output_token_ids)
                 for j in range(1 + s.num_spec_tokens)]
+
+
+def _stop_ids(req: Request) -> list[int]:
+    """The token ids that end a request past min_tokens: its stop_token_ids, and EOS unless it ignores EOS."""
+    p = req.params
+    return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids)))
 
 
 def _plain_greedy(req: Request) -> bool:
