@@ -2,6 +2,7 @@
 
 import pytest
 
+from tests.engine.drive import run
 from tests.models.tiny import make_tiny_model
 from tokenmill.config import CacheConfig, EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
@@ -14,18 +15,6 @@ POISON = 77  # a prompt holding this token id makes the patched model fail
 def engine(tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("core"), vocab_size=256)
     return LLMEngine(EngineConfig(model=str(path), dtype="float32", cache=CacheConfig(kv_cache_memory=8 << 20)))
-
-
-def run(engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams) -> dict:
-    for rid, ids in prompts.items():
-        engine.add_request(rid, {"prompt_token_ids": ids}, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0]
-    engine.core.check_idle_invariants()
-    return done
 
 
 PROMPTS = {"ok-1": [5, 6, 7, 8], "bad": [5, POISON, 9], "ok-2": list(range(10, 40))}

@@ -3,6 +3,7 @@ time gives, sampling parameters and all, and lose no block or request."""
 
 import pytest
 
+from tests.engine.drive import run
 from tests.models.tiny import make_tiny_model
 from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.engine.llm_engine import LLMEngine
@@ -35,18 +36,6 @@ def engines(model_path):
 
     runner.execute = counting
     return single, multi
-
-
-def run(engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams) -> dict:
-    for rid, ids in prompts.items():
-        engine.add_request(rid, {"prompt_token_ids": ids}, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0]
-    engine.core.check_idle_invariants()
-    return done
 
 
 PROMPTS = {f"p{i}": [3 + i, 40 + 7 * i, 90, 17 + i][:2 + i % 3] for i in range(5)}
