@@ -92,20 +92,22 @@ def test_an_abort_between_runs_frees_the_request(engines):
     multi.core.check_idle_invariants()
 
 
-def test_non_finite_logits_inside_a_run_fail_that_request_alone(engines, monkeypatch):
+@pytest.mark.parametrize("whole_model", [True, False])  # the logits from one C++ call a step, or the modules'
+def test_non_finite_logits_inside_a_run_fail_that_request_alone(engines, monkeypatch, whole_model):
     _, multi = engines
     model = multi.core.runner.model
-    compute_logits = model.compute_logits
     calls = []
 
-    def nan_in_a_later_step(hidden):
-        logits = compute_logits(hidden)
+    def poisoned(logits):
         calls.append(logits.shape[0])
         if len(calls) == 6 and logits.shape[0] == 2:  # inside the first run of both requests' decodes
             logits[1] = float("nan")
         return logits
 
-    monkeypatch.setattr(model, "compute_logits", nan_in_a_later_step)
+    compute_logits, decode_logits = model.compute_logits, model.decode_logits
+    monkeypatch.setattr(model, "compute_logits", lambda hidden: poisoned(compute_logits(hidden)))
+    monkeypatch.setattr(model, "decode_logits", lambda *args: (
+        None if not whole_model or (out := decode_logits(*args)) is None else poisoned(out)))
     multi.runs.clear()
     params = SamplingParams(temperature=1.0, seed=0, max_tokens=20, ignore_eos=True)
     done = run(multi, {"a": [1, 2, 3], "b": [4, 5, 6]}, params)
@@ -114,38 +116,46 @@ def test_non_finite_logits_inside_a_run_fail_that_request_alone(engines, monkeyp
     assert done["b"].finish_reason == "error" and "non-finite logits" in done["b"].error
 
 
-def count_native_runs(engine: LLMEngine) -> list[int]:
-    """Wraps the model's greedy decode path: the list gets each run it served (its steps), not the ones it
-    declined."""
+def count_native_steps(engine: LLMEngine) -> list[int]:
+    """Wraps the model's whole-model decode paths: the list gets the steps each call served (a greedy run's,
+    or 1 for a step's logits), not the calls they declined."""
     model, served = engine.core.runner.model, []
-    decode_greedy = model.decode_greedy
+    decode_greedy, decode_logits = model.decode_greedy, model.decode_logits
 
-    def counting(*args, **kwargs):
+    def greedy(*args, **kwargs):
         tokens = decode_greedy(*args, **kwargs)
         if tokens is not None:
             served.append(tokens.shape[0])
         return tokens
 
-    model.decode_greedy = counting
+    def logits(*args, **kwargs):
+        out = decode_logits(*args, **kwargs)
+        if out is not None:
+            served.append(1)
+        return out
+
+    model.decode_greedy, model.decode_logits = greedy, logits
     return served
 
 
 @pytest.mark.parametrize("dtype,quantization", [("float32", None), ("bfloat16", None), ("bfloat16", "int8"),
                                                 ("bfloat16", "fp8"), ("bfloat16", "int4")])
 @pytest.mark.parametrize("tied", [True, False])
-def test_greedy_runs_in_one_backend_call_give_the_same_tokens(tmp_path, dtype, quantization, tied):
+def test_runs_through_the_whole_model_calls_give_the_same_tokens(tmp_path, dtype, quantization, tied):
     path = str(make_tiny_model(tmp_path, vocab_size=256, tie_word_embeddings=tied, num_kv_heads=2))
     single, multi = (LLMEngine(EngineConfig(
         model=path, dtype=dtype, quantization=quantization, cache=CacheConfig(kv_cache_memory=8 << 20),
         scheduler=SchedulerConfig(num_scheduler_steps=steps))) for steps in (1, STEPS))
-    served = count_native_runs(multi)
+    served = count_native_steps(multi)
     prompts = {f"p{i}": [3 + i, 40 + 7 * i, 90] for i in range(3)}
-    params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[5, 6])
-    want, got = run(single, prompts, params), run(multi, prompts, params)
-    assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in want.items()}
-    assert {k: o.finish_reason for k, o in got.items()} == {k: o.finish_reason for k, o in want.items()}
-    if multi.core.runner.backend.name == "cpu":  # the C++ kernels built: every run went through them
-        assert served and all(n > 1 for n in served[:1])
+    for params in (SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[5, 6]),  # runs in one call
+                   SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=30, logprobs=2)):  # a call a step
+        served.clear()
+        want, got = run(single, prompts, params), run(multi, prompts, params)
+        assert {k: (o.token_ids, o.finish_reason, o.logprobs) for k, o in got.items()} == {
+            k: (o.token_ids, o.finish_reason, o.logprobs) for k, o in want.items()}
+        if multi.core.runner.backend.name == "cpu":  # the C++ kernels built: the runs went through them
+            assert served and (params.greedy or set(served) == {1})
 
 
 def test_the_embedded_gguf_decodes_the_same_tokens_in_runs():
@@ -154,7 +164,7 @@ def test_the_embedded_gguf_decodes_the_same_tokens_in_runs():
     from tokenmill import LLM
 
     single, multi = LLM(), LLM(num_scheduler_steps=STEPS)
-    served = count_native_runs(multi.engine)
+    served = count_native_steps(multi.engine)
     prompts = ["Once upon a time", "The three primary colors are", "def fibonacci(n):"]
     for params in (SamplingParams(temperature=0, max_tokens=48),
                    SamplingParams(temperature=0, max_tokens=48, stop=[" the", ":"])):  # stop strings inside a run

@@ -287,9 +287,11 @@ class ModelRunner:
         failed: dict[str, str] = {}
         ended = [False] * len(reqs)
         for j in range(steps):
-            meta = AttentionMetadata(slot_mapping=slots[j], num_paged_tokens=len(reqs), block_tables=tables,
-                                     q_rows=q_rows, kv_lens=positions[j] + 1)
-            logits = self.model.compute_logits(self.model(input_ids, positions[j], meta, self.kv_caches))
+            logits = self.model.decode_logits(input_ids, positions[j], tables, self.kv_caches)
+            if logits is None:
+                meta = AttentionMetadata(slot_mapping=slots[j], num_paged_tokens=len(reqs), block_tables=tables,
+                                         q_rows=q_rows, kv_lens=positions[j] + 1)
+                logits = self.model.compute_logits(self.model(input_ids, positions[j], meta, self.kv_caches))
             rows = [self._step_row(r, r.output_token_ids + mine) for r, mine in zip(reqs, new)]
             try:
                 results = self.sampler(logits, rows)

@@ -128,6 +128,14 @@ class LlamaForCausalLM(nn.Module):
             return None
         return self.backend.decode_greedy(self, input_ids, positions, block_tables, kv_caches, steps, stop_ids)
 
+    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """One decode step of one token per row in one backend call: forward then compute_logits, or None where the
+        backend has no such path or the model is split over ranks."""
+        if self.tp is not None or not (self.first and self.last):
+            return None
+        return self.backend.decode_logits(self, input_ids, positions, block_tables, kv_caches)
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
             return self.embed_tokens(input_ids)

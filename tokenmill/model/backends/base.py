@@ -115,6 +115,13 @@ class Backend(ABC):
         model itself). Exists because a one-stream decode step's Python is a tenth of it on a CPU."""
         return None
 
+    def decode_logits(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                      block_tables: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+                      ) -> torch.Tensor | None:
+        """Optional fast path: one decode step of `model` for one token per row (as decode_greedy takes them),
+        returning float32 logits [B, V] equal to its forward and compute_logits, or None ("not here")."""
+        return None
+
     def sampling_weights(self, logits: torch.Tensor, temperature: torch.Tensor, lowest: float, out: torch.Tensor
                          ) -> torch.Tensor | None:
         """Optional fast path for the sampler (engine/sampler.py): from float32 logits [R, V] into `out`, per row

@@ -40,7 +40,7 @@ SKINNY_MAX_ROWS = 4  # measured on 2 AVX2 cores: at 8 rows BLAS gemm is already 
 PREPACK_ROWS_HINT = 64  # oneDNN picks its blocking for this many rows; measured best across 2-512 rows
 _LAYER_WEIGHTS = "cpu.decoder_layer_weights"  # key of this backend's entry in model.backend_cache
 _LAYER_STACK = "cpu.decoder_stack"  # the same weights as one ops.DecoderStack
-_GREEDY = "cpu.greedy_decoder"  # the stack with the embedding, final norm and LM head: one ops.GreedyDecoder
+_DECODE_MODEL = "cpu.decode_model"  # the stack with the embedding, final norm and LM head: one ops.DecodeModel
 DECODED_IN_CPP = KEPT_TYPES  # ops.gguf_decode_rows decodes every block type kept at run time
 
 
@@ -350,7 +350,7 @@ class CpuBackend(TorchBackend):
             else:
                 self._lookups_from_head(m)
         self._to_huge_pages(model)
-        for key in (_LAYER_WEIGHTS, _LAYER_STACK, _GREEDY):
+        for key in (_LAYER_WEIGHTS, _LAYER_STACK, _DECODE_MODEL):
             model.backend_cache.pop(key, None)
         return packed_any
 
@@ -409,21 +409,33 @@ class CpuBackend(TorchBackend):
     def decode_greedy(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
                       block_tables: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], steps: int,
                       stop_ids: torch.Tensor) -> torch.Tensor | None:
-        """The steps in one C++ call (`GreedyDecoder.run`): the embedding lookup, the layers, the final norm, the
-        LM head and the argmax, each the op the Python step runs, so the same tokens."""
-        if _GREEDY not in model.backend_cache:
-            model.backend_cache[_GREEDY] = self._greedy_decoder(model)
-        decoder = model.backend_cache[_GREEDY]
-        if decoder is None or input_ids.device.type != "cpu":
+        """The steps in one C++ call (`DecodeModel.run`): the embedding lookup, the layers, the final norm, the LM
+        head and the argmax, each the op the Python step runs, so the same tokens."""
+        decoder = self._decode_model(model, input_ids)
+        if decoder is None:
             return None
         return decoder.run(input_ids, positions, block_tables, [k for k, _ in kv_caches], [v for _, v in kv_caches],
                            steps, stop_ids)
 
-    def _greedy_decoder(self, model: nn.Module) -> Any:
-        """ops.GreedyDecoder for a whole Llama model here (no tensor or pipeline split) whose every part of a step
+    def decode_logits(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                      block_tables: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+                      ) -> torch.Tensor | None:
+        """One step in one C++ call (`DecodeModel.logits`), the same logits as the modules and compute_logits."""
+        decoder = self._decode_model(model, input_ids)
+        if decoder is None:
+            return None
+        return decoder.logits(input_ids, positions, block_tables, [k for k, _ in kv_caches], [v for _, v in kv_caches])
+
+    def _decode_model(self, model: nn.Module, input_ids: torch.Tensor) -> Any:
+        if _DECODE_MODEL not in model.backend_cache:
+            model.backend_cache[_DECODE_MODEL] = self._build_decode_model(model)
+        return model.backend_cache[_DECODE_MODEL] if input_ids.device.type == "cpu" else None
+
+    def _build_decode_model(self, model: nn.Module) -> Any:
+        """ops.DecodeModel for a whole Llama model here (no tensor or pipeline split) whose every part of a step
         has its C++ op: the layers a DecoderStack, the embedding a table or a NativeRows lookup, the LM head a
         packed copy that linear_any runs as the Python head does (or a plain weight); None otherwise."""
-        make, stack = getattr(self.ops, "GreedyDecoder", None), self._layer_stack(model)
+        make, stack = getattr(self.ops, "DecodeModel", None), self._layer_stack(model)
         if (make is None or stack is None or getattr(model, "tp", None) is not None or not (model.first and model.last)
                 or model.rotary is None):
             return None

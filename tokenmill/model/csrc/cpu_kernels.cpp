@@ -1110,14 +1110,15 @@ class RowLookup {
   at::ScalarType dtype_;
 };
 
-// Greedy decode of a batch for up to `steps` tokens in one call, the whole model in C++ between tokens: embedding
-// rows, the rotary rows of each position, every layer (DecoderStack), the final norm, the LM head (linear_any: the
-// kernel the Python head picks for the same packed copy), then the first argmax of the float32 logits, fed back as
-// the next input. The same calls the Python step makes, so the same tokens; what goes is a step's Python (~0.3 ms
-// of a 4 ms one-stream step on Zen 4, its code and data cold after the weights streamed through the caches).
-class GreedyDecoder {
+// The whole model for decode steps: a step in one call (`logits`: embedding rows, the rotary rows of each position,
+// every layer (DecoderStack), the final norm, the LM head through linear_any, the kernel the Python head picks for
+// the same packed copy), and greedy decode for up to `steps` tokens in one call (`run`: each step's first argmax fed
+// back as the next input). The same calls the Python step makes, so the same logits and tokens; what goes is a
+// step's Python (~0.3 ms of a 4 ms one-stream step on Zen 4, its code and data cold after the weights streamed
+// through the caches).
+class DecodeModel {
  public:
-  GreedyDecoder(const DecoderStack& stack, const RowLookup& embed, at::Tensor norm, double eps, at::Tensor head_w,
+  DecodeModel(const DecoderStack& stack, const RowLookup& embed, at::Tensor norm, double eps, at::Tensor head_w,
                 at::Tensor head_packed, at::Tensor head_scale, at::Tensor head_bias, at::Tensor cos, at::Tensor sin,
                 int64_t num_heads, int64_t num_kv_heads)
       : stack_(stack), embed_(embed), norm_(std::move(norm)), eps_(eps), head_w_(std::move(head_w)),
@@ -1125,47 +1126,55 @@ class GreedyDecoder {
         cos_(std::move(cos)), sin_(std::move(sin)), num_heads_(num_heads), num_kv_heads_(num_kv_heads) {
     TORCH_CHECK(cos_.dim() == 2 && sin_.sizes() == cos_.sizes(), "rotary tables: [positions, head_dim]");
   }
-  // ids [B] (each row's last token), positions [B] (where it goes), block_tables [B, blocks] holding every slot of
-  // the run, stop_ids [B, S] (-1 pads): a row whose token is one of its stop ids has ended, and the run ends when
-  // every row has. Returns the tokens [steps run, B]; the caches hold the K/V of every token fed.
+  // One decode step: ids [B] at positions [B] through the model, their K/V written to the slots block_tables [B,
+  // blocks] give them; -> float32 logits [B, V], as compute_logits gives them.
+  at::Tensor logits(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& block_tables,
+                    const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches) const {
+    const int64_t B = ids.numel();
+    TORCH_CHECK(!k_caches.empty() && positions.numel() == B && block_tables.dim() == 2 && block_tables.size(0) == B,
+                "one position and one block table row per id");
+    TORCH_CHECK(ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
+                    block_tables.scalar_type() == at::kLong, "int64 ids, positions and block tables");
+    const auto tables = block_tables.contiguous();
+    const auto pos = positions.contiguous();
+    const int64_t bs = k_caches[0].size(1), M = tables.size(1), P = cos_.size(0);
+    auto slots = at::empty({B}, ids.options()), kv_lens = at::empty({B}, ids.options());
+    const int64_t* p = pos.data_ptr<int64_t>();
+    const int64_t* bt = tables.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(p[b] >= 0 && p[b] < P && p[b] / bs < M, "position ", p[b], " past the tables");
+      slots.data_ptr<int64_t>()[b] = bt[b * M + p[b] / bs] * bs + p[b] % bs;
+      kv_lens.data_ptr<int64_t>()[b] = p[b] + 1;
+    }
+    auto x = embed_.rows(ids).contiguous();
+    stack_.run(x, num_heads_, num_kv_heads_, eps_, cos_.index_select(0, pos), sin_.index_select(0, pos), k_caches,
+               v_caches, slots, tables, at::arange(B, ids.options()), kv_lens);
+    c10::optional<at::Tensor> bias;
+    if (head_bias_.numel() > 0) bias = head_bias_;
+    return linear_any(rms_norm(x, norm_, eps_), head_w_, head_packed_, head_scale_, bias).to(at::kFloat).contiguous();
+  }
+
+  // Up to `steps` greedy steps: each step's first argmax fed back as the next input, a row ending when its token is
+  // one of its stop_ids [B, S] (-1 pads), the run when every row has. Returns the tokens [steps run, B].
   at::Tensor run(at::Tensor ids, at::Tensor positions, const at::Tensor& block_tables,
                  const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches, int64_t steps,
                  const at::Tensor& stop_ids) const {
     const int64_t B = ids.numel();
-    TORCH_CHECK(!k_caches.empty() && positions.numel() == B && block_tables.dim() == 2 && block_tables.size(0) == B &&
-                    stop_ids.dim() == 2 && stop_ids.size(0) == B, "one position, block table row and stop row per id");
-    TORCH_CHECK(ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
-                    block_tables.scalar_type() == at::kLong && stop_ids.scalar_type() == at::kLong,
-                "int64 ids, positions, block tables and stop ids");
-    const auto tables = block_tables.contiguous();
+    TORCH_CHECK(stop_ids.dim() == 2 && stop_ids.size(0) == B && stop_ids.scalar_type() == at::kLong,
+                "one int64 row of stop ids per id");
     const auto stops = stop_ids.contiguous();
-    const int64_t bs = k_caches[0].size(1), M = tables.size(1), S = stops.size(1), P = cos_.size(0);
-    ids = ids.contiguous().clone();
+    const int64_t S = stops.size(1);
     positions = positions.contiguous().clone();
     auto out = at::empty({steps, B}, ids.options());
-    auto slots = at::empty({B}, ids.options()), kv_lens = at::empty({B}, ids.options());
-    const auto q_rows = at::arange(B, ids.options());
     std::vector<char> ended(B, 0);
-    c10::optional<at::Tensor> bias;
-    if (head_bias_.numel() > 0) bias = head_bias_;
     int64_t done = 0;
     while (done < steps) {
-      int64_t* pos = positions.data_ptr<int64_t>();
-      const int64_t* bt = tables.data_ptr<int64_t>();
-      for (int64_t b = 0; b < B; ++b) {
-        TORCH_CHECK(pos[b] >= 0 && pos[b] < P && pos[b] / bs < M, "position ", pos[b], " past the tables");
-        slots.data_ptr<int64_t>()[b] = bt[b * M + pos[b] / bs] * bs + pos[b] % bs;
-        kv_lens.data_ptr<int64_t>()[b] = pos[b] + 1;
-      }
-      auto x = embed_.rows(ids).contiguous();
-      stack_.run(x, num_heads_, num_kv_heads_, eps_, cos_.index_select(0, positions),
-                 sin_.index_select(0, positions), k_caches, v_caches, slots, tables, q_rows, kv_lens);
-      auto logits = linear_any(rms_norm(x, norm_, eps_), head_w_, head_packed_, head_scale_, bias).to(at::kFloat);
-      ids = first_argmax(logits.contiguous());
+      ids = first_argmax(logits(ids, positions, block_tables, k_caches, v_caches));
       out[done].copy_(ids);
       ++done;
       const int64_t* tok = ids.data_ptr<int64_t>();
       const int64_t* st = stops.data_ptr<int64_t>();
+      int64_t* pos = positions.data_ptr<int64_t>();
       bool all = true;
       for (int64_t b = 0; b < B; ++b) {
         for (int64_t k = 0; k < S && !ended[b]; ++k) ended[b] = st[b * S + k] == tok[b];
@@ -1240,10 +1249,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::string, at::Tensor, at::Tensor, at::Tensor, int64_t, at::Tensor, at::Tensor>())
       .def("rows", &RowLookup::rows, "the rows of these ids");
   // keep_alive: the decoder holds references to the stack and the lookup, which must outlive it
-  py::class_<GreedyDecoder>(m, "GreedyDecoder", "greedy decode steps with no Python between tokens",
+  py::class_<DecodeModel>(m, "DecodeModel", "the whole model for decode steps, no Python between tokens",
                             py::module_local())
       .def(py::init<const DecoderStack&, const RowLookup&, at::Tensor, double, at::Tensor, at::Tensor, at::Tensor,
                     at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t>(),
            py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
-      .def("run", &GreedyDecoder::run, "up to `steps` greedy tokens per row, each fed back");
+      .def("logits", &DecodeModel::logits, "one decode step: float32 logits of each row's next token")
+      .def("run", &DecodeModel::run, "up to `steps` greedy tokens per row, each fed back");
 }
