@@ -170,7 +170,7 @@ class SchedulerConfig:
     # while nothing is preempted and goes back up when blocks run out. 0: admit whatever fits now.
     new_token_ratio: float = 0.7
     # multi-step decode: a batch of a few plain decodes (nothing waiting, no ITL target) runs up to this many steps
-    # in a row without the engine's per-step Python between them (engine/scheduler.py _decode_steps); 1: off
+    # in a row without the engine's per-step Python between them (engine/scheduler.py _run_length); 1: off
     num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:

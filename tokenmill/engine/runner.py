@@ -198,7 +198,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         if out.num_steps > 1:
-            return self._decode_steps(out)
+            return self._execute_run(out)
         # Paged tokens (decodes, later prefill chunks) first, then fresh prefills: see model/attention.py.
         if self.batch_invariant:
             paged, fresh = list(out.scheduled), []
@@ -257,7 +257,7 @@ class ModelRunner:
         result.prompt_logprobs = prompt_logprobs
         return result
 
-    def _decode_steps(self, out: SchedulerOutput) -> StepResult:
+    def _execute_run(self, out: SchedulerOutput) -> StepResult:
         """Multi-step decode: `out.num_steps` decode steps of the same requests in a row, each sampled token the
         next step's input, their KV slots allocated by the scheduler; no scheduling, output processing or
         detokenizing between them. Each token is sampled as a step of its own would sample it (the same rows:

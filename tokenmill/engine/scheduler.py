@@ -30,7 +30,7 @@ positions ahead of the target (`lookahead`), so each allocation makes room for t
 Multi-step decode (`max_steps` > 1, --num-scheduler-steps, as vLLM's): a step whose batch is a few plain decodes
 (MULTI_STEP_MAX_REQUESTS at most), with no one waiting and no inter-token latency target among them, runs up to
 `max_steps` decodes in a row in the runner, the KV slots of all of them allocated here first (never by preempting:
-short of blocks, one step). `update` then takes several tokens per request, as after a verify pass, and stops at the
+short of blocks, one step; `_run_length`). `update` then takes several tokens per request, as after a verify pass, and stops at the
 one that ends a request. What it saves is the engine's Python between tokens (scheduling, output processing,
 detokenizing); what it costs is tokens arriving in bursts and a newcomer or an abort waiting for the run to end.
 
@@ -235,10 +235,10 @@ class Scheduler:
             self._count_skips(queue)
         out.scheduled = [s for s in out.scheduled if s.num_new_tokens]  # chunks phase A left for C, or out of time
         if self.max_steps > 1 and out.scheduled:
-            out.num_steps = self._decode_steps(out)
+            out.num_steps = self._run_length(out)
         return out
 
-    def _decode_steps(self, out: SchedulerOutput) -> int:
+    def _run_length(self, out: SchedulerOutput) -> int:
         """How many decode steps this step may run in a row (multi-step decode), their KV slots allocated: up to
         `max_steps` when the batch is a few plain decodes and no one waits (a newcomer would wait for all of
         them), no request has an inter-token latency target (the tokens come in bursts) and none has fewer

@@ -60,20 +60,21 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 TileGather = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # ops.tile_rows: (packed, ids) -> [n, K]
+BlockDecoder = Callable[[torch.Tensor, int, torch.Tensor], None]  # ops.gguf_decode_rows: (raw, type, out)
 
 
 @dataclass(frozen=True)
 class NativeRows:
-    """How a rows-callable below looks rows up, as ops.RowLookup takes it (the callable's `native` attribute, None
-    where its lookup is not the C++ ops'): the C++ greedy decoder looks rows up the same way between tokens."""
+    """How an embedding looks its rows up, as ops.RowLookup takes it: a rows-callable below carries one as its
+    `native` attribute (None where its lookup is not the C++ ops'), so ops.DecodeModel looks rows up the same way
+    between tokens; "dense" is a plain table."""
 
-    kind: str  # "tiles", "int8", "gguf" (RowLookup's kinds)
+    kind: str  # RowLookup's kinds: "dense", "tiles", "int8", "gguf"
     table: torch.Tensor
     scale: torch.Tensor | None = None  # int8: per-row scales
     ggml_type: int = 0  # gguf: the block type, its tile byte sources and the bits to flip
     sources: torch.Tensor | None = None
     flip: torch.Tensor | None = None
-BlockDecoder = Callable[[torch.Tensor, int, torch.Tensor], None]  # ops.gguf_decode_rows: (raw, type, out)
 
 
 def tile_rows(packed: torch.Tensor, gather: TileGather | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
