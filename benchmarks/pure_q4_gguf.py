@@ -7,7 +7,7 @@
 
 Issue 14 asks "Q4 GGUF >= 2.5x bf16" for one stream; the embedded file is Q4_1 in its layers but Q8_0 in its head,
 so per token it reads 96 MB against bfloat16's 269 MB (2.8x), and with the per-step costs that do not shrink with
-the weights its ratio stays near 2.3x (BENCHMARKS.md). This is the kind of file `llama-quantize --pure` writes
+the weights its ratio stays under 2.5x one step at a time (BENCHMARKS.md). This is the kind of file `llama-quantize --pure` writes
 (gguf-py's quantizers round as ggml's reference ones), so the 4-bit format itself can be measured; the head in 4
 bits costs quality, which `benchmarks/quality.py --formats pure=FILE` measures.
 """

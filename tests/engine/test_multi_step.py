@@ -65,6 +65,21 @@ def test_several_steps_at_once_give_the_tokens_of_one_at_a_time(engines, params)
     assert any(n > 1 for n in multi.runs), "no run of several steps happened"
 
 
+def test_runs_through_the_modules_give_the_same_tokens(engines, monkeypatch):
+    """Without the backend's whole-model paths (another device, a split model) a run steps the modules."""
+    single, multi = engines
+    model = multi.core.runner.model
+    monkeypatch.setattr(model, "decode_greedy", lambda *args: None)
+    monkeypatch.setattr(model, "decode_logits", lambda *args: None)
+    multi.runs.clear()
+    for params in (SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                   SamplingParams(temperature=0.9, seed=3, max_tokens=30, logprobs=1)):
+        want, got = run(single, PROMPTS, params), run(multi, PROMPTS, params)
+        assert {k: (o.token_ids, o.logprobs) for k, o in got.items()} == {
+            k: (o.token_ids, o.logprobs) for k, o in want.items()}
+    assert any(n > 1 for n in multi.runs)
+
+
 def test_a_batch_larger_than_a_run_takes_steps_one_at_a_time(engines):
     single, multi = engines
     multi.runs.clear()
@@ -175,4 +190,5 @@ def test_the_embedded_gguf_decodes_the_same_tokens_in_runs():
         assert not params.stop or any(o.finish_reason == "stop" for o in got)
     if multi.engine.core.runner.backend.name == "cpu":
         assert served
+    single.engine.core.check_idle_invariants()
     multi.engine.core.check_idle_invariants()

@@ -263,20 +263,16 @@ class ModelRunner:
         detokenizing between them. Each token is sampled as a step of its own would sample it (the same rows:
         penalties and min_tokens over the output so far, the generator of its position). Stops early once every
         request has ended (EOS, stop id), or after a step whose sampling failed (what was sampled stays)."""
-        scheduled, bs = out.scheduled, self.block_size
+        scheduled, steps = out.scheduled, out.num_steps
         reqs = [s.request for s in scheduled]
         starts = [r.num_computed_tokens for r in reqs]
-        steps = out.num_steps
         tables = self._block_tables([r.block_ids for r in reqs], max(starts) + steps)
-        q_rows = self._long(list(range(len(reqs))))
-        positions = self._long([[p + j for p in starts] for j in range(steps)])
-        slots = self._long([[r.block_ids[(p + j) // bs] * bs + (p + j) % bs for r, p in zip(reqs, starts)]
-                            for j in range(steps)])
+        positions = self._long(starts)  # of each row's token this step feeds
         input_ids = self._long([r.tokens_with_spec(p, p + 1)[0] for r, p in zip(reqs, starts)])
         if all(_plain_greedy(r) for r in reqs):  # the backend may run them all without Python between tokens
             stop_ids = [_stop_ids(r) for r in reqs]
             width = max(1, *map(len, stop_ids))
-            tokens = self.model.decode_greedy(input_ids, positions[0], tables, self.kv_caches, steps,
+            tokens = self.model.decode_greedy(input_ids, positions, tables, self.kv_caches, steps,
                                               self._long([ids + [-1] * (width - len(ids)) for ids in stop_ids]))
             if tokens is not None:
                 columns = tokens.t().tolist()
@@ -286,12 +282,8 @@ class ModelRunner:
             [] if r.params.logprobs is not None else None for r in reqs]
         failed: dict[str, str] = {}
         ended = [False] * len(reqs)
-        for j in range(steps):
-            logits = self.model.decode_logits(input_ids, positions[j], tables, self.kv_caches)
-            if logits is None:
-                meta = AttentionMetadata(slot_mapping=slots[j], num_paged_tokens=len(reqs), block_tables=tables,
-                                         q_rows=q_rows, kv_lens=positions[j] + 1)
-                logits = self.model.compute_logits(self.model(input_ids, positions[j], meta, self.kv_caches))
+        for _ in range(steps):
+            logits = self._step_logits(input_ids, positions, tables)
             rows = [self._step_row(r, r.output_token_ids + mine) for r, mine in zip(reqs, new)]
             try:
                 results = self.sampler(logits, rows)
@@ -309,12 +301,24 @@ class ModelRunner:
                 ended[i] = r.would_stop(got[0], len(r.output_token_ids) + len(new[i]))
             if failed or all(ended):
                 break
-            input_ids = self._long([mine[-1] if mine else 0 for mine in new])
+            input_ids, positions = self._long([mine[-1] if mine else 0 for mine in new]), positions + 1
         result = StepResult(failed=failed)
         for r, mine, lps in zip(reqs, new, logprobs):
             if r.request_id not in failed:
                 result.sampled[r.request_id] = SampledTokens(mine, lps)
         return result
+
+    def _step_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """Logits of one decode step of one token per row at `positions`, their slots in `tables`: the model's
+        whole-model path where its backend has one, else forward and compute_logits."""
+        logits = self.model.decode_logits(input_ids, positions, tables, self.kv_caches)
+        if logits is not None:
+            return logits
+        bs = self.block_size
+        slots = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
+        meta = AttentionMetadata(slot_mapping=slots, num_paged_tokens=len(input_ids), block_tables=tables,
+                                 q_rows=torch.arange(len(input_ids), device=self.device), kv_lens=positions + 1)
+        return self.model.compute_logits(self.model(input_ids, positions, meta, self.kv_caches))
 
     def _block_tables(self, block_ids: list[list[int]], num_positions: int) -> torch.Tensor:
         """[R, blocks] tables of the blocks holding positions [0, num_positions), padded with block 0 (never read
