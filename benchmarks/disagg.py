@@ -22,7 +22,9 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -85,15 +87,23 @@ async def load(url: str, streams, longs, gap: float):
     return res_s, res_l
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_config(name: str, streams, longs, gap: float, connector: str) -> dict:
     procs, shm = [], None
     try:
         if name.startswith("disaggregated"):
             shm = tempfile.mkdtemp(prefix="tokenmill-bench-kv-", dir=SHM)
-            kv = {"kv_connector": connector, "kv_port": 0, "shm_dir": shm}
-            p = serve("0", 1, "--kv-transfer-config", json.dumps({**kv, "kv_role": "kv_producer"}))
+            port = free_port()  # the consumer's, named in the producer's kv_peers
+            kv = {"kv_connector": connector, "shm_dir": shm, "kv_secret": secrets.token_hex(32)}
+            p = serve("0", 1, "--kv-transfer-config", json.dumps({**kv, "kv_role": "kv_producer",
+                                                                  "kv_peers": [f"127.0.0.1:{port}"]}))
             procs.append(p[0])
-            d = serve("1", 1, "--kv-transfer-config", json.dumps({**kv, "kv_role": "kv_consumer"}))
+            d = serve("1", 1, "--kv-transfer-config", json.dumps({**kv, "kv_role": "kv_consumer", "kv_port": port}))
             procs.append(d[0])
             r = router("--prefill", p[1], "--decode", d[1])
         else:
@@ -136,7 +146,8 @@ def bandwidth(tokens: int = 4000) -> dict[str, tuple[float, float]]:
     slots = torch.arange(tokens)
     out = {}
     for name in ("shm", "tcp"):
-        common = {"kv_connector": name, "kv_port": 0, "shm_dir": tempfile.mkdtemp(prefix="tokenmill-bw-", dir=SHM)}
+        common = {"kv_connector": name, "kv_port": 0, "shm_dir": tempfile.mkdtemp(prefix="tokenmill-bw-", dir=SHM),
+                  "kv_secret": secrets.token_hex(32)}
         producer = make_connector(KVTransferConfig(kv_role="kv_producer", **common), layout)
         consumer = make_connector(KVTransferConfig(kv_role="kv_consumer", **common), layout)
         address = consumer.address()

@@ -262,8 +262,11 @@ KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 class KVTransferConfig:
     """--kv-transfer-config, the JSON of vLLM's flag: `{"kv_connector": "tcp", "kv_role": "kv_consumer", "kv_port":
     14579}`. A producer computes prompts and ships their KV (tokenmill/disagg/); a consumer takes it into its own
-    block pool and decodes. Connectors: `shm` (shared memory, one host: files under `shm_dir`) and `tcp` (across
-    hosts: a consumer listens on `kv_ip:kv_port`, a producer connects to the address each request names)."""
+    block pool and decodes. Connectors: `shm` (shared memory, one host: files under `shm_dir`, a directory only this
+    user may write) and `tcp` (across hosts: a consumer listens on `kv_ip:kv_port`; a producer connects to the
+    address a request names, which must be one of `kv_peers`). `kv_secret` is shared by a producer and its
+    consumers (tcp: required; shm: optional, a key file in `shm_dir` otherwise): it authenticates each tcp connection
+    both ways and the `transfer_token` a consumer request shows to claim a transfer (tokenmill/disagg/auth.py)."""
 
     kv_connector: str = "tcp"
     kv_role: str = "kv_both"
@@ -272,8 +275,13 @@ class KVTransferConfig:
     kv_buffer_size: int = 1 << 30  # bytes of received KV a consumer holds until its requests claim them
     shm_dir: str = "/dev/shm/tokenmill-kv"  # the shm connector's files (a tmpfs: memory, not disk)
     ttl_s: float = 120.0  # received KV no request claims within this is dropped
+    kv_peers: list[str] = field(default_factory=list)  # "host:port" of the tcp consumers a producer may ship to
+    kv_secret: str | None = field(default=None, repr=False)  # shared by producer and consumers ($TOKENMILL_KV_SECRET)
 
-    KEYS = ("kv_connector", "kv_role", "kv_ip", "kv_port", "kv_buffer_size", "shm_dir", "ttl_s")
+    KEYS = ("kv_connector", "kv_role", "kv_ip", "kv_port", "kv_buffer_size", "shm_dir", "ttl_s", "kv_peers",
+            "kv_secret")
+    PEER = r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9._-]{0,252}):([0-9]{1,5})"
+    MIN_SECRET = 16
 
     @classmethod
     def parse(cls, value: KVTransferConfig | dict[str, Any] | str | None) -> KVTransferConfig | None:
@@ -300,6 +308,41 @@ class KVTransferConfig:
         self.kv_buffer_size = int(self.kv_buffer_size)
         if not isinstance(self.ttl_s, (int, float)) or self.ttl_s <= 0:
             raise ConfigError(f"--kv-transfer-config: ttl_s must be > 0 seconds, got {self.ttl_s!r}")
+        self._check_peers()
+        self._check_secret()
+
+    def _check_peers(self) -> None:
+        if not isinstance(self.kv_peers, (list, tuple)):
+            raise ConfigError('--kv-transfer-config: kv_peers must be a list of "host:port" consumer addresses, '
+                              f"got {self.kv_peers!r}")
+        try:
+            self.kv_peers = list(dict.fromkeys(self.peer(p) for p in self.kv_peers))
+        except ValueError as e:
+            raise ConfigError(f"--kv-transfer-config: kv_peers: {e}") from None
+
+    def _check_secret(self) -> None:
+        """Required for tcp: without it anyone who reaches the port could push KV, and any client claim it."""
+        if self.kv_secret is None:
+            self.kv_secret = os.environ.get("TOKENMILL_KV_SECRET") or None
+        if self.kv_secret is not None and (not isinstance(self.kv_secret, str)
+                                           or len(self.kv_secret) < self.MIN_SECRET):
+            raise ConfigError(f"--kv-transfer-config: kv_secret must be a string of at least {self.MIN_SECRET} "
+                              "characters (e.g. from `openssl rand -hex 32`)")
+        if self.kv_connector == "tcp" and self.kv_secret is None:
+            raise ConfigError("--kv-transfer-config: the tcp connector needs kv_secret (or $TOKENMILL_KV_SECRET), "
+                              "the same on a producer and its consumers: it authenticates each connection and each "
+                              "claimed transfer")
+
+    @classmethod
+    def peer(cls, address: object) -> str:
+        """A consumer's address as kv_peers holds it, "host:port" (host lower-cased, IPv6 in brackets); ValueError
+        if it is not one. Compared as written: no DNS lookup."""
+        import re
+
+        m = re.fullmatch(cls.PEER, address.strip()) if isinstance(address, str) else None
+        if m is None or not 0 < int(m.group(2)) < 65536:
+            raise ValueError(f'{address!r} is not a consumer address "host:port" (port 1-65535)')
+        return f"{m.group(1).lower()}:{int(m.group(2))}"
 
     @property
     def produces(self) -> bool:

@@ -156,9 +156,12 @@ class EngineArgs:
                                    type=int)
     kv_transfer_config: str | None = _opt(
         None, "disaggregated prefill/decode, as vLLM's flag: '{\"kv_connector\": \"tcp\" | \"shm\", \"kv_role\": "
-              "\"kv_producer\" | \"kv_consumer\" | \"kv_both\", \"kv_port\": 14579}'. A producer computes prompts "
-              "and ships their KV to the consumer a request names (`kv_transfer_params`); a consumer decodes from it "
-              "(tokenmill router --prefill URL --decode URL pairs them)", key="kv_transfer")
+              "\"kv_producer\" | \"kv_consumer\" | \"kv_both\", \"kv_port\": 14579, \"kv_peers\": [\"host:port\"], "
+              "\"kv_secret\": \"...\"}'. A producer computes prompts and ships their KV to the consumer a request "
+              "names (`kv_transfer_params`), which must be one of its kv_peers (tcp; more with POST /admin/kv_peers); "
+              "a consumer decodes from it (tokenmill router --prefill URL --decode URL pairs them). kv_secret, the "
+              "same on both sides (tcp: required; or $TOKENMILL_KV_SECRET), authenticates the connection and the "
+              "transfer_token a consumer request shows", key="kv_transfer")
 
     # ---- the command line ----------------------------------------------------------------------------------
     @staticmethod

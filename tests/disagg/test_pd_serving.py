@@ -1,14 +1,20 @@
 """Disaggregated serving for real: `tokenmill serve` producer and consumer processes behind `tokenmill router
 --prefill --decode`, against one colocated server on the same weights (float32, greedy or seeded): the same answers,
 the KV shipped and taken (metrics on every side), the consumer computing only what did not arrive; a producer or a
-consumer that dies costs the client nothing but time, and leaves no block in use."""
+consumer that dies costs the client nothing but time, and leaves no block in use. Over HTTP, a client steers none of
+it: a producer ships only to its kv_peers (the operator's list, extended by POST /admin/kv_peers), a consumer
+request claims a transfer only with the producer's transfer_token, and loaded KV answers prefix lookups only
+within its request's cache_salt."""
 
 from __future__ import annotations
 
 import json
 import re
 import signal
+import socket
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlparse
 
 import httpx
 import pytest
@@ -18,6 +24,8 @@ from tests.server.conftest import start_server
 
 pytestmark = pytest.mark.slow
 PROMPT = "The history of the city of Paris begins with a small fishing village on an island in the Seine. " * 6
+SECRET = "pd-serving-test-secret-0123456789"
+ADMIN = {"Authorization": "Bearer pd-admin-key"}
 
 
 def flags(model) -> list[str]:
@@ -25,7 +33,27 @@ def flags(model) -> list[str]:
 
 
 def kv_config(connector: str, role: str, shm_dir) -> str:
-    return json.dumps({"kv_connector": connector, "kv_role": role, "kv_port": 0, "shm_dir": str(shm_dir)})
+    return json.dumps({"kv_connector": connector, "kv_role": role, "kv_port": 0, "shm_dir": str(shm_dir),
+                       "kv_secret": SECRET})
+
+
+def producer_flags(model, connector: str, shm_dir) -> tuple[str, ...]:
+    """A producer whose operator adds its consumers through the admin API once they are up (their ports are free
+    ones)."""
+    return (*flags(model), "--kv-transfer-config", kv_config(connector, "kv_producer", shm_dir),
+            "--admin-api-key", ADMIN["Authorization"][7:])
+
+
+def kv_address(consumer) -> str:
+    """Where a consumer receives KV, as the router names it: its URL's host, its kv_port."""
+    port = httpx.get(consumer.url + "/v1/kv_transfer").json()["kv_port"]
+    return f"{urlparse(consumer.url).hostname}:{port}"
+
+
+def allow(producer, *consumers) -> None:
+    for consumer in consumers:
+        r = httpx.post(producer.url + "/admin/kv_peers", json={"address": kv_address(consumer)}, headers=ADMIN)
+        assert r.status_code == 200, r.text
 
 
 def metric(url: str, name: str, **labels: str) -> float:
@@ -45,13 +73,16 @@ def deployment(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pd")
     model = make_tiny_model(tmp, num_heads=4, num_kv_heads=2)
     shm = tmp / "shm"
-    specs = [(*flags(model), "--kv-transfer-config", kv_config(request.param, "kv_producer", shm)),
+    specs = [producer_flags(model, request.param, shm),
              (*flags(model), "--kv-transfer-config", kv_config(request.param, "kv_consumer", shm)),
              tuple(flags(model))]
     with ThreadPoolExecutor(3) as pool:
         producer, consumer, colocated = pool.map(lambda f: start_server(*f, api_key=None), specs)
+    if request.param == "tcp":
+        allow(producer, consumer)
     router, url = start_router([], "--prefill", producer.url, "--decode", consumer.url)
-    yield {"producer": producer, "consumer": consumer, "colocated": colocated, "router": url, "model": model}
+    yield {"producer": producer, "consumer": consumer, "colocated": colocated, "router": url, "model": model,
+           "connector": request.param}
     stop(router)
     for s in (producer, consumer, colocated):
         s.stop()
@@ -120,6 +151,102 @@ def test_kv_transfer_params_are_refused_where_they_cannot_be_honoured(deployment
         assert message in r.json()["error"]["message"]
 
 
+def ship(d: dict, prompt: str, transfer_id: str) -> dict:
+    """The prefill half, as the router sends it: the producer's answer's kv_transfer_params."""
+    params = {"do_remote_decode": True, "transfer_id": transfer_id}
+    if d["connector"] == "tcp":
+        host, port = kv_address(d["consumer"]).rsplit(":", 1)
+        params.update(remote_host=host, remote_port=int(port))
+    r = post(d["producer"].url, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                                     "kv_transfer_params": params})
+    assert r.status_code == 200, r.text
+    return r.json()["kv_transfer_params"]
+
+
+def claim(shipped: dict, transfer_id: str | None = None) -> dict:
+    return {"do_remote_prefill": True, "transfer_id": transfer_id or shipped["transfer_id"],
+            "transfer_token": shipped["transfer_token"]}
+
+
+def test_a_producer_ships_only_to_its_kv_peers(deployment):
+    """A client naming any other destination gets a 400 and the producer connects nowhere; the operator adds a
+    consumer with POST /admin/kv_peers (admin key only); even then a listener without kv_secret gets no KV."""
+    d = deployment
+    if d["connector"] != "tcp":
+        pytest.skip("kv_peers are tcp destinations (shm ships into its directory)")
+    producer, consumer = d["producer"].url, d["consumer"]
+    assert httpx.get(producer + "/admin/kv_peers", headers=ADMIN).json() == {"kv_peers": [kv_address(consumer)]}
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(1.0)
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    body = {"prompt": "hi", "max_tokens": 1, "kv_transfer_params": {
+        "do_remote_decode": True, "transfer_id": "elsewhere", "remote_host": "127.0.0.1",
+        "remote_port": listener.getsockname()[1]}}
+    try:
+        r = post(producer, "/v1/completions", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+        assert "kv_peers" in r.json()["error"]["message"] and address in r.json()["error"]["message"]
+        with pytest.raises(TimeoutError):
+            listener.accept()  # no connection was even tried
+        assert httpx.post(producer + "/admin/kv_peers", json={"address": address}).status_code == 401
+        assert httpx.post(consumer.url + "/admin/kv_peers", json={"address": address},
+                          headers=ADMIN).status_code == 404  # no --admin-api-key there: no admin API
+        for bad in ({"address": "127.0.0.1"}, {"address": 14579}, {"address": "h:99999"}, {"host": "h:1"}):
+            r = httpx.post(producer + "/admin/kv_peers", json=bad, headers=ADMIN)
+            assert r.status_code == 400 and r.json()["error"]["param"] in ("address", "host"), r.text
+        r = httpx.post(producer + "/admin/kv_peers", json={"address": address}, headers=ADMIN)
+        assert r.status_code == 200 and r.json()["kv_peers"] == [kv_address(consumer), address]
+        listener.settimeout(30)
+        impostor = threading.Thread(target=lambda: listener.accept()[0].close())  # holds no kv_secret
+        impostor.start()
+        r = post(producer, "/v1/completions", body)
+        impostor.join(30)
+        assert r.status_code == 200 and r.json()["kv_transfer_params"]["status"] == "failed"
+    finally:
+        listener.close()
+
+
+def test_a_consumer_claims_a_transfer_only_with_the_producers_token(deployment):
+    d = deployment
+    prompt = PROMPT + " Who may take this KV?"
+    shipped, other = ship(d, prompt, "claim-1"), ship(d, prompt, "claim-2")
+    assert shipped["status"] == "sent" and shipped["transfer_id"] == "claim-1"
+    assert shipped["transfer_token"] != other["transfer_token"]
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0}
+    no_token = {"do_remote_prefill": True, "transfer_id": "claim-1"}
+    for params, message in ((no_token, "transfer_token is required"),
+                            (claim(other, "claim-1"), "not the producer's token"),  # a token of one's own transfer
+                            ({**no_token, "transfer_token": "0" * 64}, "not the producer's token")):
+        r = post(d["consumer"].url, "/v1/completions", {**body, "kv_transfer_params": params})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+        assert message in r.json()["error"]["message"]
+    loaded = metric(d["consumer"].url, "tokenmill_kv_transfer_loaded_tokens_total")
+    r = post(d["consumer"].url, "/v1/completions", {**body, "kv_transfer_params": claim(shipped)})
+    assert r.status_code == 200
+    assert r.json()["choices"] == post(d["colocated"].url, "/v1/completions", body).json()["choices"]
+    assert metric(d["consumer"].url, "tokenmill_kv_transfer_loaded_tokens_total") > loaded
+
+
+def test_loaded_kv_answers_prefix_lookups_only_within_its_cache_salt(deployment):
+    """KV a producer request pushed must not become another tenant's cache hit: without a cache_salt it is shared
+    with no one, with one only with requests of that salt."""
+    d = deployment
+
+    def cached_tokens(prompt: str, salt: str | None = None, transfer: dict | None = None) -> int:
+        body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "cache_salt": salt, "kv_transfer_params": transfer}
+        r = post(d["consumer"].url, "/v1/completions", {k: v for k, v in body.items() if v is not None})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    unsalted = "A prompt whose KV arrives from a producer, with no cache salt. " * 8
+    cached_tokens(unsalted, transfer=claim(ship(d, unsalted, "salt-0")))
+    assert cached_tokens(unsalted) == 0
+    salted = "A prompt whose KV arrives from a producer, for tenant a alone. " * 8
+    cached_tokens(salted, "tenant-a", claim(ship(d, salted, "salt-a")))
+    assert cached_tokens(salted, "tenant-b") == 0 and cached_tokens(salted) == 0
+    assert cached_tokens(salted, "tenant-a") > 0
+
+
 def test_a_dead_producer_or_consumer_costs_time_not_the_answer(tmp_path_factory):
     """Two consumers; one dies after the router learnt its receiver: the producer's transfer to it fails, the
     request goes to the other consumer, which computes the prompt. Then the producer dies: the request still gets
@@ -128,12 +255,13 @@ def test_a_dead_producer_or_consumer_costs_time_not_the_answer(tmp_path_factory)
 
     tmp = tmp_path_factory.mktemp("pd-fail")
     model = make_tiny_model(tmp, num_heads=4, num_kv_heads=2)
-    specs = [(*flags(model), "--kv-transfer-config", kv_config("tcp", "kv_producer", tmp)),
+    specs = [producer_flags(model, "tcp", tmp),
              (*flags(model), "--kv-transfer-config", kv_config("tcp", "kv_consumer", tmp)),
              (*flags(model), "--kv-transfer-config", kv_config("tcp", "kv_consumer", tmp)),
              tuple(flags(model))]
     with ThreadPoolExecutor(4) as pool:
         producer, first, second, colocated = pool.map(lambda f: start_server(*f, api_key=None), specs)
+    allow(producer, first, second)
     # health checks far apart: the router learns of each death from the failed request itself
     router, url = start_router([], "--prefill", producer.url, "--decode", first.url, "--decode", second.url,
                                "--policy", "round_robin", "--health-interval", "600")

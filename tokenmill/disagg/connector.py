@@ -4,9 +4,11 @@ host; tcp.py: a socket across hosts).
 Producer side (the engine thread calls, a sender thread carries out, in order): `begin` when a request arrives,
 `send` after each step with the prompt tokens that step computed (copied out of the block pool at once, so the
 blocks are never held for a transfer, and written while the next steps compute), `end` when the prompt is done,
-`abort` if the request ends first; `results` hands back each transfer's outcome once the consumer has it all.
-Consumer side: `claim(transfer_id)` takes a whole transfer (None if none arrived), the request loads it into its
-own blocks; what is never claimed is dropped after `ttl_s`.
+`abort` if the request ends first; `results` hands back each transfer's outcome once the consumer has it all, with
+the token (auth.py) that lets a consumer request claim it.
+Consumer side: `authorizes(transfer_id, token)` says whether a request may claim that transfer, `claim(transfer_id)`
+takes a whole transfer (None if none arrived), the request loads it into its own blocks; what is never claimed is
+dropped after `ttl_s`.
 KV travels token-major, [tokens, layers, 2 (K, V), kv heads, head dim]: each step's tokens are one contiguous range,
 and the two sides need not share a block size.
 """
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 
 from tokenmill.config import KVTransferConfig
+from tokenmill.disagg.auth import shared_key, token_matches, transfer_token
 from tokenmill.disagg.transfer import KVLayout, KVTransferParams, KVTransferStats, SendResult, TransferHeader
 
 log = logging.getLogger("tokenmill")
@@ -59,6 +62,7 @@ class KVConnector:
 
     def __init__(self, config: KVTransferConfig, layout: KVLayout):
         self.config, self.layout = config, layout
+        self.key = shared_key(config)
         self._stats = KVTransferStats(role=config.kv_role, connector=config.kv_connector)
         self._stats_lock = threading.Lock()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -95,6 +99,10 @@ class KVConnector:
             return out
 
     # ---- consumer ----------------------------------------------------------------------------------------------
+    def authorizes(self, transfer_id: str, token: str | None) -> bool:
+        """Whether `token` is the one the producer gave for `transfer_id`: only then may a request claim it."""
+        return token_matches(self.key, transfer_id, token)
+
     def claim(self, transfer_id: str) -> Received | None:
         raise NotImplementedError
 
@@ -147,7 +155,8 @@ class KVConnector:
                     self._open(out)
                 elif out is None:  # aborted already
                     if op == "end":
-                        self._results.put(SendResult(tid, False, error="the transfer was never begun"))
+                        self._results.put(SendResult(tid, False, error="the transfer was never begun",
+                                                     token=transfer_token(self.key, tid)))
                     continue
                 elif op == "data":
                     start, kv, queued = arg
@@ -181,7 +190,8 @@ class KVConnector:
             except Exception as e:  # noqa: BLE001 - best effort: the consumer drops it after ttl_s anyway
                 log.debug("discarding KV transfer %s: %s", out.header.transfer_id, e)
         result = SendResult(out.header.transfer_id, ok, out.num_tokens if ok else 0, out.num_bytes if ok else 0,
-                            now - (out.first_data or ended), now - ended, out.error)
+                            now - (out.first_data or ended), now - ended, out.error,
+                            transfer_token(self.key, out.header.transfer_id))
         if ok:
             self.count(sent_transfers=1, sent_tokens=result.num_tokens, sent_bytes=result.num_bytes)
             with self._stats_lock:

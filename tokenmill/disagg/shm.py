@@ -4,6 +4,10 @@ and copies the KV straight into its own blocks. The rename is the acknowledgemen
 transfer. Files no one claims (the router died between the two halves; a consumer never came) and the partial
 files of a producer that died are removed after `ttl_s` by whichever side looks next.
 
+`shm_dir` must be this user's and writable by no one else (checked at start-up, auth.py): then only this user's
+processes can put a transfer there, so the files need no MAC. A consumer request still needs the transfer's token to
+claim it (the key: `kv_secret`, or without one a random key file in `shm_dir`).
+
 File: 8 bytes little-endian header length, the header (JSON), zero padding to 64 bytes, then the KV token-major.
 """
 
@@ -19,6 +23,7 @@ import numpy as np
 import torch
 
 from tokenmill.config import KVTransferConfig
+from tokenmill.disagg.auth import private_dir
 from tokenmill.disagg.connector import KVConnector, Outgoing, Received
 from tokenmill.disagg.transfer import KVLayout, TransferHeader
 
@@ -32,8 +37,7 @@ def data_offset(header_bytes: int) -> int:
 
 class SharedMemoryConnector(KVConnector):
     def __init__(self, config: KVTransferConfig, layout: KVLayout):
-        self.dir = Path(config.shm_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = private_dir(Path(config.shm_dir))
         self._last_sweep = 0.0
         self._sweep_lock = threading.Lock()
         super().__init__(config, layout)
@@ -80,6 +84,8 @@ class SharedMemoryConnector(KVConnector):
             with path.open("rb") as f:
                 length = int.from_bytes(f.read(8), "little")
                 header = TransferHeader.from_dict(json.loads(f.read(length)))
+            if header.transfer_id != transfer_id:
+                raise ValueError(f"its header names transfer {header.transfer_id}")
             if header.layout != self.layout:
                 raise ValueError(f"its KV layout {header.layout} is not this engine's {self.layout}")
             size = path.stat().st_size

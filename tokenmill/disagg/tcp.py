@@ -2,6 +2,12 @@
 consumer and streams each transfer over it as the prompt's steps complete, then waits for the consumer's
 acknowledgement that it holds the whole transfer.
 
+A producer connects only to the addresses its requests name, which the edge has checked against `kv_peers`.
+Before any KV moves, both ends prove they hold `kv_secret` (auth.py): the consumer sends {"op": "challenge",
+"nonce"}, the producer {"op": "hello", "nonce", "mac"}, the consumer {"op": "welcome", "mac"} (or {"op":
+"refused", "error"} and closes). A connection that fails this, or takes longer than HANDSHAKE_TIMEOUT_S, is closed
+and counted (`rejected_connections`); before it passes, no frame may exceed HANDSHAKE_MAX_FRAME.
+
 Frames: 4 bytes big-endian length, a JSON header {"op": "begin" | "data" | "end" | "abort", "transfer_id", ...};
 a "data" frame is followed by its `nbytes` of KV, received straight into the transfer's buffer. The consumer answers
 "end" only, with {"ok": bool, "error"?}. A connection that breaks drops its unfinished transfers on the consumer and
@@ -21,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.config import KVTransferConfig
+from tokenmill.disagg.auth import handshake_mac, mac_matches, new_nonce
 from tokenmill.disagg.connector import KVConnector, Outgoing, Received
 from tokenmill.disagg.transfer import KVLayout, TransferHeader
 
@@ -29,6 +36,9 @@ log = logging.getLogger("tokenmill")
 CONNECT_TIMEOUT_S = 5.0
 IO_TIMEOUT_S = 30.0  # a consumer that stops reading (hung, stopped) fails the transfer after this
 MAX_FRAME = 64 << 20  # a header longer than this is not ours
+HANDSHAKE_TIMEOUT_S = 5.0  # a connection that has not proved itself by then is dropped
+HANDSHAKE_MAX_FRAME = 4096  # nothing larger is read from a peer that has not proved itself
+MAX_HANDSHAKES = 32  # connections in proving at once; more are dropped at once (each holds a thread)
 
 
 def send_frame(sock: socket.socket, header: dict, payload: memoryview | None = None) -> None:
@@ -46,15 +56,49 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         view = view[n:]
 
 
-def recv_frame(sock: socket.socket) -> dict:
+def recv_frame(sock: socket.socket, limit: int = MAX_FRAME) -> dict:
     head = bytearray(4)
     recv_exact(sock, memoryview(head))
     (length,) = struct.unpack(">I", head)
-    if length > MAX_FRAME:
+    if length > limit:
         raise ConnectionError(f"a frame of {length} bytes")
     body = bytearray(length)
     recv_exact(sock, memoryview(body))
-    return json.loads(body)
+    frame = json.loads(body)
+    if not isinstance(frame, dict):
+        raise ValueError("a frame that is not a JSON object")
+    return frame
+
+
+def prove_producer(sock: socket.socket, key: bytes) -> None:
+    """The producer's half of the handshake: answer the consumer's challenge, then check that it holds the key too
+    (KV goes to no listener that does not). ConnectionError if either fails."""
+    challenge = recv_frame(sock, HANDSHAKE_MAX_FRAME)
+    theirs = challenge.get("nonce")
+    if challenge.get("op") != "challenge" or not isinstance(theirs, str):
+        raise ConnectionError("not a tokenmill KV consumer (no challenge)")
+    ours = new_nonce()
+    send_frame(sock, {"op": "hello", "nonce": ours, "mac": handshake_mac(key, "producer", theirs, ours)})
+    reply = recv_frame(sock, HANDSHAKE_MAX_FRAME)
+    if reply.get("op") == "refused":
+        raise ConnectionError(f"the consumer refused this producer: {str(reply.get('error'))[:200]}")
+    if reply.get("op") != "welcome" or not mac_matches(reply.get("mac"), handshake_mac(key, "consumer", theirs, ours)):
+        raise ConnectionError("the consumer did not prove it holds kv_secret (is it the same on both?)")
+
+
+def check_producer(sock: socket.socket, key: bytes) -> None:
+    """The consumer's half: a fresh challenge the producer must answer with the key, then our own proof.
+    ConnectionError (after telling the producer why) if its answer is wrong."""
+    ours = new_nonce()
+    send_frame(sock, {"op": "challenge", "nonce": ours})
+    hello = recv_frame(sock, HANDSHAKE_MAX_FRAME)
+    theirs = hello.get("nonce")
+    if (hello.get("op") != "hello" or not isinstance(theirs, str) or len(theirs) > 128
+            or not mac_matches(hello.get("mac"), handshake_mac(key, "producer", ours, theirs))):
+        why = "the producer did not prove it holds kv_secret (is it the same on both?)"
+        send_frame(sock, {"op": "refused", "error": why})
+        raise ConnectionError(why)
+    send_frame(sock, {"op": "welcome", "mac": handshake_mac(key, "consumer", ours, theirs)})
 
 
 @dataclass
@@ -74,6 +118,7 @@ class TcpConnector(KVConnector):
         self._peers: dict[tuple[str, int], socket.socket] = {}  # the sender thread's connections
         self._listener: socket.socket | None = None
         self._accepted: set[socket.socket] = set()  # producers' connections in (closed by `close`)
+        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         super().__init__(config, layout)
         if config.consumes:
             self._listener = socket.create_server((config.kv_ip, config.kv_port), backlog=64)
@@ -104,6 +149,11 @@ class TcpConnector(KVConnector):
         sock = self._peers.get(key)
         if sock is None:
             sock = socket.create_connection(key, timeout=CONNECT_TIMEOUT_S)
+            try:
+                prove_producer(sock, self.key)
+            except (OSError, ValueError, RecursionError) as e:
+                sock.close()
+                raise ConnectionError(f"KV consumer {key[0]}:{key[1]}: {e}") from None
             sock.settimeout(IO_TIMEOUT_S)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._peers[key] = sock
@@ -155,13 +205,40 @@ class TcpConnector(KVConnector):
                 sock, _ = self._listener.accept()
             except OSError:
                 return  # closed
+            if not self._handshakes.acquire(blocking=False):
+                self._reject(sock, "too many connections proving themselves at once")
+                continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._serve, args=(sock,), name="kv-receiver-conn", daemon=True).start()
+
+    def _admit(self, sock: socket.socket) -> bool:
+        """The producer proves it holds kv_secret before anything else is read from it; else it is dropped."""
+        sock.settimeout(HANDSHAKE_TIMEOUT_S)
+        try:
+            check_producer(sock, self.key)
+        except (OSError, ValueError, RecursionError) as e:
+            self._reject(sock, str(e) or type(e).__name__)
+            return False
+        finally:
+            self._handshakes.release()
+        sock.settimeout(None)
+        return True
+
+    def _reject(self, sock: socket.socket, why: str) -> None:
+        self.count(rejected_connections=1)
+        try:
+            peer = "%s:%s" % sock.getpeername()[:2]
+        except OSError:
+            peer = "a closed socket"
+        log.warning("KV connection from %s refused: %s", peer, why)
+        sock.close()
 
     def _serve(self, sock: socket.socket) -> None:
         conn: set[str] = set()  # transfers begun on this connection, not yet ended
         self._accepted.add(sock)
         try:
+            if not self._admit(sock):
+                return
             while True:
                 frame = recv_frame(sock)
                 op = frame.get("op")

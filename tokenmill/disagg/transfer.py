@@ -2,8 +2,10 @@
 
 A request's `kv_transfer_params` (vLLM's field) says its part: `{"do_remote_decode": true, "transfer_id": ID,
 "remote_host": H, "remote_port": P}` on a producer (compute the prompt, ship its KV to H:P, or through shared
-memory), `{"do_remote_prefill": true, "transfer_id": ID}` on a consumer (take the KV shipped under ID, compute only
-what did not arrive). A producer's answer carries `kv_transfer_params` back: the outcome, tokens, bytes, timings.
+memory; with tcp, H:P must be one of the producer's `kv_peers`: a client does not choose where a server connects),
+`{"do_remote_prefill": true, "transfer_id": ID, "transfer_token": T}` on a consumer (take the KV shipped under ID,
+compute only what did not arrive; T proves the producer shipped ID for whoever shows it, auth.py). A producer's
+answer carries `kv_transfer_params` back: the outcome, tokens, bytes, timings, and the transfer's token.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.config import KVTransferConfig
+from tokenmill.disagg.auth import shared_key, token_matches
 from tokenmill.errors import InvalidRequest
 
 TRANSFER_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # it names a file (shm) and travels in a header (tcp)
@@ -25,8 +28,9 @@ class KVTransferParams:
 
     transfer_id: str
     send: bool  # True: a producer's (ship the prompt's KV); False: a consumer's (take it)
-    remote_host: str | None = None  # the consumer's tcp receiver (send, tcp connector)
+    remote_host: str | None = None  # the consumer's tcp receiver (send, tcp connector): one of kv_peers
     remote_port: int | None = None
+    transfer_token: str | None = None  # a consumer's proof that the producer shipped `transfer_id` (auth.py)
 
     @classmethod
     def from_request(cls, value: Any, config: KVTransferConfig | None) -> KVTransferParams | None:
@@ -52,12 +56,42 @@ class KVTransferParams:
         if take and not config.consumes:
             raise InvalidRequest(f"do_remote_prefill: this server's kv_role is {config.kv_role}, not a consumer",
                                  param=PARAM)
-        host, port = value.get("remote_host"), value.get("remote_port")
-        if send and config.kv_connector == "tcp" and not (isinstance(host, str) and host and isinstance(port, int)
-                                                         and 0 < port < 65536):
-            raise InvalidRequest(f"{PARAM}: the tcp connector ships to remote_host and remote_port (the "
-                                     "consumer's kv_ip and kv_port, as its /v1/kv_transfer says)", param=PARAM)
-        return cls(tid, send, host if send else None, port if send else None)
+        if send:
+            return cls(tid, True, *destination(value, config))
+        return cls(tid, False, transfer_token=proof(value, config, tid))
+
+
+def destination(value: dict[str, Any], config: KVTransferConfig) -> tuple[str | None, int | None]:
+    """Where a producer's request ships (tcp): one of the operator's kv_peers, never any address a client names."""
+    if config.kv_connector != "tcp":
+        return None, None
+    host, port = value.get("remote_host"), value.get("remote_port")
+    if not (isinstance(host, str) and host and isinstance(port, int) and not isinstance(port, bool)
+            and 0 < port < 65536):
+        raise InvalidRequest(f"{PARAM}: the tcp connector ships to remote_host and remote_port (the consumer's "
+                             "kv_ip and kv_port, as its /v1/kv_transfer says)", param=PARAM)
+    bare = host.strip("[]")
+    try:
+        address = KVTransferConfig.peer(f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}")
+    except ValueError:
+        raise InvalidRequest(f"{PARAM}.remote_host must be a host name or an IP address", param=PARAM) from None
+    if address not in config.kv_peers:
+        raise InvalidRequest(f"{PARAM}: {address} is not one of this producer's kv_peers; it ships KV only to the "
+                             "consumers its operator names (--kv-transfer-config kv_peers, or POST /admin/kv_peers)",
+                             param=PARAM)
+    return bare, port
+
+
+def proof(value: dict[str, Any], config: KVTransferConfig, transfer_id: str) -> str:
+    """A consumer's claim must show the token the producer's answer gave for this transfer id."""
+    token = value.get("transfer_token")
+    if not isinstance(token, str) or not token:
+        raise InvalidRequest(f"{PARAM}.transfer_token is required with do_remote_prefill: pass on the "
+                             "transfer_token of the producer's answer (its kv_transfer_params)", param=PARAM)
+    if not token_matches(shared_key(config), transfer_id, token):
+        raise InvalidRequest(f"{PARAM}.transfer_token is not the producer's token for transfer_id {transfer_id} "
+                             "(or the producer and this server do not share kv_secret)", param=PARAM)
+    return token
 
 
 @dataclass(frozen=True)
@@ -116,6 +150,7 @@ class SendResult:
     seconds: float = 0.0  # from the first KV handed to the connector to the consumer's acknowledgement
     tail_seconds: float = 0.0  # of which after the prompt's last step: the part not overlapped with compute
     error: str | None = None
+    token: str | None = None  # the transfer's token (auth.py): the consumer request that shows it may claim it
 
     def as_params(self, block_size: int) -> dict[str, Any]:
         """The producer's answer's `kv_transfer_params`: what the router passes on to the consumer, and timings."""
@@ -125,6 +160,8 @@ class SendResult:
                              "tail_seconds": round(self.tail_seconds, 6)}
         if self.error:
             d["error"] = self.error
+        if self.token:
+            d["transfer_token"] = self.token
         return d
 
 
@@ -142,6 +179,8 @@ class KVTransferStats:
     received_tokens: int = 0
     received_bytes: int = 0
     dropped_transfers: int = 0  # refused (buffer full, bad header), broken off, or expired unclaimed
+    rejected_connections: int = 0  # tcp connections in that did not prove they hold kv_secret
+    refused_claims: int = 0  # consumer requests whose transfer_token did not match (they computed their prompt)
     loaded_tokens: int = 0  # tokens a consumer's requests took instead of computing them
     missed_claims: int = 0  # consumer requests whose KV had not arrived (they computed their prompt)
     buffered_bytes: int = 0  # gauge: received KV waiting to be claimed
