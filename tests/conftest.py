@@ -1,12 +1,44 @@
-"""Suite-wide hooks: the long compiler jobs of tests/model/test_isa_builds.py start in the background, at the
-lowest CPU priority, as soon as collection shows they will run (tests/model/isa_jobs.py says why), and their tests
-run last."""
+"""Suite-wide hooks: every engine core a test made ends each test idle (`engine_cores_end_idle`); the long
+compiler jobs of tests/model/test_isa_builds.py start in the background, at the lowest CPU priority, as soon as
+collection shows they will run (tests/model/isa_jobs.py says why), and their tests run last."""
 
 from __future__ import annotations
+
+import time
+import weakref
 
 import pytest
 
 from tests.model import isa_jobs
+
+_cores: weakref.WeakSet = weakref.WeakSet()  # every EngineCore built in this process and still alive
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from tokenmill.engine.core import EngineCore
+
+    built = EngineCore.__init__
+
+    def init(self, *args, **kwargs):
+        built(self, *args, **kwargs)
+        _cores.add(self)
+
+    EngineCore.__init__ = init
+
+
+@pytest.fixture(autouse=True)
+def engine_cores_end_idle():
+    """After every test, each engine core still alive in this process (the test's, or a module's shared one) has
+    whatever it still runs aborted, and then must hold nothing: no block, no lock in the prefix cache, no
+    per-request state of speculation, structured output or KV transfer (EngineCore.check_idle_invariants). A
+    leak anywhere in a request's life fails the test that caused it."""
+    yield
+    for core in list(_cores):
+        core.abort_all()
+        deadline = time.monotonic() + 5.0
+        while core.has_unfinished and time.monotonic() < deadline:  # a producer's transfers report their outcome
+            core.step()
+        core.check_idle_invariants()
 
 
 def _isa_check(item: pytest.Item) -> bool:

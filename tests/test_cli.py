@@ -190,6 +190,33 @@ def test_server_settings_default_body_limit_is_the_flags():
     assert ServerSettings(["m"]).max_request_bytes == args.max_request_bytes == 16 << 20
 
 
+def test_server_settings_default_priority_range_lets_clients_only_lower_their_standing():
+    from tokenmill.cli import build_parser
+    from tokenmill.errors import InvalidRequest
+    from tokenmill.server.app import ServerSettings
+
+    args = build_parser().parse_args(["serve"])
+    settings = ServerSettings(["m"], client_priority_range=args.client_priority_range)
+    assert args.client_priority_range == ServerSettings(["m"]).client_priority_range == (0, None)
+    settings.check_priority(0)
+    settings.check_priority(10**6)
+    with pytest.raises(InvalidRequest, match="--client-priority-range 0:"):
+        settings.check_priority(-1)
+
+
+@pytest.mark.parametrize("text,bounds", [("0:", (0, None)), ("-10:10", (-10, 10)), ("3:3", (3, 3)), (" -1 : ", (-1, None))])
+def test_parse_priority_range(text, bounds):
+    from tokenmill.server.settings import parse_priority_range
+
+    assert parse_priority_range(text) == bounds
+
+
+@pytest.mark.parametrize("text", ["", "5", "a:b", "3:1", ":5"])
+def test_bad_priority_range_is_a_usage_error_naming_the_flag(text):
+    r = tokenmill("serve", "--client-priority-range", text)
+    assert r.returncode == 2 and "--client-priority-range" in r.stderr and "LO:HI" in r.stderr
+
+
 @pytest.mark.parametrize("args,message", [
     (["--prefill", "http://a:1"], "--prefill and --decode go together"),
     (["--prefill", "http://a:1", "--decode", "http://b:1", "--backend", "http://c:1"], "do not mix"),

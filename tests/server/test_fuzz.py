@@ -258,6 +258,7 @@ def fields_of(model_name: str, vocab: int) -> dict[str, Field]:
         "frequency_penalty": field_([0, 0.5], [2, -2, 2.0001, 1e308]),
         "repetition_penalty": field_([1.0, 1.1], [0.01, 0.009, 0, 100, 1e308, 5e-324, 1e-300]),
         "ignore_eos": field_([True, False], [0, 1, "yes"]),
+        "priority": field_([0, 1, 5], [-1, -1000000, 10**9, 2**64, 1.5, "high", None]),
         "include_stop_str_in_output": field_([True, False], ["no"]),
         "skip_special_tokens": field_([True, False], [None]),
         "echo": field_([True, False], [1, "x"]),
@@ -293,11 +294,11 @@ OPTIONAL = {
     C: ["model", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "min_tokens",
         "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "include_stop_str_in_output",
         "skip_special_tokens", "echo", "logprobs", "suffix", "user", "logit_bias", "best_of", "cache_salt",
-        "structured_outputs", "guided_regex", "response_format"],
+        "structured_outputs", "guided_regex", "response_format", "priority"],
     CH: ["model", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "min_tokens",
          "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "skip_special_tokens",
          "max_completion_tokens", "chat_logprobs", "top_logprobs", "add_generation_prompt", "user",
-         "cache_salt", "response_format", "tools", "tool_choice", "structured_outputs"],
+         "cache_salt", "response_format", "tools", "tool_choice", "structured_outputs", "priority"],
     TOK: ["model", "add_special_tokens", "add_generation_prompt", "return_token_strs"],
     DETOK: ["model"],
 }
@@ -374,7 +375,8 @@ def api_request(draw, model_name: str, vocab: int, near_valid_only: bool = False
     path = draw(st.sampled_from([C, C, C, CH, CH, CH, TOK, DETOK, "GET"]))
     if path == "GET":
         path = draw(st.sampled_from(["/v1/models", "/health", f"/v1/models/{model_name}", "/v1/models/gpt-9",
-                                     "/version", "/v1/models/%00", "/v1/nothing"]))
+                                     "/version", "/v1/models/%00", "/v1/nothing", "/admin/kv_peers",
+                                     "/admin/backends", "/metrics"]))
         method = "GET" if not one_in(10, draw) else draw(st.sampled_from(["POST", "DELETE", "HEAD", "OPTIONS"]))
         body = draw(st.sampled_from([None, {"prompt": "Hi"}])) if method != "GET" else None
         auth = GOOD_AUTH if not one_in(10, draw) else draw(st.sampled_from([None, b"Bearer nope"]))
@@ -801,9 +803,9 @@ def after_checks(t: Target) -> list[Violation]:
     while True:
         m = t.metrics()
         state = {k: m[k] for k in ("tokenmill_num_requests_running", "tokenmill_num_requests_waiting",
-                                   "tokenmill_kv_cache_usage_ratio")}
+                                   "tokenmill_kv_cache_usage_ratio", "tokenmill_leaked_blocks")}
         idle = state["tokenmill_num_requests_running"] == 0 and state["tokenmill_num_requests_waiting"] == 0 and \
-            state["tokenmill_kv_cache_usage_ratio"] <= t.idle_kv + 1e-9
+            state["tokenmill_kv_cache_usage_ratio"] <= t.idle_kv + 1e-9 and state["tokenmill_leaked_blocks"] == 0
         if idle:
             break
         if time.monotonic() > deadline:

@@ -288,6 +288,8 @@ BAD = [  # (path, body, status, param or None, fragment of the message)
     (C, {**OK_C, "cache_salt": ""}, 400, "cache_salt", "non-empty"),
     (C, {**OK_C, "priority": "high"}, 400, "priority", "integer"),
     (C, {**OK_C, "priority": 10**9}, 400, "priority", "lower runs first"),
+    (C, {**OK_C, "priority": -1}, 400, "priority", "--client-priority-range 0:"),  # a client cannot jump the queue
+    (CH, {**OK_CH, "priority": -1000000}, 400, "priority", "--client-priority-range 0:"),
     (CH, {**OK_CH, "slo_ttft_ms": -5}, 400, "slo_ttft_ms", "positive"),
     (C, {**OK_C, "slo_itl_ms": 0}, 400, "slo_itl_ms", "positive"),
     (C, {**OK_C, "stop_token_ids": [10**7]}, 400, "stop_token_ids", "vocabulary"),
@@ -444,12 +446,12 @@ def test_malformed_http_gets_a_json_400(server, request_bytes):
 
 
 def test_priorities_and_targets_are_served_and_measured(http):
-    r = http.post(C, json={**OK_C, "priority": -3, "slo_ttft_ms": 60000, "slo_itl_ms": 60000})
+    r = http.post(C, json={**OK_C, "priority": 3, "slo_ttft_ms": 60000, "slo_itl_ms": 60000})
     assert r.status_code == 200
     text = http.get("/metrics").text
     assert 'tokenmill_time_to_first_token_by_priority_seconds_count{model_name=' in text
-    assert 'priority="-3"' in text
-    assert m_value(text, 'tokenmill_slo_requests_total', 'outcome="met",priority="-3"') >= 1
+    assert 'priority="3"' in text
+    assert m_value(text, 'tokenmill_slo_requests_total', 'outcome="met",priority="3"') >= 1
 
 
 def m_value(text: str, name: str, labels: str) -> float:
@@ -468,10 +470,11 @@ def test_metrics_names(http):
                  "tokenmill_request_aborts_total", "tokenmill_prefill_tokens_computed_total",
                  "tokenmill_prefix_cache_queries_total",
                  "tokenmill_prefix_cache_hits_total", "tokenmill_prefix_cache_hit_ratio", "tokenmill_prefix_cache_blocks",
-                 "tokenmill_prefix_cache_evicted_blocks_total"):
+                 "tokenmill_prefix_cache_evicted_blocks_total", "tokenmill_leaked_blocks"):
         assert name in text, name
     m = metrics(http)
     assert m["tokenmill_generation_tokens_total"] > 0 and m["tokenmill_prompt_tokens_total"] > 0
+    assert m["tokenmill_leaked_blocks"] == 0
 
 
 def test_metrics_say_the_weights_as_the_start_up_log_does(server, http):

@@ -209,25 +209,35 @@ class EngineCore:
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, msg: AddRequest) -> None:
-        """Queue one sequence; it passed admission (engine/admission.py) at the edge, so it fits."""
+        """Queue one sequence; it passed admission (engine/admission.py) at the edge, so it fits. If it cannot be
+        queued, whatever it had taken (a KV transfer) is released before the error goes back."""
         p, sc = msg.params, self.config.scheduler
         ttft, itl = p.slo_ttft_ms or sc.slo_ttft_ms, p.slo_itl_ms or sc.slo_itl_ms
         request = Request(msg.request_id, msg.prompt_token_ids, p, msg.max_tokens, msg.eos_token_ids,
                           arrival_time=msg.arrival_time, cache_salt=msg.cache_salt, priority=p.priority,
                           ttft_target=ttft / 1e3 if ttft else None, itl_target=itl / 1e3 if itl else None)
-        if msg.kv_transfer is not None:
-            self._join_transfer(request, msg.kv_transfer)
-        if p.structured_outputs is not None:  # scheduled once its matcher is built (structured/manager.py)
-            self._structured().submit(request, msg.grammar)
-        else:
-            self.scheduler.add_request(request)
+        try:
+            if msg.kv_transfer is not None:
+                self._join_transfer(request, msg.kv_transfer)
+            if p.structured_outputs is not None:  # scheduled once its matcher is built (structured/manager.py)
+                self._structured().submit(request, msg.grammar)
+            else:
+                self.scheduler.add_request(request)
+        except BaseException:
+            self._end(msg.request_id)
+            raise
         self._unstarted.add(msg.request_id)
+
+    def request_ids(self) -> list[str]:
+        """Every sequence in the core, whatever stage it is in: waiting for its grammar, waiting, running."""
+        return list(dict.fromkeys([*self._unstarted, *self.scheduler.requests]))  # unstarted: grammar ones too
 
     # ---- disaggregated prefill/decode ------------------------------------------------------------------------
     def _join_transfer(self, request: Request, params: KVTransferParams) -> None:
         """A producer's sequence begins its shipment; a consumer's takes the KV that arrived under its transfer id
         (the longest prefix of its prompt the KV covers, less the last token, whose logits it computes), or, if
-        none arrived, computes its prompt as any request does."""
+        none arrived or its transfer_token is not the producer's (no one claims another's KV), computes its prompt
+        as any request does."""
         conn, cfg = self.connector, self.config.kv_transfer
         if conn is None or (params.send and not cfg.produces) or (not params.send and not cfg.consumes):
             raise ConfigError(f"kv_transfer_params: this engine's --kv-transfer-config "
@@ -236,6 +246,10 @@ class EngineCore:
         if params.send:
             conn.begin(params, request.prompt_token_ids)
             self._shipments[rid] = Shipment(tid)
+            return
+        if not conn.authorizes(tid, params.transfer_token):
+            log.warning("KV transfer %s: request %s shows no valid transfer_token; computing its prompt", tid, rid)
+            conn.count(refused_claims=1)
             return
         ext = self._external.get(tid)  # the n samples of one request share one transfer
         if ext is None:
@@ -353,18 +367,26 @@ class EngineCore:
         return self.structured
 
     def abort(self, request_ids: list[str]) -> None:
+        """End sequences now (client gone, stopping), whatever stage they are in."""
         for rid in request_ids:
-            self._unstarted.discard(rid)
-            self._forget_shipment(rid)
-            if self.structured is not None:
-                self.structured.discard(rid)
-            if self.scheduler.abort(rid) is not None:
-                self._release(rid)
+            self._end(rid)
+
+    def abort_all(self) -> None:
+        self.abort(self.request_ids())
 
     def finish(self, request_id: str, stop_reason: str) -> None:
         """A stop string matched in the detokenizer: end the request now and free its blocks."""
+        self._end(request_id, RequestStatus.FINISHED_STOPPED, stop_reason)
+
+    def _end(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+             stop_reason: str | None = None) -> None:
+        """Ended from outside a step (abort, stop string, refused at add): the scheduler frees its blocks if it
+        holds it, and it leaves through `_release` as every request does. Idempotent."""
         self._forget_shipment(request_id)
-        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, stop_reason)
+        if status is RequestStatus.FINISHED_ABORTED:
+            self.scheduler.abort(request_id)
+        else:
+            self.scheduler.finish_request(request_id, status, stop_reason)
         self._release(request_id)
 
     def startup_summary(self) -> str:
@@ -475,7 +497,7 @@ class EngineCore:
         for request in ok:
             self.scheduler.add_request(request)
         for request, why in failed:
-            self._unstarted.discard(request.request_id)
+            self._end(request.request_id)
             log.warning("request %s failed: %s", request.request_id, why)
         return [EngineCoreOutput(r.request_id, [], None, "error", None, why) for r, why in failed]
 
@@ -498,7 +520,10 @@ class EngineCore:
         return ended
 
     def _release(self, request_id: str) -> None:
-        """A request ended (any way): drop its per-request state outside the scheduler."""
+        """Every sequence leaves through here, whatever stage it ended in (waiting for its grammar, loading KV,
+        waiting, running, preempted, refused, failed, finished): its state outside the scheduler goes. The
+        scheduler has freed its blocks before. Idempotent: a second call finds nothing."""
+        self._unstarted.discard(request_id)
         self.runner.release(request_id)
         self._untake(request_id)
         ship = self._shipments.get(request_id)

@@ -73,7 +73,7 @@ def serve(core: EngineCore, inputs: Any, outputs: Any) -> None:
                     elif isinstance(msg, FinishRequest):
                         core.finish(msg.request_id, msg.stop_reason)
                     elif isinstance(msg, Shutdown):
-                        core.abort(list(core.scheduler.requests))
+                        core.abort_all()
                         return
         except (EOFError, OSError):  # the client is gone
             return

@@ -63,6 +63,12 @@ class BlockPool:
             self.cached[b] = False
             self._free.append(b)
 
+    def num_held_blocks(self) -> int:
+        """Blocks some request references or that are neither free nor cached: with no request in flight, each
+        is a leak (O(blocks): asked when the engine goes idle, not every step)."""
+        free = set(self._free)
+        return sum(1 for b in range(self.num_blocks) if self.ref_counts[b] > 0 or not (self.cached[b] or b in free))
+
     def check_whole(self) -> None:
         """Invariant when idle: every block free or cached, none counted twice, no references left."""
         cached = [b for b in range(self.num_blocks) if self.cached[b]]
@@ -95,6 +101,11 @@ class KVCacheManager:
     blocks are shared, ref count +1, and its computed tokens start there); its own blocks join the radix tree as
     they fill (`cache_blocks`, after each step) and when it ends, so later requests can share them. Cached blocks
     no one holds stay until the pool runs short, then leave in LRU order.
+
+    KV loaded from a transfer (disaggregated prefill) was computed elsewhere, by whoever made the producer request:
+    it joins the tree only under the request's cache salt, shared with that tenant alone. A request that loads KV
+    without a salt keeps all its blocks private (`_private`): it still takes cached blocks, but none of its own join
+    the tree, so pushed KV never answers another request's prefix lookup.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
@@ -102,6 +113,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.tree = RadixCache(block_size) if enable_prefix_caching else None
         self.prefix_stats = PrefixCacheStats()
+        self._private: set[str] = set()  # requests holding loaded KV without a cache salt: none of theirs is cached
 
     @property
     def prefix_caching(self) -> bool:
@@ -168,6 +180,8 @@ class KVCacheManager:
             start = len(hit) * self.block_size
             request.pending_load = (start, start + loaded)
             request.num_computed_tokens = start + loaded
+            if request.cache_salt is None:
+                self._private.add(request.request_id)
         request.num_external_tokens = 0
         ok = self.allocate_slots(request, num_new_tokens)
         assert ok, "admit checked the room"
@@ -209,7 +223,7 @@ class KVCacheManager:
     def cache_blocks(self, request: Request) -> None:
         """Put the request's newly filled (computed) blocks in the tree. Where another request cached the same
         tokens first, switch to its block and free the duplicate."""
-        if self.tree is None:
+        if self.tree is None or request.request_id in self._private:
             return
         full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
         start = request.num_cached_blocks
@@ -240,10 +254,12 @@ class KVCacheManager:
         blocks, request.block_ids = request.block_ids, []
         if blocks:
             self.pool.release(blocks)
+        self._private.discard(request.request_id)
 
     def check_idle(self) -> None:
         """With no request holding anything: the pool is whole and the tree has no locks."""
         self.pool.check_whole()
+        assert not self._private, "a request's private mark outlived it"
         if self.tree is not None:
             self.tree.check()
             assert self.tree.evictable_blocks == self.tree.cached_blocks, "a lock outlived its request"

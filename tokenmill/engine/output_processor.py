@@ -4,7 +4,8 @@ into text (incremental detokenizer, stop strings), logprobs and per-request metr
 (RequestOutput, offline) or as deltas (SampleDelta, streaming). Plain Python: no torch, no model.
 
 One request type per side of the boundary: the core has `Request`; this side has `RequestState` (with one
-`SampleState` per sample). Not thread-safe: the async client calls it under its lock.
+`SampleState` per sample). Not thread-safe: the async client calls its bookkeeping under its lock and detokenizes
+(`fold`) outside it, so that adding and aborting requests never wait for a step's detokenization.
 """
 
 from __future__ import annotations
@@ -138,7 +139,17 @@ class ProcessedOutputs:
     requests: list[RequestState] = field(default_factory=list)  # with news; the finished ones are forgotten
     stops: list[FinishRequest] = field(default_factory=list)  # for the core: stop strings ended these sequences
     rejected: list[tuple[RequestState, TokenmillError]] = field(default_factory=list)  # refused by the core; forgotten
+    aborts: list[str] = field(default_factory=list)  # for the core: sequences of a refused request still running
     num_generated: int = 0  # new tokens, all requests together
+
+
+@dataclass
+class Routed:
+    """One step's outputs matched to the samples they are for (`OutputProcessor.route`)."""
+
+    step: EngineOutputs
+    outputs: list[tuple[RequestState, SampleState, EngineCoreOutput]] = field(default_factory=list)
+    result: ProcessedOutputs = field(default_factory=ProcessedOutputs)
 
 
 class OutputProcessor:
@@ -190,8 +201,15 @@ class OutputProcessor:
     def process(self, step: EngineOutputs) -> ProcessedOutputs:
         """Fold one step's outputs in. Outputs for sequences no longer tracked (aborted, or a core in another
         process running a step ahead of a stop string) are dropped."""
-        result = ProcessedOutputs()
-        now = time.monotonic()
+        routed = self.route(step)
+        self.fold(routed)
+        return self.settle(routed)
+
+    # `process` in three parts, so that a client shared between threads can hold its lock for the bookkeeping
+    # (`route`, `settle`) but not for detokenizing (`fold`), the part that grows with the step
+    def route(self, step: EngineOutputs) -> Routed:
+        """Bookkeeping: first schedules, the core's refusals, and which tracked sample each output is for."""
+        routed = Routed(step)
         obs = self.observer
         for core_id, (scheduled_at, cached) in step.started.items():
             entry = self._samples.get(core_id)
@@ -202,19 +220,27 @@ class OutputProcessor:
                 state.metrics.first_scheduled_time, state.num_cached_tokens = scheduled_at, cached
             if obs is not None:
                 obs.on_started(scheduled_at - state.metrics.arrival_time)
+        result = routed.result
         for core_id, why in step.rejected.items():
             entry = self._samples.get(core_id)
-            if entry is not None:
+            if entry is not None:  # the request ends whole: its other samples must not run on with their blocks
                 error = why if isinstance(why, TokenmillError) else RequestFailed(
                     f"the engine refused this request: {why}")
                 result.rejected.append((entry[0], error))
+                result.aborts += [s.core_id for s in entry[0].samples if s.core_id != core_id and not s.finished]
                 self.pop(entry[0].request_id)
-        touched: dict[str, RequestState] = {}
         for out in step.outputs:
             entry = self._samples.get(out.request_id)
-            if entry is None or entry[1].finished:
-                continue
-            state, sample = entry
+            if entry is not None and not entry[1].finished:
+                routed.outputs.append((*entry, out))
+        return routed
+
+    def fold(self, routed: Routed) -> None:
+        """Detokenize and count: touches only the routed requests' own state (a request aborted meanwhile is
+        folded for nothing, and `settle` drops it)."""
+        now, obs, result = time.monotonic(), self.observer, routed.result
+        touched: dict[str, RequestState] = {}
+        for state, sample, out in routed.outputs:
             self._apply(state, sample, out, result.stops)
             touched[state.request_id] = state
             if out.new_token_ids:
@@ -226,13 +252,18 @@ class OutputProcessor:
                 elif obs is not None:
                     obs.on_inter_token(now - sample.last_token_time, state)
                 sample.last_token_time = now
-        for state in touched.values():
+        result.requests = list(touched.values())
+
+    def settle(self, routed: Routed) -> ProcessedOutputs:
+        """Bookkeeping again: finished requests are forgotten (those still tracked), stats are observed."""
+        now, obs, result, step = time.monotonic(), self.observer, routed.result, routed.step
+        result.requests = [r for r in result.requests if self.requests.get(r.request_id) is r]
+        for state in result.requests:
             if state.finished:
                 state.metrics.finished_time = now
                 self.pop(state.request_id)
                 if obs is not None:
                     obs.on_finished(state, now - state.metrics.arrival_time)
-        result.requests = list(touched.values())
         if obs is not None and step.stats is not None:
             obs.on_stats(step.stats, result.num_generated)
         if obs is not None and step.kv_transfer is not None:

@@ -139,6 +139,7 @@ class SchedulerStats:
     # prompt tokens still to compute of running requests (chunked prefills under way), by priority level now
     prefill_tokens_by_level: dict[int, int] = field(default_factory=dict)
     new_token_ratio: float = 0.0  # the KV headroom kept for decode growth now
+    leaked_blocks: int = 0  # blocks still held the last time no request was in flight (each a bug)
 
 
 class Scheduler:
@@ -155,6 +156,8 @@ class Scheduler:
         self.spec_stats: SpecDecodeStats | None = None  # counted in `update` when speculation is on
         self.step_cost: StepCostModel | None = None  # measured step times (engine/core.py sets it)
         self.preemptions_by_cause = {"blocks": 0, "priority": 0}
+        self.leaked_blocks = 0
+        self._leaks_counted = True  # leaked_blocks counted since the last request came
         self.policy = make_policy(config.policy, config.priority_aging_s)
         self.new_token_ratio = config.new_token_ratio
         # None: a quarter of the budget (three quarters stay for newcomers; a long prefill keeps at least a quarter
@@ -167,6 +170,7 @@ class Scheduler:
         """Queue a request that passed admission (engine/admission.py): it fits the context window and the pool."""
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self._leaks_counted = False
 
     def abort(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
@@ -470,6 +474,8 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
 
     def stats(self) -> SchedulerStats:
+        if not self.requests and not self._leaks_counted:  # idle again: whatever is still held leaked
+            self.leaked_blocks, self._leaks_counted = self.kv.pool.num_held_blocks(), True
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -484,6 +490,7 @@ class Scheduler:
             running_context_tokens=sum(r.num_computed_tokens for r in self.running),
             prefill_tokens_by_level=self._prefill_tokens_by_level(),
             new_token_ratio=self.new_token_ratio,
+            leaked_blocks=self.leaked_blocks,
         )
 
     def _prefill_tokens_by_level(self) -> dict[int, int]:

@@ -21,6 +21,8 @@ import tokenmill
 from tokenmill.disagg.transfer import KVTransferParams
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.errors import InvalidRequest
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.admin import add_admin_routes
 from tokenmill.server.errors import ModelNotFound, error_body, install_error_handlers
 from tokenmill.server.guard import Guard
 from tokenmill.server.metrics import ServerMetrics
@@ -70,6 +72,11 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         raw = await request.body()
         return validate(model, parse_json(raw, request.headers.get("content-type")))
 
+    def sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+        params = req.to_params(info.vocab_size)
+        settings.check_priority(params.priority)
+        return params
+
     def check_model(name: str | None) -> str:
         if name is None or name in names:
             return name or names[0]
@@ -78,6 +85,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
 
     if settings.ui:
         add_ui_routes(app, engine, metrics, settings.model_name)
+    add_admin_routes(app, engine)
 
     @app.get("/health")
     async def health():
@@ -123,7 +131,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         arrival = time.monotonic()
         req: CompletionRequest = await read(request, CompletionRequest)
         model = check_model(req.model)
-        params = req.to_params(info.vocab_size)
+        params = sampling_params(req)
         prompts = await encoder.prompts(req.prompts())
         grammar = await engine.check_grammar(params)
         transfer = KVTransferParams.from_request(req.kv_transfer_params, engine.config.kv_transfer)
@@ -145,7 +153,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         arrival = time.monotonic()
         req: ChatCompletionRequest = await read(request, ChatCompletionRequest)
         model = check_model(req.model)
-        params = req.to_params(info.vocab_size)
+        params = sampling_params(req)
         tools = req.tool_choice_spec()
         takes_tools = tok.template_takes_tools
         messages = template_messages(req.template_messages(), tools, takes_tools)

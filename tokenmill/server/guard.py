@@ -1,5 +1,9 @@
-"""The ASGI guard in front of the app: API key, body size and load shedding before any parsing, and a JSON 500
-for whatever escapes the app. Rejections are answered here, without running the app."""
+"""The ASGI guard in front of the app: keys, body size and load shedding before any parsing, and a JSON 500 for
+whatever escapes the app. Rejections are answered here, without running the app.
+
+Three keys, each compared in constant time: the clients' `--api-key` (/v1/*, /tokenize, /detokenize, /ui/stats),
+the operator's `--admin-api-key` (/admin/*, which do not exist without it: a client key never opens them) and an
+optional `--metrics-api-key` (/metrics; open without it, as Prometheus scrapers expect)."""
 
 from __future__ import annotations
 
@@ -8,12 +12,14 @@ import json
 import logging
 from collections.abc import Callable
 
-from tokenmill.server.errors import BadRequest, InternalError, RequestTooLarge, Unauthorized, classify
+from tokenmill.server.errors import BadRequest, InternalError, NotFound, RequestTooLarge, Unauthorized, classify
 from tokenmill.server.settings import ServerSettings
 
 log = logging.getLogger("tokenmill")
 
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/ui/stats")
+ADMIN_PREFIX = "/admin/"
+METRICS_PATH = "/metrics"
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -28,14 +34,9 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        key = self.settings.api_key
-        if key and scope["path"].startswith(PROTECTED_PREFIXES):
-            auth = headers.get(b"authorization", b"").decode("latin-1")
-            given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(given.encode(), key.encode()):
-                msg = "missing API key" if not auth else "invalid API key"
-                return await self._reject(Unauthorized(f"{msg}: send the header 'Authorization: Bearer <key>'"),
-                                          receive, send)
+        refused = self._check_key(scope["path"], headers.get(b"authorization", b"").decode("latin-1"))
+        if refused is not None:
+            return await self._reject(refused, receive, send)
         limit = self.settings.max_request_bytes
         try:
             length = int(headers.get(b"content-length", b"0"))
@@ -75,6 +76,20 @@ class Guard:
                 await self._reject(InternalError(f"internal error: {type(exc).__name__}"), receive, send,
                                    drain=False)
 
+    def _check_key(self, path: str, auth: str) -> Exception | None:
+        """Why this path refuses this Authorization header, or None. Each area has its own key."""
+        settings = self.settings
+        if path.startswith(ADMIN_PREFIX) or path == ADMIN_PREFIX.rstrip("/"):
+            if not settings.admin_api_key:
+                return NotFound(f"{path} is an admin endpoint, off on this server; start it with --admin-api-key")
+            return _key_mismatch(auth, settings.admin_api_key, "admin API key")
+        if path == METRICS_PATH:
+            return _key_mismatch(auth, settings.metrics_api_key, "metrics API key") if settings.metrics_api_key \
+                else None
+        if settings.api_key and path.startswith(PROTECTED_PREFIXES):
+            return _key_mismatch(auth, settings.api_key, "API key")
+        return None
+
     async def _reject(self, exc: Exception, receive, send, drain: bool = True) -> None:
         """Answer without running the app. The body is read and dropped first (up to a bound): a server that
         closes with a request body still arriving makes the client see a reset instead of the answer."""
@@ -103,6 +118,15 @@ async def _drain(receive, limit: int) -> bool:
         if not message.get("more_body"):
             return True
     return False
+
+
+def _key_mismatch(auth: str, key: str, what: str) -> Unauthorized | None:
+    """None if `auth` is 'Bearer <key>'; compared in constant time, so a wrong key's timing tells nothing."""
+    given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+    if hmac.compare_digest(given.encode(), key.encode()):
+        return None
+    msg = f"missing {what}" if not auth else f"invalid {what}"
+    return Unauthorized(f"{msg}: send the header 'Authorization: Bearer <key>'")
 
 
 def _too_large(limit: int) -> RequestTooLarge:

@@ -59,7 +59,10 @@ def serve(args: argparse.Namespace) -> int:
         info = engine.start()
         print(info.startup_summary, file=sys.stderr, flush=True)
         settings = ServerSettings(names, model_path=str(args.model or default_served_name(None)),
-                                  api_key=args.api_key or None, max_request_bytes=args.max_request_bytes,
+                                  api_key=args.api_key or None, admin_api_key=args.admin_api_key or None,
+                                  metrics_api_key=args.metrics_api_key or None,
+                                  client_priority_range=args.client_priority_range,
+                                  max_request_bytes=args.max_request_bytes,
                                   ui=not args.no_ui)
         app = create_app(engine, settings, metrics)
         # uvicorn's own timeout is only the backstop: Server ends what is left at --shutdown-timeout with a 503

@@ -116,10 +116,16 @@ class ServerMetrics:
         self.kv_transfer_seconds = Histogram("tokenmill_kv_transfer_seconds", "Per transfer, from the first KV "
                                              "handed over to the consumer's acknowledgement (overlaps the prefill)",
                                              labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.kv_rejected_connections = Counter("tokenmill_kv_transfer_rejected_connections", "KV transfer "
+                                               "connections dropped for not proving they hold kv_secret", labels,
+                                               registry=r)
         self.kv_buffered = Gauge("tokenmill_kv_transfer_buffered_bytes", "Received KV waiting to be claimed",
                                  labels, registry=r)
         self._kv_seen: dict[tuple, int] = {}
         self.block_size = 16  # for the blocks counter (app.py sets the engine's)
+        self.leaked_blocks = Gauge("tokenmill_leaked_blocks", "KV blocks still held the last time no request was "
+                                   "in flight: 0 unless there is a bug", labels, registry=r)
+        self.leaked_blocks.labels(model_name).set(0)
         self.engine_alive = Gauge("tokenmill_engine_alive", "1 while the engine loop is alive", labels, registry=r)
         self.weight_bytes = Gauge("tokenmill_model_weight_bytes", "Bytes the model's weights hold in the engine, by "
                                   "weight format (as the start-up log says)", ["model_name", "format"], registry=r)
@@ -230,6 +236,7 @@ class ServerMetrics:
             self._totals_seen = totals
             self._prate.set(pc.hit_rate)
         self._pblocks.set(pc.cached_blocks)
+        self.leaked_blocks.labels(self._model).set(stats.leaked_blocks)
         if stats.spec_decode is not None:
             self._on_spec(stats.spec_decode)
         for cause, total in stats.preemptions_by_cause.items():
@@ -249,6 +256,8 @@ class ServerMetrics:
                   (self.kv_transfers, ("received",), st.received_transfers),
                   (self.kv_transfers, ("dropped",), st.dropped_transfers),
                   (self.kv_transfers, ("missed",), st.missed_claims),
+                  (self.kv_transfers, ("refused_claim",), st.refused_claims),
+                  (self.kv_rejected_connections, (), st.rejected_connections),
                   (self.kv_loaded_tokens, (), st.loaded_tokens))
         for metric, labels, total in totals:
             key = (id(metric), *labels)
