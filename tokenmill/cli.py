@@ -9,6 +9,7 @@ import sys
 
 from tokenmill.engine_args import EngineArgs, parse_bytes
 from tokenmill.errors import TokenmillError
+from tokenmill.server.settings import parse_priority_range
 
 log = logging.getLogger("tokenmill")
 
@@ -107,6 +108,17 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and /ui/stats "
                         "(default: $TOKENMILL_API_KEY, else no key)")
+    g.add_argument("--admin-api-key", default=os.environ.get("TOKENMILL_ADMIN_API_KEY"),
+                   help="the operator's key for /admin/* (Bearer); without it the admin endpoints are off, and the "
+                        "clients' --api-key never opens them (default: $TOKENMILL_ADMIN_API_KEY)")
+    g.add_argument("--metrics-api-key", default=os.environ.get("TOKENMILL_METRICS_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /metrics (default: $TOKENMILL_METRICS_API_KEY, "
+                        "else /metrics is open)")
+    g.add_argument("--client-priority-range", type=parse_priority_range, default="0:",
+                   help="the `priority` values a client may send, LO:HI (HI optional; a negative LO needs '=': "
+                        "--client-priority-range=-5:); outside it HTTP 400. Lower runs "
+                        "first under --scheduling-policy priority, so the default 0: lets a client lower its standing, "
+                        "never raise it above the default")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) the API answers to (default: the --model argument, or the default model's "
                         "file name)")
@@ -176,7 +188,9 @@ def cmd_router(args: argparse.Namespace) -> int:
         print(f"error: {'--decode' if args.prefill else '--backend'}/--prefill: {e}", file=sys.stderr)
         return 2
     return run_router(args.backend, args.policy, args.host, args.port, args.api_key, args.backend_api_key,
-                      args.health_interval, args.max_attempts, cascade, args.prefill)
+                      args.health_interval, args.max_attempts, cascade, args.prefill,
+                      admin_api_key=args.admin_api_key, metrics_api_key=args.metrics_api_key,
+                      max_request_bytes=args.max_request_bytes, max_connections=args.max_connections)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -241,9 +255,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080, help="0: a free port (the ready line says which)")
     p.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
-                   help="require Authorization: Bearer KEY on /v1/* and /admin/* (default $TOKENMILL_API_KEY)")
+                   help="the clients' key: require Authorization: Bearer KEY on /v1/* (default $TOKENMILL_API_KEY)")
+    p.add_argument("--admin-api-key", default=os.environ.get("TOKENMILL_ADMIN_API_KEY"),
+                   help="the operator's key for /admin/* (Bearer); without it the admin endpoints are off (404), "
+                        "and --api-key never opens them (default $TOKENMILL_ADMIN_API_KEY)")
+    p.add_argument("--metrics-api-key", default=os.environ.get("TOKENMILL_METRICS_API_KEY"),
+                   help="require Authorization: Bearer KEY on /metrics (default $TOKENMILL_METRICS_API_KEY, else "
+                        "/metrics is open)")
     p.add_argument("--backend-api-key", default=os.environ.get("TOKENMILL_BACKEND_API_KEY"),
                    help="the key the router sends to the replicas (default $TOKENMILL_BACKEND_API_KEY)")
+    p.add_argument("--max-request-bytes", type=parse_bytes, default=16 << 20,
+                   help="largest request body, on every route; a larger one gets HTTP 413 as soon as it passes "
+                        "the limit (default 16MiB)")
+    p.add_argument("--max-connections", type=int, default=1024,
+                   help="client requests served at once; past it HTTP 429 with Retry-After (default 1024; also "
+                        "bounds the router's connections to the replicas)")
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
     p.add_argument("--max-attempts", type=int, default=3,
                    help="replicas a request may be tried on before it fails (only before its response began)")

@@ -17,12 +17,14 @@ import httpx
 import pytest
 
 from tests.server.conftest import start_server
-from tokenmill.router.app import prompt_text
+from tokenmill.router.forward import prompt_text
 from tokenmill.router.backends import Backend
+from tokenmill.router.disagg import decode_body
 from tokenmill.router.policies import BALANCE_ABS, LeastLoad, PrefixAware, RoundRobin, make_policy
 from tokenmill.router.prefix_index import BLOCK_CHARS, PrefixIndex
 
 KEY = "router-key"
+ADMIN_KEY = "router-admin-key"
 SYSTEM = "You are a meticulous assistant. " * 40  # ~1,300 characters shared by a group of prompts
 
 
@@ -71,6 +73,14 @@ def test_prompt_text_reads_prompts_and_messages():
     assert prompt_text(b"not json") == "" and prompt_text(b"[1]") == ""
 
 
+def test_the_decode_half_claims_the_transfer_with_the_producers_token():
+    data = {"prompt": "p", "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": "someone-elses"}}
+    answer = {"kv_transfer_params": {"status": "sent", "transfer_token": "t0k"}}
+    assert decode_body(data, "kv-1", answer)["kv_transfer_params"] == {
+        "do_remote_prefill": True, "transfer_id": "kv-1", "transfer_token": "t0k"}
+    assert decode_body(data, "kv-1", None) == {"prompt": "p"}  # no prefill answer: nothing to claim
+
+
 # ---- a real router -----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory):
@@ -111,6 +121,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 H = {"Authorization": f"Bearer {KEY}"}
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 def complete(url: str, prompt: str, max_tokens: int = 4, **kw) -> httpx.Response:
@@ -153,17 +164,17 @@ def test_streams_pass_through_chunk_for_chunk_and_the_key_is_enforced(replicas):
 
 @pytest.mark.slow
 def test_replicas_added_and_removed_at_run_time(replicas):
-    proc, url = start_router([replicas[0].url], "--policy", "round_robin")
+    proc, url = start_router([replicas[0].url], "--policy", "round_robin", "--admin-api-key", ADMIN_KEY)
     try:
         assert httpx.post(url + "/admin/backends", json={"url": replicas[1].url}).status_code == 401
-        assert httpx.post(url + "/admin/backends", json={"url": replicas[1].url}, headers=H).status_code == 200
-        assert httpx.post(url + "/admin/backends", json={"url": "ftp://x"}, headers=H).status_code == 400
+        assert httpx.post(url + "/admin/backends", json={"url": replicas[1].url}, headers=ADMIN).status_code == 200
+        assert httpx.post(url + "/admin/backends", json={"url": "ftp://x"}, headers=ADMIN).status_code == 400
         served = {complete(url, f"p{i}").headers["x-tokenmill-backend"] for i in range(4)}
         assert served == {replicas[0].url, replicas[1].url}
         assert httpx.request("DELETE", url + "/admin/backends", json={"url": replicas[0].url},
-                             headers=H).status_code == 200
+                             headers=ADMIN).status_code == 200
         assert {complete(url, f"q{i}").headers["x-tokenmill-backend"] for i in range(3)} == {replicas[1].url}
-        listed = httpx.get(url + "/admin/backends", headers=H).json()["backends"]
+        listed = httpx.get(url + "/admin/backends", headers=ADMIN).json()["backends"]
         assert [b["url"] for b in listed] == [replicas[1].url]
     finally:
         stop(proc)
@@ -176,7 +187,7 @@ def test_killing_a_replica_under_load_loses_no_request_that_had_not_begun(tmp_pa
     model = make_tiny_model(tmp_path_factory.mktemp("router-kill"), num_heads=4, num_kv_heads=2)
     flags = ["--model", str(model), "--kv-cache-memory", "32MiB", "--threads", "1"]
     servers = [start_server(*flags, api_key=None) for _ in range(2)]
-    proc, url = start_router([s.url for s in servers], "--policy", "round_robin")
+    proc, url = start_router([s.url for s in servers], "--policy", "round_robin", "--admin-api-key", ADMIN_KEY)
     try:
         with ThreadPoolExecutor(12) as pool:  # whole (non-streamed) answers: nothing begins before the end
             futures = [pool.submit(complete, url, f"Request {i}: tell me a story", 400, ignore_eos=True)
@@ -190,7 +201,7 @@ def test_killing_a_replica_under_load_loses_no_request_that_had_not_begun(tmp_pa
         metrics = httpx.get(url + "/metrics").text
         assert f'tokenmill_router_requests_total{{backend="{servers[0].url}",outcome="error"}}' in metrics
         deadline = time.monotonic() + 10
-        while httpx.get(url + "/admin/backends", headers=H).json()["backends"][0]["healthy"]:
+        while httpx.get(url + "/admin/backends", headers=ADMIN).json()["backends"][0]["healthy"]:
             assert time.monotonic() < deadline
             time.sleep(0.2)
         assert complete(url, "after").status_code == 200  # the survivor takes everything

@@ -22,7 +22,7 @@ def bearer(key: str) -> dict:
 @pytest.fixture(scope="module")
 def keyed():
     s = start_server("--admin-api-key", ADMIN_KEY, "--metrics-api-key", METRICS_KEY,
-                     "--client-priority-range", "-2:5", "--scheduling-policy", "priority")
+                     "--client-priority-range=-2:5", "--scheduling-policy", "priority")
     try:
         yield s
     finally:

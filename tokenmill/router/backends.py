@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import httpx
@@ -38,6 +40,17 @@ class Backend:
     @property
     def load(self) -> int:
         return self.in_flight + self.waiting
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        """A request's place in `in_flight`, from the choice of this replica to its last byte: the only place that
+        counts, so a request that ends any way at all (done, failed, cancelled, its client gone) gives it back."""
+        self.in_flight += 1
+        self.requests += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
 
 
 class BackendPool:

@@ -31,6 +31,13 @@ class Tier:
         return (usage.get("prompt_tokens", 0) * self.price_in + usage.get("completion_tokens", 0) * self.price_out) / 1e6
 
 
+@dataclass
+class CascadeConfig:
+    tiers: list[Tier]
+    escalate_below: float = -1.0  # mean token logprob under which a tier's answer climbs to the next tier
+    first_tokens: int = 8  # a stream is judged on this many tokens
+
+
 def parse_tiers(specs: list[str], prices: list[str]) -> list[Tier]:
     """`--cascade NAME=URL` (in order, cheapest first) and `--tier-price NAME=IN,OUT`; ValueError naming the flag."""
     tiers: list[tuple[str, str]] = []
@@ -85,6 +92,29 @@ def strip_logprobs(data: dict) -> dict:
         if "logprobs" in choice:
             choice["logprobs"] = None
     return data
+
+
+class BadEvent(ValueError):
+    """A tier's answer or stream event that is not the OpenAI shape the cascade reads."""
+
+
+def parse_event(payload: bytes) -> dict:
+    """One SSE event's JSON object; BadEvent if it is not one."""
+    try:
+        data = json.loads(payload)
+    except (ValueError, RecursionError):
+        raise BadEvent(f"not JSON: {payload[:80]!r}") from None
+    if not isinstance(data, dict):
+        raise BadEvent(f"not a JSON object: {payload[:80]!r}")
+    return data
+
+
+def answer_logprobs(data: dict, chat: bool) -> list[list[float]]:
+    """Each choice's token logprobs (of a whole answer or one streamed chunk); BadEvent if they cannot be read."""
+    try:
+        return [token_logprobs(c, chat) for c in data.get("choices") or []]
+    except (TypeError, AttributeError, ValueError, KeyError) as e:
+        raise BadEvent(f"unreadable choices: {type(e).__name__}") from None
 
 
 def sse_events(buffer: bytes) -> tuple[list[bytes], bytes]:

@@ -4,8 +4,9 @@ instance, which takes the KV instead of computing the prompt and streams the ans
 
 The two halves are the same OpenAI request: the prefill half asks one token, no stream, no constraints, with
 `kv_transfer_params.do_remote_decode` and where to ship; its answer comes once the decode instance holds the whole
-KV. The decode half is the client's request with `kv_transfer_params.do_remote_prefill` and the same transfer id.
-A failed transfer costs only time: the decode instance computes what did not arrive.
+KV. The decode half is the client's request with `kv_transfer_params.do_remote_prefill`, the same transfer id and
+the prefill answer's `transfer_token`. A failed transfer costs only time: the decode instance computes what did not
+arrive.
 """
 
 from __future__ import annotations
@@ -52,8 +53,18 @@ def prefill_body(data: dict, transfer_id: str, receiver: KVReceiver) -> dict:
     return body
 
 
-def decode_body(data: dict, transfer_id: str) -> dict:
-    return {**data, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": transfer_id}}
+def decode_body(data: dict, transfer_id: str, answer: dict | None) -> dict:
+    """The decode half: a claim on the transfer, with the `transfer_token` of the prefill answer (the consumer
+    gives the KV only to a request that shows it); with no prefill answer, the plain request (nothing to claim)."""
+    rest = {k: v for k, v in data.items() if k != "kv_transfer_params"}
+    if answer is None:
+        return rest
+    claim: dict[str, Any] = {"do_remote_prefill": True, "transfer_id": transfer_id}
+    params = answer.get("kv_transfer_params")
+    token = params.get("transfer_token") if isinstance(params, dict) else None
+    if isinstance(token, str) and token:
+        claim["transfer_token"] = token
+    return {**rest, "kv_transfer_params": claim}
 
 
 def new_transfer_id() -> str:
@@ -68,8 +79,11 @@ async def kv_receiver(client: httpx.AsyncClient, config: PDConfig, backend: Back
     resp = await client.get(backend.url + "/v1/kv_transfer", timeout=5.0)
     if resp.status_code != 200:
         return None
-    info = resp.json()
-    if info.get("kv_role") not in ("kv_consumer", "kv_both"):
+    try:
+        info = resp.json()
+    except ValueError:
+        return None
+    if not isinstance(info, dict) or info.get("kv_role") not in ("kv_consumer", "kv_both"):
         return None
     receiver = KVReceiver(info.get("kv_connector", "tcp"), urlparse(backend.url).hostname, info.get("kv_port"))
     config.receivers[backend.url] = receiver

@@ -1,4 +1,5 @@
-"""Which replica gets a request (`--policy`), chosen among the healthy ones not yet tried for it.
+"""Which replica gets a request (`--policy`), chosen among the healthy ones not yet tried for it. The prompt is given
+as text or as its block names (prefix_index.block_names, computed once per request, off the event loop when large).
 
 - round_robin: in turn.
 - least_load: the fewest requests in flight (plus the replica's own waiting queue when it publishes one).
@@ -11,6 +12,8 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
+from typing import Any
 
 from tokenmill.router.backends import Backend
 from tokenmill.router.prefix_index import BLOCK_CHARS, PrefixIndex
@@ -25,12 +28,12 @@ class RoundRobin:
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def choose(self, candidates: list[Backend], text: str) -> Backend:
+    def choose(self, candidates: list[Backend], prompt: str | Sequence[bytes]) -> Backend:
         return candidates[next(self._turn) % len(candidates)]
 
 
 class LeastLoad:
-    def choose(self, candidates: list[Backend], text: str) -> Backend:
+    def choose(self, candidates: list[Backend], prompt: str | Sequence[bytes]) -> Backend:
         return min(candidates, key=lambda b: (b.load, b.requests))
 
 
@@ -39,19 +42,24 @@ class PrefixAware:
         self.index = index or PrefixIndex()
         self._least = LeastLoad()
 
-    def choose(self, candidates: list[Backend], text: str) -> Backend:
+    def choose(self, candidates: list[Backend], prompt: str | Sequence[bytes]) -> Backend:
         loads = [b.load for b in candidates]
         balanced = not (max(loads) - min(loads) > BALANCE_ABS and max(loads) > BALANCE_REL * min(loads))
         chosen = None
-        if balanced and text:
-            matched = self.index.match(text)
+        if balanced and prompt:
+            matched = self.index.match(prompt)
             best = max(candidates, key=lambda b: (matched.get(b.url, 0), -b.load))
             if matched.get(best.url, 0) >= MIN_MATCH_CHARS:
                 chosen = best
-        chosen = chosen or self._least.choose(candidates, text)
-        if text:
-            self.index.insert(text, chosen.url)
+        chosen = chosen or self._least.choose(candidates, prompt)
+        if prompt:
+            self.index.insert(prompt, chosen.url)
         return chosen
+
+
+def reads_prompt(*policies: Any) -> bool:
+    """Whether any of these policies places a request by its prompt (else the body need not be parsed at all)."""
+    return any(getattr(p, "index", None) is not None for p in policies)
 
 
 def make_policy(name: str) -> RoundRobin | LeastLoad | PrefixAware:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Sequence
 
 BLOCK_CHARS = 64
 MAX_BLOCKS = 200_000  # ~30 MB of index at most
@@ -23,6 +24,11 @@ def block_names(text: str) -> list[bytes]:
     return names
 
 
+def _names(prompt: str | Sequence[bytes]) -> Sequence[bytes]:
+    """A prompt's block names: given as text, or already computed (off the event loop, for a large prompt)."""
+    return block_names(prompt) if isinstance(prompt, str) else prompt
+
+
 class PrefixIndex:
     def __init__(self, max_blocks: int = MAX_BLOCKS):
         self.max_blocks = max_blocks
@@ -31,11 +37,11 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def match(self, text: str) -> dict[str, int]:
-        """Per replica, the characters of `text`'s longest prefix it was sent (whole blocks)."""
+    def match(self, prompt: str | Sequence[bytes]) -> dict[str, int]:
+        """Per replica, the characters of the prompt's longest prefix it was sent (whole blocks)."""
         best: dict[str, int] = {}
         alive: set[str] | None = None
-        for i, name in enumerate(block_names(text)):
+        for i, name in enumerate(_names(prompt)):
             holders = self._blocks.get(name)
             alive = set(holders or ()) if alive is None else alive & (holders or set())
             if not alive:
@@ -44,8 +50,8 @@ class PrefixIndex:
                 best[r] = (i + 1) * BLOCK_CHARS
         return best
 
-    def insert(self, text: str, replica: str) -> None:
-        for name in block_names(text):
+    def insert(self, prompt: str | Sequence[bytes], replica: str) -> None:
+        for name in _names(prompt):
             holders = self._blocks.get(name)
             if holders is None:
                 self._blocks[name] = {replica}
