@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -340,5 +341,75 @@ def test_the_ttft_prediction_learns_its_bias_from_first_tokens():
         client.play(outputs(EngineCoreOutput(core_id, [5]), stats=fitted_stats(),
                             started={core_id: (time.monotonic(), 0)}))
         assert engine.ttft_bias[1] == pytest.approx(0.1 * 0.5)
+
+    asyncio.run(main())
+
+
+def test_a_refused_sample_ends_its_siblings_in_the_core():
+    """The core refuses one of an n=3 request's samples: the request fails whole, and the two others are aborted
+    there (not left running with their blocks)."""
+    async def main():
+        engine, client = await started_engine()
+        stream = engine.add_requests("r", [(None, [1, 2])], SamplingParams(n=3, max_tokens=4))
+        client.play(outputs(EngineCoreOutput("r#0", [7]), rejected={"r#1": "ValueError: boom"}))
+        with pytest.raises(RequestFailed):
+            await drain(stream)
+        assert client.of_type(AbortRequests) == [AbortRequests(["r#0", "r#2"])]
+        assert engine.processor.requests == {} and engine._streams == {} and engine.num_waiting == (0, 0)
+
+    asyncio.run(main())
+
+
+def test_a_reader_that_stops_reading_is_aborted():
+    """Updates pile up for a stream nobody reads only up to its bound; then the request is aborted in the core
+    (its blocks freed) and the stream ends with an error, whatever the reader does later."""
+    async def main():
+        engine, client = await started_engine()
+        engine.stream_update_limit = 5
+        stream = engine.add_requests("r", [(None, [1, 2])], SamplingParams(max_tokens=40))
+        for token in range(20):
+            client.play(outputs(EngineCoreOutput("r", [100 + token])))
+        await asyncio.sleep(0)
+        assert stream.queue.qsize() <= 6 and stream.closed
+        assert client.of_type(AbortRequests) == [AbortRequests(["r"])]
+        assert engine.processor.requests == {} and engine._streams == {}
+        with pytest.raises(RequestFailed, match="read none of this request's last 5 updates"):
+            await drain(stream)
+
+    asyncio.run(main())
+
+
+def test_detokenizing_a_step_does_not_hold_the_lock_that_add_and_abort_take():
+    """The reader thread detokenizes outside the client's lock: while a decode is stuck, the event loop's side
+    (add_requests, abort) can still take it."""
+    async def main():
+        engine, client = await started_engine()
+        stream = engine.add_requests("r", [(None, [1, 2])], SamplingParams(max_tokens=4))
+        tokenizer = engine.processor.tokenizer
+        in_decode, release = threading.Event(), threading.Event()
+
+        class StuckDecoder:
+            def __getattr__(self, name):
+                return getattr(tokenizer, name)
+
+            def decode(self, *a, **kw):
+                in_decode.set()
+                release.wait(10)
+                return tokenizer.decode(*a, **kw)
+
+        for sample in engine.processor.requests["r"].samples:
+            sample.detok.tokenizer = StuckDecoder()
+        reader = threading.Thread(target=client.play, args=(outputs(EngineCoreOutput("r", [7])),))
+        reader.start()
+        try:
+            assert in_decode.wait(10)
+            took = engine._lock.acquire(timeout=2)
+            if took:
+                engine._lock.release()
+            assert took, "the reader held the lock while detokenizing"
+        finally:
+            release.set()
+            reader.join(10)
+        stream.abort()
 
     asyncio.run(main())

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import threading
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from tests.models.tiny import EOS_ID, make_tiny_model
+from tests.structured.grammars import slow_schema
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import InvalidRequest
 from tokenmill.structured.backend import MatcherFactory
@@ -339,8 +341,9 @@ def test_abort_while_waiting_for_the_matcher_leaves_no_state(llm: LLM, monkeypat
         return real(self, grammar)
 
     monkeypatch.setattr(MatcherFactory, "matcher", slow)
+    pattern = "[b-y]{4}"  # built by no other test: a template built before would skip the (patched) build
     try:
-        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, n=2, structured_outputs={"regex": "[a-z]{4}"})
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, n=2, structured_outputs={"regex": pattern})
         engine.add_request("waiting", PROMPTS[0], params)
         assert engine.core.structured is not None and engine.core.structured.num_pending == 2
         engine.step()  # the matchers are not built: nothing is scheduled, nothing waits on the step
@@ -356,8 +359,8 @@ def test_abort_while_waiting_for_the_matcher_leaves_no_state(llm: LLM, monkeypat
     engine.core.check_idle_invariants()
     assert engine.core.structured.num_pending == 0 and len(engine.core.structured) == 0
     out = generate(llm, PROMPTS[:1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
-                                                    structured_outputs={"regex": "[a-z]{4}"}))
-    assert re.fullmatch("[a-z]{4}", out[0].outputs[0].text)
+                                                    structured_outputs={"regex": pattern}))
+    assert re.fullmatch(pattern, out[0].outputs[0].text)
 
 
 def test_abort_of_a_running_constrained_request_releases_its_matcher(llm: LLM) -> None:
@@ -388,6 +391,33 @@ def test_a_grammar_that_fails_to_build_ends_its_request_with_an_error(llm: LLM,
         assert c.finish_reason == "error"
         assert c.token_ids == []
         assert "too many Earley items" in (c.error or "")
+
+
+def test_a_slow_grammar_does_not_hold_up_a_simple_one(llm: LLM) -> None:
+    """A grammar that takes a builder for a second or more: a simple constrained request sent after it is built,
+    runs and finishes meanwhile; the slow one then ends with its build's error, leaving nothing behind."""
+    engine = llm.engine
+    slow = SamplingParams(temperature=0, max_tokens=8, structured_outputs={"json": slow_schema("engine", width=40)})
+    simple = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs={"regex": "[0-9]{3}"})
+    engine.add_request("slow", PROMPTS[0], slow)
+    engine.add_request("simple", PROMPTS[0], simple)
+    done = run_until(engine, "simple")
+    assert re.fullmatch("[0-9]{3}", done["simple"].outputs[0].text)
+    assert "slow" not in done and engine.core.structured.num_pending == 1  # still building
+    c = run_until(engine, "slow")["slow"].outputs[0]
+    assert c.finish_reason == "error" and c.token_ids == []
+    assert (c.error or "").startswith("structured output: ")
+    engine.core.check_idle_invariants()
+
+
+def run_until(engine, request_id: str) -> dict:
+    """Step until `request_id` finished; the requests that finished meanwhile, by id."""
+    done = {}
+    deadline = time.monotonic() + 60
+    while request_id not in done:
+        assert time.monotonic() < deadline, f"{request_id} did not finish"
+        done.update((out.request_id, out) for out in engine.step() if out.finished)
+    return done
 
 
 def test_a_token_the_grammar_refuses_ends_the_request(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:

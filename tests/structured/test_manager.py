@@ -1,7 +1,9 @@
 """The engine side of structured output (tokenmill/structured/manager.py) on SmolLM2's tokenizer: matchers built
 off the step loop (submit / ready / discard, failures and time-outs), the bitmask of a step's sampling rows (only
 constrained rows, drafts up to the first the grammar forbids, the matcher rolled back), `advance` and
-`apply_bitmask`."""
+`apply_bitmask`. Builds run on a small pool: a slow grammar (tests/structured/grammars.py) leaves the other
+builder to simple ones, requests sharing a grammar share its build, and a grammar built or refused before is
+answered without queueing."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import pytest
 import torch
 
 from tests.models.tiny import EOS_ID, SMOLLM2_VOCAB, smollm2_tokenizer
+from tests.structured.grammars import slow_grammar, slow_schema
+from tokenmill.structured.backend import GrammarCache, MatcherFactory
 from tokenmill.structured.manager import StructuredOutputs, apply_bitmask
 from tokenmill.structured.params import StructuredOutputsParams
 
@@ -128,8 +132,112 @@ def test_a_build_past_the_time_limit_fails(monkeypatch: pytest.MonkeyPatch) -> N
         time.sleep(0.1)
         ok, failed = so.ready()
         assert not ok
-        assert [(r.request_id, why) for r, why in failed] == [("slow", "the grammar did not build within 0.05 s")]
+        assert [(r.request_id, why) for r, why in failed] == [
+            ("slow", "structured output: the grammar did not build within 0.05 s; simplify it")]
         assert so.num_pending == 0 and "slow" not in so
+    finally:
+        gate.set()
+        so.close()
+
+
+def ready_until(so: StructuredOutputs, rid: str) -> tuple[list, list]:
+    """Wait until request `rid` left the pending set; every request that left meanwhile."""
+    ok, failed = [], []
+    deadline = time.monotonic() + 30
+    while rid not in {r.request_id for r in ok} | {r.request_id for r, _ in failed}:
+        assert time.monotonic() < deadline, f"{rid}'s matcher not built"
+        a, b = so.ready(0.05)
+        ok += a
+        failed += b
+    return ok, failed
+
+
+@pytest.fixture
+def built(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The grammar text of every matcher build started (templates reused are not builds)."""
+    grammars: list[str] = []
+    real = MatcherFactory.matcher
+
+    def matcher(self, grammar: str):
+        if self.cached(grammar) is None:
+            grammars.append(grammar)
+        return real(self, grammar)
+
+    monkeypatch.setattr(MatcherFactory, "matcher", matcher)
+    return grammars
+
+
+def test_a_slow_grammar_does_not_hold_up_a_simple_one(so: StructuredOutputs) -> None:
+    """The slow build (seconds) takes one builder; the simple request behind it takes the other."""
+    constrained(so, request("warm", regex="[0-9]"))  # the tokenizer is loaded
+    so.submit(request("slow", json=slow_schema("m")), slow_grammar("m"))
+    so.submit(request("simple", regex=DLD), None)
+    ok, failed = ready_until(so, "simple")
+    assert [r.request_id for r in ok] == ["simple"] and not failed
+    assert so.num_pending == 1  # the slow one is still building
+    _, failed = ready_all(so, 1)
+    (r, why), = failed
+    assert r.request_id == "slow" and why.startswith("structured output: ") and "<backtrace>" not in why
+    assert so.num_pending == 0 and "slow" not in so and "simple" in so
+
+
+def test_a_build_past_the_limit_fails_and_builds_waiting_behind_it_never_start(built: list[str]) -> None:
+    so = StructuredOutputs(SMOLLM2_VOCAB, smollm2_tokenizer, workers=1)
+    try:
+        constrained(so, request("warm", regex="[0-9]"))  # the tokenizer is loaded, under the default limit
+        so.timeout_s = 0.5
+        so.submit(request("slow1", json=slow_schema("b1")), slow_grammar("b1"))
+        so.submit(request("slow2", json=slow_schema("b2")), slow_grammar("b2"))
+        ok, failed = ready_all(so, 2)
+        assert not ok
+        why = "structured output: the grammar did not build within 0.5 s; simplify it"
+        assert sorted((r.request_id, w) for r, w in failed) == [("slow1", why), ("slow2", why)]
+        assert slow_grammar("b2") not in built  # cancelled before it ran: slow1's build held the only builder
+        assert so.num_pending == 0 and len(so) == 1
+    finally:
+        so.close()
+
+
+def test_requests_with_one_grammar_share_one_build(so: StructuredOutputs, built: list[str]) -> None:
+    grammar = GrammarCache().check(StructuredOutputsParams(regex=DLD))
+    for rid in ("a", "b", "c"):
+        so.submit(request(rid, regex=DLD), grammar)
+    assert so.discard("b")  # one leaving does not cancel the build the others wait for
+    ok, failed = ready_all(so, 2)
+    assert sorted(r.request_id for r in ok) == ["a", "c"] and not failed
+    assert built == [grammar]
+    assert so.advance("a", [tid("7")]) is None  # each has its own matcher: "c" is still at the start
+    bitmask, rows = so.bitmask([("a", []), ("c", [])])
+    assert rows == [0, 1]
+    assert tid("x") in allowed(bitmask, 0) and tid("x") not in allowed(bitmask, 1)
+    assert tid("7") in allowed(bitmask, 1) and tid("7") not in allowed(bitmask, 0)
+
+
+def test_a_grammar_built_or_refused_before_skips_the_queue(monkeypatch: pytest.MonkeyPatch) -> None:
+    so = StructuredOutputs(SMOLLM2_VOCAB, smollm2_tokenizer, workers=1)
+    known = GrammarCache().check(StructuredOutputsParams(regex=DLD))
+    refused = "start: nowhere"
+    blocked = GrammarCache().check(StructuredOutputsParams(regex="[x-z]+"))
+    gate = threading.Event()
+    real = MatcherFactory.matcher
+
+    def matcher(self, grammar: str):
+        if grammar == blocked:
+            gate.wait(10)
+        return real(self, grammar)
+
+    monkeypatch.setattr(MatcherFactory, "matcher", matcher)
+    try:
+        constrained(so, request("known", regex=DLD))
+        so.submit(request("refused", regex="a"), refused)
+        assert len(ready_all(so, 1)[1]) == 1
+        so.submit(request("blocked", regex="[x-z]+"), blocked)  # holds the only builder
+        so.submit(request("known2", regex=DLD), known)
+        so.submit(request("refused2", regex="a"), refused)
+        ok, failed = so.ready()
+        assert [r.request_id for r in ok] == ["known2"]
+        assert [r.request_id for r, _ in failed] == ["refused2"] and "nowhere" in failed[0][1]
+        assert so.num_pending == 1
     finally:
         gate.set()
         so.close()

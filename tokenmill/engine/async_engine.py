@@ -29,10 +29,10 @@ from tokenmill.engine.policy import ITL_STEP_SHARE, aged_level
 from tokenmill.engine.process_client import EngineDeadError, EngineProcessClient
 from tokenmill.engine.scheduler import SchedulerStats
 from tokenmill.engine.step_cost import predict_ttft, stretched_step_seconds
-from tokenmill.errors import InvalidRequest, ServerOverloaded, TokenmillError
+from tokenmill.errors import InvalidRequest, RequestFailed, ServerOverloaded, TokenmillError
 from tokenmill.model.paths import resolve_model_path
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.structured.backend import GrammarCache
+from tokenmill.structured.checker import GrammarChecker
 from tokenmill.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenmill")
@@ -43,7 +43,8 @@ HEALTH_STALE_S = 10.0  # a heartbeat older than this (the loop is stuck) makes /
 # error clipped (a low-priority request passed over for a minute says nothing about the next one's tokenizing)
 TTFT_BIAS_RATE = 0.1
 TTFT_BIAS_CLIP_S = 0.5
-GRAMMAR_CHECK_TIMEOUT_S = 10.0  # a structured output constraint not checked by then is refused (400)
+STREAM_UPDATE_LIMIT = 4096  # a request's updates its reader may leave unread (one a step) before it is aborted
+GRAMMAR_CHECK_TIMEOUT_S = 10.0  # a structured output constraint not checked by then is refused (400), its check killed
 SLO_ADMISSION = ("off", "reject", "degrade")  # --slo-admission: what a request predicted to miss its TTFT target gets
 
 
@@ -65,6 +66,7 @@ class OutputStream:
         self.engine = engine
         self.requests = requests
         self.queue: asyncio.Queue[Update] = asyncio.Queue()
+        self.limit = engine.stream_update_limit * len(requests)  # updates waiting past this: the reader is gone
         self.remaining = len(requests)
         self.closed = False
 
@@ -119,6 +121,7 @@ class AsyncEngine:
         self.client = client or EngineProcessClient(config)
         self.max_waiting_requests = max_waiting_requests
         self.max_waiting_tokens = max_waiting_tokens
+        self.stream_update_limit = STREAM_UPDATE_LIMIT
         self._observer = observer  # metrics hooks (server/metrics.py); None = no metrics
         self.on_dead: Callable[[str], None] | None = None
         self.info: EngineInfo | None = None
@@ -134,7 +137,7 @@ class AsyncEngine:
         self._unstarted_tokens = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._last_heartbeat = 0.0
-        self.grammars = GrammarCache()  # structured output's constraints, checked once each (no torch here)
+        self.grammars = GrammarChecker()  # structured output's constraints, checked once each in worker processes
         self.ttft_bias: dict[int, float] = {}  # priority -> seconds the step-cost prediction misses by, learnt
 
     @property
@@ -179,8 +182,9 @@ class AsyncEngine:
         self.client.run(self._on_outputs, self._die)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine process (it aborts whatever is left)."""
+        """Stop the engine process (it aborts whatever is left) and the grammar checker's workers."""
         self.client.shutdown(timeout)
+        self.grammars.close()
 
     @property
     def healthy(self) -> bool:
@@ -265,13 +269,14 @@ class AsyncEngine:
 
     # ---- requests ----------------------------------------------------------------------------------------------
     async def check_grammar(self, params: SamplingParams) -> str | None:
-        """The grammar text of a request's structured output constraint, checked off the event loop under a time
-        limit (InvalidRequest naming the field for one that is wrong or too slow); None without one."""
+        """The grammar text of a request's structured output constraint, checked in a grammar worker process under
+        a time limit (InvalidRequest naming the field for one that is wrong or too slow: the worker is killed at the
+        limit, so the check holds no thread and no CPU after it); None without one."""
         spec = params.structured_outputs
         if spec is None:
             return None
         try:
-            return await asyncio.wait_for(asyncio.to_thread(self.grammars.check, spec), GRAMMAR_CHECK_TIMEOUT_S)
+            return await asyncio.wrap_future(self.grammars.submit(spec, GRAMMAR_CHECK_TIMEOUT_S))
         except TimeoutError:
             raise InvalidRequest(f"{spec.param}: the constraint did not compile within {GRAMMAR_CHECK_TIMEOUT_S:g} s"
                                  "; simplify it", param=spec.param) from None
@@ -350,27 +355,32 @@ class AsyncEngine:
         deliveries: list[tuple[OutputStream, Update]] = []
         with self._lock:
             self._forget_unstarted(msg.started)
-            processed = self.processor.process(msg)
+            routed = self.processor.route(msg)
+        self.processor.fold(routed)  # detokenizing: add_requests and aborts need not wait for it
+        with self._lock:
+            processed = self.processor.settle(routed)
             for state, error in processed.rejected:  # the admission check should make this unreachable
-                deliveries.append(self._end(state, error))
+                deliveries += self._end(state, error)
             for state in processed.requests:
                 self._learn_ttft(state)
                 if state.finished:
-                    deliveries.append(self._end(state, state.error, state.deltas()))
+                    deliveries += self._end(state, state.error, state.deltas())
                 else:
                     stream, i = self._streams[state.request_id]
                     deliveries.append((stream, Update(i, state.deltas(), False, state.error)))
         for stop in processed.stops:
             self.client.send(stop)
+        if processed.aborts:
+            self.client.send(AbortRequests(processed.aborts))
         if deliveries:
             self._loop.call_soon_threadsafe(_deliver, deliveries, False)
 
     def _end(self, state: RequestState, error: BaseException | None,
-             deltas: list[SampleDelta] | None = None) -> tuple[OutputStream, Update]:
-        """The last update of a request the processor no longer tracks."""
-        stream, i = self._streams.pop(state.request_id)
+             deltas: list[SampleDelta] | None = None) -> list[tuple[OutputStream, Update]]:
+        """The last update of a request the processor no longer tracks (none if its stream was aborted meanwhile)."""
+        entry = self._streams.pop(state.request_id, None)
         self._forget_unstarted(s.core_id for s in state.samples)
-        return stream, Update(i, deltas or [], True, error)
+        return [] if entry is None else [(entry[0], Update(entry[1], deltas or [], True, error))]
 
     def _die(self, reason: str) -> None:
         self.dead = reason
@@ -390,7 +400,14 @@ class AsyncEngine:
 
 def _deliver(deliveries: list[tuple[OutputStream, Update]], to_closed: bool) -> None:
     """On the event loop. A stream this side closed gets nothing more, unless `to_closed` (fail_all closes the
-    streams it fails, whose readers still wait for that last update)."""
+    streams it fails, whose readers still wait for that last update). A stream whose reader fell
+    `OutputStream.limit` updates behind has stopped reading: it ends with an error and its requests are aborted,
+    so a client that never reads cannot hold its KV blocks or this process's memory."""
     for stream, update in deliveries:
         if to_closed or not stream.closed:
+            if not to_closed and stream.queue.qsize() >= stream.limit:
+                stream.queue.put_nowait(Update(update.prompt_index, [], True, RequestFailed(
+                    f"the client read none of this request's last {stream.limit} updates; it was aborted")))
+                stream.abort()
+                continue
             stream.queue.put_nowait(update)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,21 +24,64 @@ from tokenmill.structured.backend import GrammarCache, MatcherFactory
 log = logging.getLogger(__name__)
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)
-BUILD_TIMEOUT_S = 10.0  # a matcher not built by then fails its request (llguidance's limits make this rare)
+BUILD_TIMEOUT_S = 10.0  # a matcher not built by then fails its request
+BUILD_WORKERS = 2  # matchers built at once: one slow grammar leaves the other builder to the requests behind it
+
+
+class _Builds:
+    """Builds in flight, one per grammar, shared by the requests waiting for it (n > 1, a batch of prompts): the
+    engine thread's bookkeeping (no lock)."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[Any, tuple[cf.Future, int]] = {}  # grammar key -> (its build, requests waiting for it)
+        self._keys: dict[cf.Future, Any] = {}
+
+    def join(self, key: Any, start: Callable[[], cf.Future]) -> cf.Future:
+        future, users = self._by_key.get(key, (None, 0))
+        if future is None:
+            future = start()
+            self._keys[future] = key
+        self._by_key[key] = (future, users + 1)
+        return future
+
+    def leave(self, future: cf.Future, cancel: bool) -> None:
+        """A request stops waiting; with `cancel`, the build is cancelled if no one else waits for it (it never
+        runs if it has not started)."""
+        key = self._keys.get(future)
+        if key is None:  # an outcome known at submission, not a build
+            return
+        _, users = self._by_key[key]
+        if users > 1:
+            self._by_key[key] = (future, users - 1)
+            return
+        del self._by_key[key], self._keys[future]
+        if cancel:
+            future.cancel()
 
 
 class StructuredOutputs:
-    """A constrained request first waits here, outside the scheduler, while a worker thread builds its matcher (the
+    """A constrained request first waits here, outside the scheduler, while a builder thread builds its matcher (the
     grammar checked by the API process, or here when it came in-process without one); `ready` hands it to the
-    scheduler, or fails it, so a slow grammar never holds a step."""
+    scheduler, or fails it, so a slow grammar never holds a step. Builds run on a few threads, one per grammar
+    whatever the number of requests waiting for it; a grammar built (or refused) before is answered at once,
+    without queueing behind new ones.
 
-    def __init__(self, vocab_size: int, load_tokenizer: Callable[[], Any], timeout_s: float = BUILD_TIMEOUT_S):
+    A build cannot be interrupted (llguidance has no cancel; a thread cannot be stopped): a request waiting past
+    `timeout_s` fails at once and its build, if not started, never runs; a build already running finishes its work,
+    bounded by llguidance's limits (and, behind a server, by the API process's check of the same grammar, of a
+    like cost, having passed the same time limit), and its outcome is kept for the next request with that
+    grammar."""
+
+    def __init__(self, vocab_size: int, load_tokenizer: Callable[[], Any], timeout_s: float = BUILD_TIMEOUT_S,
+                 workers: int = BUILD_WORKERS):
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self._load_tokenizer = load_tokenizer
         self._factory: MatcherFactory | None = None
+        self._factory_lock = threading.Lock()
         self._grammars = GrammarCache()
-        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar")
+        self._builds = _Builds()
         self._pending: dict[str, tuple[Any, cf.Future, float]] = {}  # id -> (request, its matcher, since)
         self._matchers: dict[str, Any] = {}  # request id -> llguidance.LLMatcher
 
@@ -45,33 +89,57 @@ class StructuredOutputs:
     def submit(self, request: Any, grammar: str | None) -> None:
         """Build `request`'s matcher off the step loop: from `grammar` text, or its params' constraint."""
         spec = request.params.structured_outputs
-        self._pending[request.request_id] = (request, self._pool.submit(self._build, spec, grammar),
-                                             time.monotonic())
+        future = self._known(grammar) or self._builds.join(
+            grammar if grammar is not None else spec.key, lambda: self._pool.submit(self._build, spec, grammar))
+        self._pending[request.request_id] = (request, future, time.monotonic())
+
+    def _known(self, grammar: str | None) -> cf.Future | None:
+        """The outcome of a grammar built (or refused) before, already done; None if it must be built."""
+        if grammar is None or self._factory is None:
+            return None
+        done: cf.Future = cf.Future()
+        try:
+            matcher = self._factory.cached(grammar)
+        except ValueError as e:
+            done.set_exception(e)
+            return done
+        if matcher is None:
+            return None
+        done.set_result(matcher)
+        return done
 
     def _build(self, spec: Any, grammar: str | None) -> Any:
-        if self._factory is None:
-            self._factory = MatcherFactory(self._load_tokenizer(), self.vocab_size)
-        return self._factory.matcher(grammar if grammar is not None else self._grammars.check(spec))
+        return self._matcher_factory().matcher(grammar if grammar is not None else self._grammars.check(spec))
+
+    def _matcher_factory(self) -> MatcherFactory:
+        with self._factory_lock:  # the builders share one (loading the tokenizer takes a while)
+            if self._factory is None:
+                self._factory = MatcherFactory(self._load_tokenizer(), self.vocab_size)
+        return self._factory
 
     @property
     def num_pending(self) -> int:
         return len(self._pending)
 
     def ready(self, wait_s: float = 0.0) -> tuple[list[Any], list[tuple[Any, str]]]:
-        """Requests whose matcher is built (now constrained here: schedule them) and those that failed, with
-        why; waits up to `wait_s` for the first to finish when none has."""
+        """Requests whose matcher is built (now constrained here: schedule them) and those that failed, with why
+        (their grammar did not build, or not within `timeout_s` of their submission); waits up to `wait_s` for
+        the first to finish when none has. Each request leaves the pending set in exactly one of the two lists,
+        once; a failed one holds nothing here."""
         if wait_s > 0 and self._pending and not any(f.done() for _, f, _ in self._pending.values()):
             cf.wait([f for _, f, _ in self._pending.values()], timeout=wait_s, return_when=cf.FIRST_COMPLETED)
         ok, failed, now = [], [], time.monotonic()
         for rid, (request, future, since) in list(self._pending.items()):
-            if not future.done():
-                if now - since > self.timeout_s:
-                    del self._pending[rid]
-                    failed.append((request, f"the grammar did not build within {self.timeout_s:g} s"))
+            if not future.done() and now - since <= self.timeout_s:
                 continue
             del self._pending[rid]
+            self._builds.leave(future, cancel=True)
+            if not future.done() or future.cancelled():
+                failed.append((request, f"structured output: the grammar did not build within {self.timeout_s:g} s;"
+                                        " simplify it"))
+                continue
             try:
-                self._matchers[rid] = future.result()
+                self._matchers[rid] = future.result().deep_copy()  # its own: the build may be shared
                 ok.append(request)
             except Exception as e:  # noqa: BLE001 - whatever building raised, the request's constraint caused it
                 failed.append((request, f"structured output: {e}"))
@@ -80,7 +148,10 @@ class StructuredOutputs:
     def discard(self, request_id: str) -> bool:
         """Forget a request (aborted, finished); True if it was still waiting for its matcher."""
         self._matchers.pop(request_id, None)
-        return self._pending.pop(request_id, None) is not None
+        pending = self._pending.pop(request_id, None)
+        if pending is not None:
+            self._builds.leave(pending[1], cancel=True)
+        return pending is not None
 
     def release(self, request_id: str) -> None:
         self.discard(request_id)
