@@ -443,6 +443,18 @@ def test_abort_of_an_n_request_ends_every_sample(tiny):
     engine.core.check_idle_invariants()
 
 
+# ---- lifecycle ---------------------------------------------------------------------------------------------
+def test_with_statement_shuts_down_and_later_work_is_refused_by_name(tiny_dir):
+    """Leaving the block is shutdown(); a shut-down LLM says so rather than failing somewhere in its ranks."""
+    with LLM(str(tiny_dir), dtype="float32", kv_cache_memory=KV) as llm:
+        assert len(greedy(llm, PROMPTS[0], max_tokens=3).token_ids) == 3
+        assert not llm.engine.is_shut_down
+    assert llm.engine.is_shut_down
+    with pytest.raises(RuntimeError, match="shut down; create a new LLM"):
+        greedy(llm, PROMPTS[0], max_tokens=3)
+    llm.shutdown()  # again: nothing to do
+
+
 # ---- dtype -------------------------------------------------------------------------------------------------
 
 

@@ -44,6 +44,18 @@ class LLM:
         self.engine = LLMEngine(config)
         log.info(self.engine.core.cache_info.describe())
 
+    def shutdown(self) -> None:
+        """Stop the engine now: its parallel ranks end and its process groups go, so another parallel LLM can
+        start in this process. Idempotent; `with LLM(...) as llm:` calls it on leaving, and an LLM never shut down
+        is, when garbage collected or at interpreter exit."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

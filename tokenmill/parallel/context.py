@@ -28,7 +28,7 @@ import torch
 
 from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.backends.reference import gather_blocks
-from tokenmill.parallel.group import RankGroup, fatal
+from tokenmill.parallel.group import RankGroup
 from tokenmill.parallel.ring import causal_attention, merge, merge_many, no_attention, partial_attention
 
 # a step with at most this many paged tokens (decodes) has every rank compute all of them, writing only its own
@@ -253,7 +253,7 @@ class ContextParallelDriver:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: list) -> torch.Tensor:
         replicate = meta.num_paged_tokens <= self.cp.replicate_max
-        with fatal("a context-parallel forward pass"):
+        with self.cp.group.together("a context-parallel forward pass"):
             self.cp.group.broadcast(("context", (input_ids, positions, meta, replicate)))
             return forward(self.model, self.cp, input_ids, positions, meta, kv_caches, replicate)
 

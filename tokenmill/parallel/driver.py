@@ -12,17 +12,20 @@ import logging
 import os
 import socket
 import subprocess
+import time
 from typing import Any
 
 import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.errors import ConfigError, ParallelFailure
-from tokenmill.parallel.group import RankGroup, backend_for, fatal
+from tokenmill.parallel.group import RankGroup, backend_for, check_no_process_group
 from tokenmill.parallel.launch import start_rank, torchrun_rank
 from tokenmill.parallel.ray_executor import RayRank, node_address
 
 log = logging.getLogger("tokenmill")
+
+STOP_TIMEOUT_S = 10.0  # for every worker to leave after the stop, before they are killed
 
 
 class DriverModel:
@@ -30,12 +33,12 @@ class DriverModel:
         self.model, self.group = model, group
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, kv_caches: list) -> torch.Tensor:
-        with fatal("a tensor-parallel forward pass"):
+        with self.group.together("a tensor-parallel forward pass"):
             self.group.broadcast(("forward", (input_ids, positions, meta)))
             return self.model(input_ids, positions, meta, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        with fatal("a tensor-parallel LM head call"):
+        with self.group.together("a tensor-parallel LM head call"):
             self.group.broadcast(("logits", hidden))
             return self.model.compute_logits(hidden)
 
@@ -59,7 +62,7 @@ class PipelineDriver:
     def forward_micro_batches(self, batches: list[tuple[torch.Tensor, torch.Tensor, Any]],
                               kv_caches: list) -> torch.Tensor:
         """The final hidden states of every micro-batch's tokens, in order (one tensor)."""
-        with fatal("a pipeline-parallel step"):
+        with self.group.together("a pipeline-parallel step"):
             self.group.broadcast(("pipeline", batches))
             hidden, dtype = self.model.config.hidden_size, self.model.norm.weight.dtype
             finals = [torch.empty(len(ids), hidden, dtype=dtype) for ids, _, _ in batches]
@@ -75,7 +78,7 @@ class PipelineDriver:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head is on stage 0 (split over its ranks under tensor parallelism: they join in)."""
-        with fatal("a parallel LM head call"):
+        with self.group.together("a parallel LM head call"):
             if self.tp > 1:
                 self.group.broadcast(("logits", hidden))
             return self.model.compute_logits(hidden)
@@ -90,6 +93,7 @@ class Workers:
     the configuration and the block count."""
 
     def __init__(self, config: EngineConfig, num_blocks: int, size: int, timeout_s: float = 30.0):
+        check_no_process_group()
         under_torchrun = torchrun_rank() is not None  # torchrun started every rank, and says where they meet
         on_ray = config.distributed_executor_backend == "ray"  # Ray starts ranks 1..N-1, wherever it places them
         if under_torchrun and on_ray:
@@ -122,22 +126,35 @@ class Workers:
     def check(self) -> None:
         """Raise ParallelFailure if a worker process has ended (checked while idle too: a rank that died between
         requests must not wait for the next one to be found)."""
-        for rank, p in enumerate(self.procs, start=1):
-            if p.poll() is not None:
-                raise ParallelFailure(f"parallel rank {rank} ({p.pid}) exited with code {p.returncode}")
+        for rank, p in self.dead():
+            raise ParallelFailure(f"parallel rank {rank} ({p.pid}) exited with code {p.returncode}")
 
     def close(self) -> None:
-        """Tell the workers to end, wait for them, leave the group."""
+        """Tell the workers to end, wait for them, leave the group. Ranks that cannot take the stop (one is gone,
+        or a call of every rank was cut off mid-way) are killed at once instead of waited for."""
+        dead = self.dead()
+        for rank, p in dead:
+            log.warning("parallel rank %d (%s) had exited with code %s", rank, p.pid, p.returncode)
+        if self.group is not None and not self.group.in_call and not dead:
+            self.stop()
+        self.kill()
+
+    def dead(self) -> list[tuple[int, Any]]:
+        """The workers that have ended on their own (rank, process)."""
+        return [(rank, p) for rank, p in enumerate(self.procs, start=1) if p.poll() is not None]
+
+    def stop(self) -> None:
+        """Broadcast the stop and give each worker a moment to leave the group by itself (what keeps them quiet)."""
         try:
             self.group.broadcast(("stop", None))
         except Exception as e:  # noqa: BLE001 - a rank already gone: the joins below time out and kill
-            log.debug("telling the tensor-parallel ranks to stop: %s", e)
+            log.debug("telling the parallel ranks to stop: %s", e)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
         for p in self.procs:
             try:
-                p.wait(timeout=10)
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                pass  # killed below
-        self.kill()
+                pass  # killed by the caller
 
     def kill(self) -> None:
         """End the workers at once and leave the group (after a failure, or when `close` could not)."""

@@ -56,16 +56,33 @@ def fatal(what: str) -> Iterator[None]:
                               "stops") from e
 
 
+def check_no_process_group() -> None:
+    """Refuse to start ranks while this process is in a torch.distributed group already: its default group is
+    one per process, so a second parallel engine needs the first shut down."""
+    if dist.is_initialized():
+        raise ConfigError("this process already runs a parallel engine (torch.distributed is initialized): shut "
+                          "the other one down first (llm.shutdown(), or create it with `with LLM(...) as llm:`)")
+
+
 class RankGroup:
     def __init__(self, rank: int, size: int, init_method: str, backend: str, timeout_s: float):
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
+        self.local: ShmCollectives | None = None
+        self.in_call = False  # a call of every rank began and did not end (see `together`)
+        try:
+            self._make_groups(backend)
+        except BaseException:
+            self.close()  # torch's process groups are per process: none may outlive a failed start
+            raise
+
+    def _make_groups(self, backend: str) -> None:
         # commands are pickled Python objects: over gloo whatever the compute backend (NCCL moves tensors only)
         self.control = dist.new_group(timeout=IDLE_TIMEOUT, backend="gloo")
         self.pipe = dist.new_group(timeout=PIPE_TIMEOUT)
-        self.tp_size = size
-        self.compute = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
+        self.tp_size = self.size
+        self.compute = dist.new_group(timeout=datetime.timedelta(seconds=self.timeout_s))
         self.local = self._shared_memory() if backend == "gloo" else None  # the compute collectives on one host
 
     def _shared_memory(self) -> ShmCollectives | None:
@@ -165,6 +182,16 @@ class RankGroup:
             works.append(dist.irecv(into, (self.rank - 1) % self.size, group=self.compute, tag=tag))
         return works
 
+    @contextmanager
+    def together(self, what: str) -> Iterator[None]:
+        """A call every rank makes (fatal, as `fatal`). One that did not end, failed or interrupted (Ctrl-C),
+        stays marked in `in_call`: the other ranks are somewhere inside it, so closing kills them rather than
+        sending them a stop they cannot hear."""
+        self.in_call = True
+        with fatal(what):
+            yield
+        self.in_call = False
+
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank (what the workers run next)."""
         box = [obj]
@@ -172,6 +199,7 @@ class RankGroup:
         return box[0]
 
     def close(self) -> None:
+        """Leave every group: the process can then start another (torch allows one default group at a time)."""
         if self.local is not None:
             self.local.close()
             self.local = None
