@@ -11,12 +11,12 @@ requests run at once, all decided before a route runs. The body is read here, co
 
 from __future__ import annotations
 
-import hmac
 import json
 from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.router.errors import error_body
+from tokenmill.server.asgi import bearer_matches, drain_body
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # as `tokenmill serve --max-request-bytes`
 DEFAULT_MAX_CONNECTIONS = 1024
@@ -48,13 +48,6 @@ class Refusal:
     kind: str
     code: str | None = None
     close: bool = False  # the body could not be read to its end: the connection cannot be reused
-
-
-def bearer_matches(authorization: bytes, key: str) -> bool:
-    """Whether an Authorization header carries `key`, compared in constant time: how much of a guess was right must
-    not show in how long the answer takes."""
-    given = authorization[7:].strip() if authorization[:7].lower() == b"bearer " else b""
-    return hmac.compare_digest(given, key.encode())
 
 
 class RouterGuard:
@@ -160,16 +153,3 @@ async def reject(refusal: Refusal, receive: Any, send: Any, limit: int, drain: b
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
     await send({"type": "http.response.body", "body": data, "more_body": False})
-
-
-async def drain_body(receive: Any, limit: int) -> bool:
-    """Read and drop the rest of a request body, up to max(4 x limit, 64 MiB); True if it all came."""
-    budget = max(4 * limit, 64 << 20)
-    while budget > 0:
-        message = await receive()
-        if message["type"] != "http.request":
-            return False
-        budget -= len(message.get("body", b""))
-        if not message.get("more_body"):
-            return True
-    return False

@@ -7,11 +7,11 @@ optional `--metrics-api-key` (/metrics; open without it, as Prometheus scrapers 
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 from collections.abc import Callable
 
+from tokenmill.server.asgi import bearer_matches, drain_body
 from tokenmill.server.errors import BadRequest, InternalError, NotFound, RequestTooLarge, Unauthorized, classify
 from tokenmill.server.settings import ServerSettings
 
@@ -57,7 +57,7 @@ class Guard:
                 received += len(message.get("body", b""))
                 if received > limit:
                     if message.get("more_body"):
-                        await _drain(receive, limit)
+                        await drain_body(receive, limit)
                     raise _too_large(limit)
             return message
 
@@ -99,7 +99,7 @@ class Guard:
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
         if status in (429, 503):
             headers.append((b"retry-after", b"1"))
-        if drain and not await _drain(receive, self.settings.max_request_bytes):
+        if drain and not await drain_body(receive, self.settings.max_request_bytes):
             headers.append((b"connection", b"close"))
         if status == 401:
             headers.append((b"www-authenticate", b"Bearer"))
@@ -107,23 +107,9 @@ class Guard:
         await send({"type": "http.response.body", "body": data})
 
 
-async def _drain(receive, limit: int) -> bool:
-    """Read and drop the rest of a request body, up to max(4 x limit, 64 MiB); True if it all came."""
-    budget = max(4 * limit, 64 << 20)
-    while budget > 0:
-        message = await receive()
-        if message["type"] != "http.request":
-            return False
-        budget -= len(message.get("body", b""))
-        if not message.get("more_body"):
-            return True
-    return False
-
-
 def _key_mismatch(auth: str, key: str, what: str) -> Unauthorized | None:
     """None if `auth` is 'Bearer <key>'; compared in constant time, so a wrong key's timing tells nothing."""
-    given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-    if hmac.compare_digest(given.encode(), key.encode()):
+    if bearer_matches(auth.encode("latin-1"), key):
         return None
     msg = f"missing {what}" if not auth else f"invalid {what}"
     return Unauthorized(f"{msg}: send the header 'Authorization: Bearer <key>'")
