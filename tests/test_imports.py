@@ -1,7 +1,9 @@
 """The package's import graph has no cycle, counting imports inside functions too (a lazy import in a circle is
-still a circle a reader must untangle), and the engine's options live in one module."""
+still a circle a reader must untangle), and imports written as calls with a literal name (`importlib.import_module`,
+`__import__`), which hide a circle as well; and the engine's options live in one module."""
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import tokenmill
@@ -14,19 +16,35 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def call_import(node: ast.Call) -> str | None:
+    """The module an `importlib.import_module("a.b")`, `import_module("a.b")` or `__import__("a.b")` call names."""
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    if name not in ("import_module", "__import__") or not node.args:
+        return None
+    first = node.args[0]
+    return first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else None
+
+
+def imported(source: str) -> Iterator[str]:
+    """Every name a module's source imports, anywhere in it: statements and calls with a literal name."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+            yield from (f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Call) and (target := call_import(node)):
+            yield target
+
+
 def import_graph() -> dict[str, set[str]]:
     modules = {module_name(p): p for p in ROOT.rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for name, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            targets = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            for t in targets:
-                if t in modules and t != name and not name.startswith(t + "."):  # a package's own __init__ aside
-                    graph[name].add(t)
+        for t in imported(path.read_text()):
+            if t in modules and t != name and not name.startswith(t + "."):  # a package's own __init__ aside
+                graph[name].add(t)
     return graph
 
 
@@ -60,3 +78,31 @@ def test_no_import_cycles():
 def test_the_cycle_finder_finds_cycles():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_imports_written_as_calls_are_edges():
+    source = """
+import importlib
+from importlib import import_module
+
+def lazy(name):
+    importlib.import_module("tokenmill.parallel.worker")
+    import_module("tokenmill.engine.core")
+    __import__("tokenmill.config")
+    importlib.import_module(name)  # not a literal: no edge
+"""
+    assert set(imported(source)) == {"importlib", "importlib.import_module", "tokenmill.parallel.worker",
+                                     "tokenmill.engine.core", "tokenmill.config"}
+
+
+def test_the_runner_does_not_reach_the_rank_launchers():
+    """Launching ranks reaches the worker, which builds a runner: the runner must not reach back."""
+    graph = import_graph()
+    assert "tokenmill.parallel.worker" in graph["tokenmill.parallel.ray_executor"]
+    seen, todo = set(), ["tokenmill.engine.runner"]
+    while todo:
+        if (m := todo.pop()) not in seen:
+            seen.add(m)
+            todo.extend(graph[m])
+    launchers = {f"tokenmill.parallel.{m}" for m in ("executor", "ray_executor", "launch", "worker")}
+    assert not seen & launchers

@@ -43,7 +43,7 @@ def settle(core, limit_s: float = 30.0) -> list:
 
 def test_aborted_while_its_grammar_builds_releases_its_kv_transfer(producer):
     producer.add_request(constrained("c", {"json": SCHEMA}, KVTransferParams("t1", True)))
-    assert producer._shipments  # shipping began with the request
+    assert producer.kv_transfer._shipments  # shipping began with the request
     producer.abort(["c"])
     settle(producer)
     producer.check_idle_invariants()

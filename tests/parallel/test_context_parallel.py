@@ -313,7 +313,7 @@ def test_smollm2_on_two_ranks_gives_one_process_greedy_output():
 
 
 def test_every_rank_keeps_the_gguf_blocks_where_tensor_parallel_ranks_cannot():
-    from tokenmill.engine.core import ModelSpec
+    from tokenmill.engine.model_spec import ModelSpec
 
     # every context-parallel rank holds the whole model: the file's blocks as they are; tensor-parallel ranks slice
     assert ModelSpec.resolve(EngineConfig(context_parallel_size=2, quantization="gguf")).quantization == "gguf"

@@ -328,7 +328,7 @@ def test_stop_string_ends_a_constrained_request_and_releases_its_matcher(llm: LL
                                                     structured_outputs={"json": schema}))[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == '"m"'
     assert out.text == full[:full.index('"m"')]
-    assert len(llm.engine.core.structured) == 0  # generate() also checked every block is free
+    assert len(llm.engine.core.constrained.manager) == 0  # generate() also checked every block is free
 
 
 def test_abort_while_waiting_for_the_matcher_leaves_no_state(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -345,9 +345,9 @@ def test_abort_while_waiting_for_the_matcher_leaves_no_state(llm: LLM, monkeypat
     try:
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, n=2, structured_outputs={"regex": pattern})
         engine.add_request("waiting", PROMPTS[0], params)
-        assert engine.core.structured is not None and engine.core.structured.num_pending == 2
+        assert engine.core.constrained.manager is not None and engine.core.constrained.manager.num_pending == 2
         engine.step()  # the matchers are not built: nothing is scheduled, nothing waits on the step
-        assert engine.core.structured.num_pending == 2
+        assert engine.core.constrained.manager.num_pending == 2
         out = engine.abort_request("waiting")
         assert out is not None and [c.finish_reason for c in out.outputs] == ["abort", "abort"]
         assert not engine.has_unfinished_requests()
@@ -357,7 +357,7 @@ def test_abort_while_waiting_for_the_matcher_leaves_no_state(llm: LLM, monkeypat
     for _ in range(3):  # the builds finish after the abort: nothing comes back from them
         assert engine.step() == []
     engine.core.check_idle_invariants()
-    assert engine.core.structured.num_pending == 0 and len(engine.core.structured) == 0
+    assert engine.core.constrained.manager.num_pending == 0 and len(engine.core.constrained.manager) == 0
     out = generate(llm, PROMPTS[:1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                     structured_outputs={"regex": pattern}))
     assert re.fullmatch(pattern, out[0].outputs[0].text)
@@ -369,9 +369,9 @@ def test_abort_of_a_running_constrained_request_releases_its_matcher(llm: LLM) -
                                                             structured_outputs={"regex": "[a-z]{40}"}))
     for _ in range(50):  # until its matcher is built and it has run a step or two
         engine.step()
-        if engine.core.structured is not None and len(engine.core.structured) == 1:
+        if engine.core.constrained.manager is not None and len(engine.core.constrained.manager) == 1:
             break
-    assert len(engine.core.structured) == 1
+    assert len(engine.core.constrained.manager) == 1
     engine.step()
     engine.abort_request("running")
     engine.core.check_idle_invariants()
@@ -403,7 +403,7 @@ def test_a_slow_grammar_does_not_hold_up_a_simple_one(llm: LLM) -> None:
     engine.add_request("simple", PROMPTS[0], simple)
     done = run_until(engine, "simple")
     assert re.fullmatch("[0-9]{3}", done["simple"].outputs[0].text)
-    assert "slow" not in done and engine.core.structured.num_pending == 1  # still building
+    assert "slow" not in done and engine.core.constrained.manager.num_pending == 1  # still building
     c = run_until(engine, "slow")["slow"].outputs[0]
     assert c.finish_reason == "error" and c.token_ids == []
     assert (c.error or "").startswith("structured output: ")

@@ -2,15 +2,15 @@
 joins the cluster (RAY_ADDRESS, or a local one it starts), and ranks 1..N-1 run as tasks wherever Ray places them,
 each the same worker life as a process rank (parallel/worker.py run_worker). They still meet over torch.distributed
 at rank 0's address; Ray only starts and watches them. `RayRank` answers as a subprocess.Popen does (poll, wait,
-kill), so parallel/driver.py Workers treats both alike."""
+kill), so parallel/executor.py Executor treats both alike."""
 
 from __future__ import annotations
 
-import importlib
 import os
 from typing import Any
 
 from tokenmill.errors import ConfigError
+from tokenmill.parallel.worker import run_worker
 
 
 def _ray() -> Any:
@@ -31,20 +31,13 @@ def node_address() -> str:
     return _ray().util.get_node_ip_address()
 
 
-def _worker_life(rank: int, size: int, init_method: str, backend: str, timeout_s: float) -> bool:
-    # the worker module named, as start_rank's `python -m tokenmill.parallel.worker` names it: it imports the
-    # engine, which imports this module
-    worker = importlib.import_module("tokenmill.parallel.worker")
-    return worker.run_worker(rank, size, init_method, backend, timeout_s)
-
-
 class RayRank:
     """One rank as a Ray task; `returncode` as a process's: 0 when it ended well, 1 otherwise."""
 
     def __init__(self, rank: int, size: int, init_method: str, backend: str, timeout_s: float, threads: int):
         ray = _ray()
         self.rank, self.returncode = rank, None
-        task = ray.remote(num_cpus=threads, max_retries=0)(_worker_life)
+        task = ray.remote(num_cpus=threads, max_retries=0)(run_worker)
         self.ref = task.options(name=f"tokenmill-rank-{rank}").remote(rank, size, init_method, backend, timeout_s)
         self.pid = f"ray task {self.ref.task_id().hex()[:12]}"
 

@@ -3,7 +3,7 @@ configuration and block count, builds its part of the model and its KV cache, th
 a forward pass over the step's inputs, the LM head's slice for some rows, a pipeline step, or the end. Any failure
 ends the process; rank 0's next collective then fails (or times out) and the engine with it, never a silent hang.
 
-Started by rank 0 on its own node (parallel/driver.py Workers), and on every other node by `tokenmill worker`
+Started by rank 0 on its own node (parallel/executor.py Executor), and on every other node by `tokenmill worker`
 (parallel/launch.py run_node)."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def run_worker(rank: int, size: int, init_method: str, backend: str, timeout_s: 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     group = RankGroup(rank, size, init_method, backend, timeout_s)
     try:
-        from tokenmill.engine.core import ModelSpec, threads_per_rank
+        from tokenmill.engine.model_spec import ModelSpec, threads_per_rank
         from tokenmill.parallel.group import PipelineParallel, TensorParallel
         from tokenmill.parallel.layout import PPStage, TPLayout
 

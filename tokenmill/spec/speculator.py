@@ -17,11 +17,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tokenmill.config import SpeculativeConfig
+from tokenmill.engine.hooks import RequestHooks
 from tokenmill.engine.step_cost import StepCostModel
 from tokenmill.request import Request
+
+if TYPE_CHECKING:
+    from tokenmill.engine.runner import StepResult
+    from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 from tokenmill.spec.ngram import propose_ngram
 
 log = logging.getLogger("tokenmill")
@@ -52,9 +57,14 @@ class NgramProposer:
         pass
 
 
-class Speculator:
+class Speculator(RequestHooks):
+    """Also the engine core's hooks (engine/hooks.py): after each step it learns from the verify passes and
+    proposes the next drafts of the requests still running; a preempted or ended request is forgotten."""
+
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, cost: StepCostModel | None = None):
         self.config, self.proposer, self.cost = config, proposer, cost
+        self.scheduler: Scheduler | None = None  # whose running requests speculate (engine/core.py sets it)
+        self._verified: list[tuple[str, int, int]] = []  # this step's verify passes: (request, drafts, accepted)
         self.max_batch = config.disable_by_batch_size  # None: no cap, the cost model decides
         self.k: dict[str, int] = {}  # per request: how many drafts it proposes now (adaptive)
         self.acceptance: dict[str, float] = {}  # per request: recent acceptance rate (EMA)
@@ -132,6 +142,35 @@ class Speculator:
         self.acceptance.pop(request_id, None)
         self.passed_over.pop(request_id, None)
         self.proposer.forget(request_id)
+
+
+    # ---- RequestHooks ------------------------------------------------------------------------------------------
+    def after_execute(self, sched: SchedulerOutput, result: StepResult) -> None:
+        """What each verify pass accepted, read before the scheduler advances the requests (drafts are what a
+        chunk computes past the committed tokens)."""
+        self._verified = [(s.request.request_id, s.num_spec_tokens, len(got.token_ids) - 1) for s in sched.scheduled
+                          if s.num_spec_tokens and (got := result.sampled.get(s.request.request_id)) is not None]
+
+    def after_update(self, sched: SchedulerOutput, result: StepResult) -> list[Request]:
+        for request_id, drafts, accepted in self._verified:
+            self.observe(request_id, drafts, accepted)
+        self._verified = []
+        if self.scheduler is not None:
+            self.propose(self.scheduler.running)  # the ended and the preempted have left it
+        return []
+
+    def on_preempt(self, request: Request) -> None:
+        self.forget(request.request_id)  # its KV is gone: a draft model starts it over
+
+    def on_release(self, request_id: str) -> None:
+        self.forget(request_id)
+
+    @property
+    def allows_runs(self) -> bool:
+        return False  # drafts are proposed and verified step by step
+
+    def check_idle(self) -> None:
+        assert not (self.k or self.acceptance or self.passed_over), "speculation state outlived its requests"
 
 
 def build_speculator(config: SpeculativeConfig, core: object, cost: StepCostModel | None = None) -> Speculator:

@@ -1,0 +1,116 @@
+"""What to build the model runner from: the model resolved once from the config, and the KV cache it gets.
+
+Rank 0 (engine/core.py) and every other parallel rank (parallel/worker.py) resolve the same `ModelSpec` and build
+their runner from it; it lives apart from the engine core so that a worker rank needs none of the engine loop.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tokenmill.config import EngineConfig, ModelConfig, default_kv_cache_memory
+from tokenmill.engine.runner import DTYPES, ModelRunner, kv_bytes_per_token
+from tokenmill.errors import ConfigError
+from tokenmill.model.backends import auto_dtype
+from tokenmill.model.loader import load_model_config, load_weights, resolve_model_path
+from tokenmill.parallel.context import ContextParallel
+from tokenmill.parallel.group import PipelineParallel, TensorParallel, rank_device
+from tokenmill.parallel.layout import PPStage, TPLayout, check_pipeline_parallel, check_tensor_parallel
+from tokenmill.quant.methods import checkpoint_quantization, resolve_quantization
+
+
+@dataclass
+class CacheInfo:
+    num_blocks: int
+    block_size: int
+    kv_bytes_per_token: int
+    dtype: str
+    prefix_caching: bool = False
+    reserved_tokens: int = 0  # slots a draft model writes past a request's tokens (spec/draft_model.py lookahead)
+
+    @property
+    def token_capacity(self) -> int:
+        """Tokens one request may reach: the pool, less the slots written ahead of it."""
+        return self.num_blocks * self.block_size - self.reserved_tokens
+
+    def describe(self) -> str:
+        return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.token_capacity} tokens, "
+                f"{self.kv_bytes_per_token} bytes per token ({self.dtype}), "
+                f"{self.num_blocks * self.block_size * self.kv_bytes_per_token / 2**20:.0f} MiB; prefix caching "
+                f"{'on' if self.prefix_caching else 'off (--no-prefix-caching)'}")
+
+
+@dataclass
+class ModelSpec:
+    """What to build the model runner from, resolved once from the config (every tensor-parallel rank the same)."""
+
+    path: Path
+    config: ModelConfig
+    dtype: torch.dtype
+    quantization: str | None
+    kv_dtype: torch.dtype
+
+    @classmethod
+    def resolve(cls, config: EngineConfig) -> ModelSpec:
+        path = resolve_model_path(config.model)
+        mc = load_model_config(path)
+        stored = checkpoint_quantization(path)  # an AWQ checkpoint computes as --quantization awq would
+        dtype = DTYPES[auto_dtype(config.device, config.quantization or stored) if config.dtype == "auto"
+                       else config.dtype]
+        quantization = resolve_quantization(config.quantization, path, dtype, config.device)
+        if config.tensor_parallel_size > 1:
+            check_tensor_parallel(mc, config.tensor_parallel_size)
+        if config.pipeline_parallel_size > 1:
+            check_pipeline_parallel(mc, config.pipeline_parallel_size)
+        # context parallelism keeps the whole model on every rank: any weight format
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1 and quantization in ("gguf", "awq", "int4"):
+            if config.quantization is not None or stored is not None:
+                raise ConfigError(f"--quantization {quantization} keeps blocks that the parallel ranks cannot split "
+                                  "yet; use none, int8 or fp8 with --tensor-parallel-size / --pipeline-parallel-size")
+            quantization = None  # a GGUF file's blocks, dequantized: each rank takes its slice
+        return cls(path, mc, dtype, quantization, config.cache.cache_dtype(dtype))
+
+    def build_runner(self, config: EngineConfig, num_blocks: int, tp: TensorParallel | None = None,
+                     pp: PipelineParallel | None = None, cp: ContextParallel | None = None) -> ModelRunner:
+        weights = load_weights(self.path, self.config, self.dtype)
+        group = next((p.group for p in (tp, pp, cp) if p is not None), None)
+        device = (rank_device(config.device, group.rank, config.parallel_size // config.nnodes) if group is not None
+                  else config.device)
+        return ModelRunner(self.config, weights, self.dtype, device, num_blocks, config.kv_block_size,
+                           config.seed, batch_invariant=config.batch_invariant, quantization=self.quantization,
+                           kv_dtype=self.kv_dtype, tp=tp, pp=pp, cp=cp)
+
+
+def threads_per_rank(config: EngineConfig) -> int | None:
+    """--threads, or with several parallel ranks on this host the cores shared out among them."""
+    if config.num_threads is not None or config.parallel_size == 1:
+        return config.num_threads
+    return max(1, (os.cpu_count() or 1) // (config.parallel_size // config.nnodes))
+
+
+def size_kv_cache(config: EngineConfig, spec: ModelSpec) -> CacheInfo:
+    """How many KV blocks the budget (--kv-cache-memory, else a share of free memory) holds, per rank: a tensor-
+    parallel rank keeps its heads' share, every pipeline stage as many blocks as the stage with the most layers,
+    and a draft model's KV (at the same block ids, spec/draft_model.py) shares the budget. With context
+    parallelism a block is block_size tokens on each rank (parallel/context.py); the bytes per token are whole."""
+    mc, cc = spec.config, config.cache
+    tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+    per_rank = TPLayout(mc, tp_size, 0).shard_config() if tp_size > 1 else mc
+    if pp_size > 1:
+        per_rank = PPStage.of(mc, pp_size, pp_size - 1).shard_config(per_rank)
+    per_token = kv_bytes_per_token(per_rank, spec.kv_dtype)
+    draft_per_token = 0
+    if config.speculative is not None and config.speculative.method == "draft_model":
+        draft_per_token = kv_bytes_per_token(load_model_config(resolve_model_path(config.speculative.model)),
+                                             spec.kv_dtype)
+    budget = cc.kv_cache_memory or default_kv_cache_memory()
+    num_blocks = cc.num_blocks or budget // ((per_token + draft_per_token) * cc.block_size)
+    if num_blocks < 1:
+        raise ConfigError(f"--kv-cache-memory {budget} bytes holds no block of {cc.block_size} tokens "
+                          f"({per_token * cc.block_size} bytes); raise it")
+    return CacheInfo(num_blocks, config.kv_block_size, per_token, str(spec.kv_dtype).removeprefix("torch."),
+                     cc.enable_prefix_caching)
