@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
-from tokenmill.config import KVTransferConfig
 from tokenmill.disagg import make_connector
 from tokenmill.disagg.auth import handshake_mac, transfer_token
+from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.disagg.connector import KVConnector
 from tokenmill.disagg.tcp import prove_producer, recv_frame, send_frame
 from tokenmill.disagg.transfer import KVLayout, KVTransferParams, TransferHeader
@@ -317,6 +317,9 @@ def test_tcp_ends_with_different_secrets_move_no_kv(tmp_path):
         producer.end("t10")
         result = wait_result(producer)
         assert not result.ok and "kv_secret" in result.error
+        deadline = time.monotonic() + 10  # the refusal reaches the producer before the consumer's thread counts it
+        while consumer.stats().rejected_connections == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert consumer.stats().rejected_connections == 1 and consumer.stats().buffered_bytes == 0
         assert consumer.claim("t10") is None
     finally:
