@@ -42,8 +42,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill.bench.datasets import random_requests
 from tokenmill.bench.loadgen import LoadConfig, first_model, run_load
-from tokenmill.config import KVTransferConfig
 from tokenmill.disagg import make_connector
+from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.disagg.transfer import KVLayout, KVTransferParams
 from tokenmill.model.cpu_kernels import cpu_isa
 from tokenmill.model.loader import default_model_path

@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 
 from tokenmill.cli import build_parser
-from tokenmill.config import KVTransferConfig, SpeculativeConfig
+from tokenmill.config import SpeculativeConfig
+from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.engine_args import EngineArgs
 from tokenmill.errors import ConfigError
 

@@ -101,6 +101,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_operator_keys(g: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The keys beside the clients' --api-key, as `serve` and `router` both take them (docs/security.md)."""
+    g.add_argument("--admin-api-key", default=os.environ.get("TOKENMILL_ADMIN_API_KEY"),
+                   help="the operator's key for /admin/* (Bearer); without it the admin endpoints are off (404), "
+                        "and the clients' --api-key never opens them (default: $TOKENMILL_ADMIN_API_KEY)")
+    g.add_argument("--metrics-api-key", default=os.environ.get("TOKENMILL_METRICS_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /metrics (default: $TOKENMILL_METRICS_API_KEY, "
+                        "else /metrics is open)")
+
+
 def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -108,12 +118,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and /ui/stats "
                         "(default: $TOKENMILL_API_KEY, else no key)")
-    g.add_argument("--admin-api-key", default=os.environ.get("TOKENMILL_ADMIN_API_KEY"),
-                   help="the operator's key for /admin/* (Bearer); without it the admin endpoints are off, and the "
-                        "clients' --api-key never opens them (default: $TOKENMILL_ADMIN_API_KEY)")
-    g.add_argument("--metrics-api-key", default=os.environ.get("TOKENMILL_METRICS_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /metrics (default: $TOKENMILL_METRICS_API_KEY, "
-                        "else /metrics is open)")
+    add_operator_keys(g)
     g.add_argument("--client-priority-range", type=parse_priority_range, default="0:",
                    help="the `priority` values a client may send, LO:HI (HI optional; a negative LO needs '=': "
                         "--client-priority-range=-5:); outside it HTTP 400. Lower runs "
@@ -256,12 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8080, help="0: a free port (the ready line says which)")
     p.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
                    help="the clients' key: require Authorization: Bearer KEY on /v1/* (default $TOKENMILL_API_KEY)")
-    p.add_argument("--admin-api-key", default=os.environ.get("TOKENMILL_ADMIN_API_KEY"),
-                   help="the operator's key for /admin/* (Bearer); without it the admin endpoints are off (404), "
-                        "and --api-key never opens them (default $TOKENMILL_ADMIN_API_KEY)")
-    p.add_argument("--metrics-api-key", default=os.environ.get("TOKENMILL_METRICS_API_KEY"),
-                   help="require Authorization: Bearer KEY on /metrics (default $TOKENMILL_METRICS_API_KEY, else "
-                        "/metrics is open)")
+    add_operator_keys(p)
     p.add_argument("--backend-api-key", default=os.environ.get("TOKENMILL_BACKEND_API_KEY"),
                    help="the key the router sends to the replicas (default $TOKENMILL_BACKEND_API_KEY)")
     p.add_argument("--max-request-bytes", type=parse_bytes, default=16 << 20,
@@ -283,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a stream is judged on this many tokens, held back until then")
     p.set_defaults(func=cmd_router)
 
-    from tokenmill.bench.cli import add_bench_parser
+    from tokenmill.bench.cli_args import add_bench_parser
 
     add_bench_parser(sub)
 

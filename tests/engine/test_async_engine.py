@@ -13,7 +13,7 @@ import pytest
 
 from tests.engine.recorder import Recorder
 from tokenmill.config import EngineConfig
-from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, OutputStream
+from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError
 from tokenmill.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -22,8 +22,9 @@ from tokenmill.engine.messages import (
     EngineReady,
     FinishRequest,
 )
-from tokenmill.engine.scheduler import SchedulerStats
+from tokenmill.engine.output_stream import OutputStream
 from tokenmill.engine.step_cost import StepCost
+from tokenmill.engine.step_types import SchedulerStats
 from tokenmill.errors import (
     ContextTooLong,
     InvalidRequest,

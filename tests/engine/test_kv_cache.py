@@ -9,7 +9,8 @@ import pytest
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.policy import LPM_MAX_SKIPS
-from tokenmill.engine.scheduler import SampledTokens, Scheduler
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.step_types import SampledTokens
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 

@@ -18,7 +18,7 @@ from tokenmill.engine.messages import (
     Shutdown,
     picklable_error,
 )
-from tokenmill.engine.scheduler import SchedulerStats
+from tokenmill.engine.step_types import SchedulerStats
 from tokenmill.errors import ContextTooLong
 from tokenmill.sampling_params import SamplingParams
 

@@ -9,7 +9,7 @@ import pytest
 from tests.engine.recorder import Recorder
 from tokenmill.engine.messages import EngineCoreOutput, EngineOutputs, FinishRequest
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.engine.scheduler import SchedulerStats
+from tokenmill.engine.step_types import SchedulerStats
 from tokenmill.errors import ContextTooLong, RequestFailed
 from tokenmill.sampling_params import SamplingParams
 

@@ -9,7 +9,8 @@ from tests.engine.test_step_cost import fitted, fitted_with_pairs
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.policy import ITL_STEP_SHARE
-from tokenmill.engine.scheduler import SampledTokens, Scheduler
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.step_types import SampledTokens
 from tokenmill.errors import ConfigError, InvalidRequest
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams

@@ -7,8 +7,9 @@ import pytest
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache import BlockPool, KVCacheManager
-from tokenmill.engine.scheduler import SampledTokens, Scheduler
+from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.step_cost import DECODE_STEP_FLOOR_S, StepCost
+from tokenmill.engine.step_types import SampledTokens
 from tokenmill.errors import ConfigError
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams

@@ -271,7 +271,7 @@ def test_probe_times_are_kept_beside_the_build_and_a_bad_file_is_measured_again(
 
 @pytest.mark.skipif(ops is None or not ops.bf16_kernel(), reason="bf16_pack needs our bfloat16 kernel")
 def test_tied_embedding_reads_its_rows_from_the_heads_tiles(tmp_path):
-    from tokenmill.model.backends.cpu import tile_rows
+    from tokenmill.model.backends.cpu_rows import tile_rows
 
     w = torch.randn(96, 64).bfloat16()
     ids = torch.tensor([[0, 95, 17], [16, 15, 40]])

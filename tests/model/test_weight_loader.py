@@ -15,16 +15,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests.models.tiny import make_tiny_model
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.errors import ModelLoadError
+from tokenmill.model.checkpoint import Checkpoint
 from tokenmill.model.linear import Linear
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import (
-    Checkpoint,
     allocate_parameters,
     default_model_path,
     load_model_config,
     load_weights,
 )
-from tokenmill.quant import gguf
+from tokenmill.quant import gguf_blocks
 from tokenmill.quant.gguf import GGUFFile
 
 
@@ -213,5 +213,5 @@ def test_bfloat16_gguf_load_makes_no_float32_tensor_past_a_chunk():
     allocate_parameters(model, torch.device("cpu"))
     with LargestFloat32() as seen:
         model.load_hf_weights(load_weights(path, cfg, torch.bfloat16))
-    assert 0 < seen.most <= gguf.DEQUANTIZE_CHUNK
+    assert 0 < seen.most <= gguf_blocks.DEQUANTIZE_CHUNK
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())

@@ -17,7 +17,7 @@ from tests.parallel.test_tensor_parallel import GREEDY, prompts, run
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.messages import AddRequest
-from tokenmill.engine.runner import micro_batches
+from tokenmill.engine.step_inputs import micro_batches
 from tokenmill.errors import ConfigError, ParallelFailure
 from tokenmill.parallel.layout import PPStage, StageCheckpoint
 from tokenmill.sampling_params import SamplingParams

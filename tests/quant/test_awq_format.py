@@ -1,4 +1,4 @@
-"""AWQ's on-disk and run-time forms (tokenmill/quant/awq_format.py, model/loader.py AWQCheckpoint): AutoAWQ's GEMM
+"""AWQ's on-disk and run-time forms (tokenmill/quant/awq_format.py, model/hf_checkpoint.py AWQCheckpoint): AutoAWQ's GEMM
 packing, round-to-nearest groups, Q4_Z blocks that decode to exactly (q - z) * s, and a written checkpoint that
 loads back with clear errors for the broken ones."""
 
@@ -23,7 +23,7 @@ from tokenmill.quant.awq_format import (
     quantize_groups,
     unpack_features,
 )
-from tokenmill.quant.gguf import Q4_Z, dequantize
+from tokenmill.quant.gguf_blocks import Q4_Z, dequantize
 
 ops = _extension()
 KEPT = ops.gguf_kernel() if ops is not None else ""  # amx, vnni, or "" (the reference)

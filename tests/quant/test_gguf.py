@@ -8,10 +8,11 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, quants
 
-import tokenmill.quant.gguf as tm_gguf
+import tokenmill.quant.gguf_blocks as tm_gguf_blocks
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.loader import default_model_path
-from tokenmill.quant.gguf import GGUFFile, dequantize
+from tokenmill.quant.gguf import GGUFFile
+from tokenmill.quant.gguf_blocks import dequantize
 
 OWN_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1]
 
@@ -96,7 +97,7 @@ def test_dequantize_into_a_narrower_dtype_goes_by_chunks(qtype: T, dtype: torch.
     """Exactly the float32 decode, cast; 7 rows in chunks of 3 (the last one short), so several chunks run."""
     data = _random_rows(11, (7, 256))
     raw = quants.quantize(data, qtype)
-    monkeypatch.setattr(tm_gguf, "DEQUANTIZE_CHUNK", 3 * 256)
+    monkeypatch.setattr(tm_gguf_blocks, "DEQUANTIZE_CHUNK", 3 * 256)
     out = dequantize(raw, qtype, data.shape, dtype)
     assert out.dtype == dtype and out.shape == data.shape
     assert torch.equal(out, dequantize(raw, qtype, data.shape).to(dtype))

@@ -19,7 +19,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.model.backends import CpuBackend, TorchBackend
 from tokenmill.model.cpu_kernels import _extension
 from tokenmill.quant.awq_format import quantize_groups
-from tokenmill.quant.gguf import Q4_Z, dequantize
+from tokenmill.quant.gguf_blocks import Q4_Z, dequantize
 from tokenmill.quant.gguf_tiles import gguf_pack, gguf_unpack_rows
 
 ops = _extension()
@@ -192,9 +192,9 @@ def test_unpacked_rows_are_the_packed_rows_blocks(qtype, layout, kernel):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rows_decoded_in_cpp_are_the_decoders_bits(qtype, dtype):
     """A kept embedding's lookup decodes its blocks in C++ (ops.gguf_decode_rows): every value must be the one
-    quant/gguf.py's decoders give, in float32 and after its rounding to the model's dtype."""
-    from tokenmill.model.backends.cpu import DECODED_IN_CPP, gguf_tile_rows
-    from tokenmill.quant.gguf import decode_rows
+    quant/gguf_blocks.py's decoders give, in float32 and after its rounding to the model's dtype."""
+    from tokenmill.model.backends.cpu_rows import DECODED_IN_CPP, gguf_tile_rows
+    from tokenmill.quant.gguf_blocks import decode_rows
 
     g = torch.Generator().manual_seed(7)
     raw = blocks_of(torch.randn(48, 96, generator=g) * 3, qtype)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tokenmill.config import KVTransferConfig
+    from tokenmill.disagg.config import KVTransferConfig
     from tokenmill.disagg.connector import KVConnector
     from tokenmill.disagg.transfer import KVLayout
 

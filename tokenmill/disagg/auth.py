@@ -23,7 +23,7 @@ import stat
 import threading
 from pathlib import Path
 
-from tokenmill.config import KVTransferConfig
+from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.errors import ConfigError
 
 SHM_KEY_FILE = ".kv_secret"  # no suffix: never taken for a transfer's file (`<id>.kv`, `<id>.part`)

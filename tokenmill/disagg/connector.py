@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from tokenmill.config import KVTransferConfig
 from tokenmill.disagg.auth import shared_key, token_matches, transfer_token
+from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.disagg.transfer import KVLayout, KVTransferParams, KVTransferStats, SendResult, TransferHeader
 
 log = logging.getLogger("tokenmill")

@@ -14,7 +14,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tokenmill.config import EngineConfig, KVTransferConfig, ModelConfig
+from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.disagg.transfer import KVLayout, KVTransferParams, SendResult
 from tokenmill.engine.hooks import RequestHooks
 from tokenmill.errors import ConfigError
@@ -25,8 +26,8 @@ if TYPE_CHECKING:
     from tokenmill.disagg.connector import KVConnector, Received
     from tokenmill.engine.model_spec import CacheInfo
     from tokenmill.engine.messages import AddRequest, EngineCoreOutput
-    from tokenmill.engine.runner import ModelRunner, StepResult
-    from tokenmill.engine.scheduler import SchedulerOutput
+    from tokenmill.engine.runner import ModelRunner
+    from tokenmill.engine.step_types import SchedulerOutput, StepResult
     from tokenmill.request import Request
 
 log = logging.getLogger("tokenmill")

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tokenmill.config import KVTransferConfig
 from tokenmill.disagg.auth import private_dir
+from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.disagg.connector import KVConnector, Outgoing, Received
 from tokenmill.disagg.transfer import KVLayout, TransferHeader
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.config import KVTransferConfig
 from tokenmill.disagg.auth import handshake_mac, mac_matches, new_nonce
+from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.disagg.connector import KVConnector, Outgoing, Received
 from tokenmill.disagg.transfer import KVLayout, TransferHeader
 

@@ -17,7 +17,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from tokenmill.config import EngineConfig
@@ -25,11 +25,12 @@ from tokenmill.disagg.transfer import KVTransferParams
 from tokenmill.engine.admission import ContextLimits, admit
 from tokenmill.engine.messages import AbortRequests, EngineOutputs, EngineReady
 from tokenmill.engine.output_processor import MetricsObserver, OutputProcessor, RequestState, SampleDelta
+from tokenmill.engine.output_stream import OutputStream, Update, deliver
 from tokenmill.engine.policy import ITL_STEP_SHARE, aged_level
 from tokenmill.engine.process_client import EngineDeadError, EngineProcessClient
-from tokenmill.engine.scheduler import SchedulerStats
 from tokenmill.engine.step_cost import predict_ttft, stretched_step_seconds
-from tokenmill.errors import InvalidRequest, RequestFailed, ServerOverloaded, TokenmillError
+from tokenmill.engine.step_types import SchedulerStats
+from tokenmill.errors import InvalidRequest, ServerOverloaded, TokenmillError
 from tokenmill.model.paths import resolve_model_path
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.checker import GrammarChecker
@@ -46,52 +47,6 @@ TTFT_BIAS_CLIP_S = 0.5
 STREAM_UPDATE_LIMIT = 4096  # a request's updates its reader may leave unread (one a step) before it is aborted
 GRAMMAR_CHECK_TIMEOUT_S = 10.0  # a structured output constraint not checked by then is refused (400), its check killed
 SLO_ADMISSION = ("off", "reject", "degrade")  # --slo-admission: what a request predicted to miss its TTFT target gets
-
-
-@dataclass
-class Update:
-    """One step's news for one request of a stream: its samples' deltas, or the error that ended it."""
-
-    prompt_index: int
-    samples: list[SampleDelta]
-    finished: bool = False
-    error: BaseException | None = None
-
-
-class OutputStream:
-    """The updates of the requests of one API call (one per prompt, each with n samples), as one async iterator.
-    However it ends (all finished, an error, the client gone), what still runs is aborted."""
-
-    def __init__(self, engine: AsyncEngine, requests: list[RequestState]):
-        self.engine = engine
-        self.requests = requests
-        self.queue: asyncio.Queue[Update] = asyncio.Queue()
-        self.limit = engine.stream_update_limit * len(requests)  # updates waiting past this: the reader is gone
-        self.remaining = len(requests)
-        self.closed = False
-
-    @property
-    def num_cached_tokens(self) -> int:
-        """Prompt tokens served from the prefix cache, all prompts together."""
-        return sum(r.num_cached_tokens for r in self.requests)
-
-    async def __aiter__(self) -> AsyncIterator[Update]:
-        try:
-            while self.remaining:
-                update = await self.queue.get()
-                if update.error is not None:
-                    raise update.error
-                if update.finished:
-                    self.remaining -= 1
-                yield update
-        finally:
-            self.abort()
-
-    def abort(self) -> None:
-        """Idempotent: abort whatever of this stream is still running."""
-        if not self.closed:
-            self.closed = True
-            self.engine._abort(self)
 
 
 @dataclass
@@ -327,7 +282,7 @@ class AsyncEngine:
         for stream, _ in deliveries:
             stream.abort()
         if deliveries and self._loop is not None:
-            self._loop.call_soon_threadsafe(_deliver, deliveries, True)
+            self._loop.call_soon_threadsafe(deliver, deliveries, True)
         return len(deliveries)
 
     def _abort(self, stream: OutputStream) -> None:
@@ -373,7 +328,7 @@ class AsyncEngine:
         if processed.aborts:
             self.client.send(AbortRequests(processed.aborts))
         if deliveries:
-            self._loop.call_soon_threadsafe(_deliver, deliveries, False)
+            self._loop.call_soon_threadsafe(deliver, deliveries, False)
 
     def _end(self, state: RequestState, error: BaseException | None,
              deltas: list[SampleDelta] | None = None) -> list[tuple[OutputStream, Update]]:
@@ -391,23 +346,8 @@ class AsyncEngine:
             for rid in list(self.processor.requests):
                 self.processor.pop(rid)
         if deliveries and self._loop is not None:
-            self._loop.call_soon_threadsafe(_deliver, deliveries, False)
+            self._loop.call_soon_threadsafe(deliver, deliveries, False)
         if self._observer is not None:
             self._observer.on_engine_dead(len(deliveries))
         if self.on_dead is not None:
             self.on_dead(reason)
-
-
-def _deliver(deliveries: list[tuple[OutputStream, Update]], to_closed: bool) -> None:
-    """On the event loop. A stream this side closed gets nothing more, unless `to_closed` (fail_all closes the
-    streams it fails, whose readers still wait for that last update). A stream whose reader fell
-    `OutputStream.limit` updates behind has stopped reading: it ends with an error and its requests are aborted,
-    so a client that never reads cannot hold its KV blocks or this process's memory."""
-    for stream, update in deliveries:
-        if to_closed or not stream.closed:
-            if not to_closed and stream.queue.qsize() >= stream.limit:
-                stream.queue.put_nowait(Update(update.prompt_index, [], True, RequestFailed(
-                    f"the client read none of this request's last {stream.limit} updates; it was aborted")))
-                stream.abort()
-                continue
-            stream.queue.put_nowait(update)

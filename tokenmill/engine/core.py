@@ -18,9 +18,9 @@ from tokenmill.engine.hooks import RequestHooks
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.messages import AddRequest, EngineCoreOutput, EngineOutputs
 from tokenmill.engine.model_spec import ModelSpec, size_kv_cache, threads_per_rank
-from tokenmill.engine.runner import StepResult
-from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
+from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.step_cost import StepCostModel
+from tokenmill.engine.step_types import SchedulerOutput, StepResult
 from tokenmill.errors import ConfigError, ParallelFailure
 from tokenmill.parallel.context import ContextParallel
 from tokenmill.parallel.executor import Executor

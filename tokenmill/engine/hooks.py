@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tokenmill.engine.messages import AddRequest, EngineCoreOutput
-    from tokenmill.engine.runner import StepResult
-    from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
+    from tokenmill.engine.scheduler import Scheduler
+    from tokenmill.engine.step_types import SchedulerOutput, StepResult
     from tokenmill.request import Request
 
 

@@ -13,7 +13,7 @@ import pickle
 from dataclasses import dataclass, field
 
 from tokenmill.disagg.transfer import KVTransferParams, KVTransferStats
-from tokenmill.engine.scheduler import SchedulerStats
+from tokenmill.engine.step_types import SchedulerStats
 from tokenmill.sampling_params import SamplingParams
 
 

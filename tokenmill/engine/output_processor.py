@@ -17,7 +17,7 @@ from typing import Protocol
 from tokenmill.disagg.transfer import KVTransferParams, KVTransferStats
 from tokenmill.engine.detokenizer import Decoder, IncrementalDetokenizer
 from tokenmill.engine.messages import AddRequest, EngineCoreOutput, EngineOutputs, FinishRequest
-from tokenmill.engine.scheduler import SchedulerStats
+from tokenmill.engine.step_types import SchedulerStats
 from tokenmill.errors import RequestFailed, TokenmillError
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams

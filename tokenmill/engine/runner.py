@@ -1,21 +1,23 @@
 """ModelRunner: SchedulerOutput -> one flat token batch + attention metadata -> forward -> sampled tokens.
 
 The one place in the engine that builds tensors. It owns the model, the KV cache tensors and each request's
-random generator.
+random generator. How a step's inputs are built (engine/step_inputs.py) and how a multi-step decode runs
+(engine/multi_step_runner.py) are mixins of their own.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.config import ModelConfig
+from tokenmill.engine.multi_step_runner import MultiStepRunner, request_stop_ids
 from tokenmill.engine.sampler import Sampler, SamplingRow, top_logprobs
-from tokenmill.engine.scheduler import SampledTokens, ScheduledRequest, SchedulerOutput
+from tokenmill.engine.step_inputs import StepInputs, micro_batches
+from tokenmill.engine.step_types import SampledTokens, ScheduledRequest, SchedulerOutput, StepResult
 from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.backends import select_backend
 from tokenmill.model.loader import allocate_parameters
@@ -47,20 +49,6 @@ def position_seed(base: int, position: int) -> int:
     return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
-@dataclass
-class StepResult:
-    sampled: dict[str, SampledTokens] = field(default_factory=dict)
-    failed: dict[str, str] = field(default_factory=dict)  # request id -> why it could not be run or sampled
-    # request id -> the next prompt tokens' logprobs this step computed, in prompt order, each {token: logprob}
-    # with that prompt token first; they continue from the request's `num_prompt_logprobs`
-    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
-
-    def merge(self, other: StepResult) -> None:
-        self.sampled.update(other.sampled)
-        self.failed.update(other.failed)
-        self.prompt_logprobs.update(other.prompt_logprobs)
-
-
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes held by the model's weights: parameters, buffers and the backend's packed or quantized copies, each
     tensor once (a released plain weight, on the meta device, holds none)."""
@@ -84,7 +72,7 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return cfg.kv_bytes_per_token_per_element * dtype.itemsize
 
 
-class ModelRunner:
+class ModelRunner(StepInputs, MultiStepRunner):
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: str,
                  num_blocks: int, block_size: int, seed: int = 0, use_kernel: bool = True,
                  batch_invariant: bool = False, quantization: str | None = None,
@@ -113,7 +101,7 @@ class ModelRunner:
         if cp is not None:
             self.backend = ContextParallelBackend(self.backend)
         # Built in `dtype` on the meta device, then allocated uninitialised where it runs: each parameter is
-        # written once, in place, as `weights` (a lazy loader.Checkpoint, or any mapping) is read tensor by tensor.
+        # written once, in place, as `weights` (a lazy checkpoint.Checkpoint, or any mapping) is read tensor by tensor.
         with torch.device("meta"):
             model = model_class(cfg)(cfg, self.backend, dtype, linear_method(quantization), tp=tp,
                                      stage=pp.stage if pp is not None else None)
@@ -257,79 +245,10 @@ class ModelRunner:
         result.prompt_logprobs = prompt_logprobs
         return result
 
-    def _execute_run(self, out: SchedulerOutput) -> StepResult:
-        """Multi-step decode: `out.num_steps` decode steps of the same requests in a row, each sampled token the
-        next step's input, their KV slots allocated by the scheduler; no scheduling, output processing or
-        detokenizing between them. Each token is sampled as a step of its own would sample it (the same rows:
-        penalties and min_tokens over the output so far, the generator of its position). Stops early once every
-        request has ended (EOS, stop id), or after a step whose sampling failed (what was sampled stays)."""
-        scheduled, steps = out.scheduled, out.num_steps
-        reqs = [s.request for s in scheduled]
-        starts = [r.num_computed_tokens for r in reqs]
-        tables = self._block_tables([r.block_ids for r in reqs], max(starts) + steps)
-        positions = self._long(starts)  # of each row's token this step feeds
-        input_ids = self._long([r.tokens_with_spec(p, p + 1)[0] for r, p in zip(reqs, starts)])
-        if all(_plain_greedy(r) for r in reqs):  # the backend may run them all without Python between tokens
-            stop_ids = [_stop_ids(r) for r in reqs]
-            width = max(1, *map(len, stop_ids))
-            tokens = self.model.decode_greedy(input_ids, positions, tables, self.kv_caches, steps,
-                                              self._long([ids + [-1] * (width - len(ids)) for ids in stop_ids]))
-            if tokens is not None:
-                columns = tokens.t().tolist()
-                return StepResult(sampled={r.request_id: SampledTokens(t) for r, t in zip(reqs, columns)})
-        new: list[list[int]] = [[] for _ in reqs]
-        logprobs: list[list[dict[int, float]] | None] = [
-            [] if r.params.logprobs is not None else None for r in reqs]
-        failed: dict[str, str] = {}
-        ended = [False] * len(reqs)
-        for _ in range(steps):
-            logits = self._step_logits(input_ids, positions, tables)
-            rows = [self._step_row(r, r.output_token_ids + mine) for r, mine in zip(reqs, new)]
-            try:
-                results = self.sampler(logits, rows)
-            except Exception:  # noqa: BLE001 - as execute: the requests at fault fail, the others keep this token
-                step = self._sample_one_by_one(logits, rows, scheduled)
-                failed = step.failed
-                results = [(t.token_ids[0], t.logprobs[0] if t.logprobs else None)
-                           if (t := step.sampled.get(r.request_id)) is not None else None for r in reqs]
-            for i, (r, got) in enumerate(zip(reqs, results)):
-                if got is None or ended[i]:
-                    continue
-                new[i].append(got[0])
-                if logprobs[i] is not None:
-                    logprobs[i].append(got[1])
-                ended[i] = r.would_stop(got[0], len(r.output_token_ids) + len(new[i]))
-            if failed or all(ended):
-                break
-            input_ids, positions = self._long([mine[-1] if mine else 0 for mine in new]), positions + 1
-        result = StepResult(failed=failed)
-        for r, mine, lps in zip(reqs, new, logprobs):
-            if r.request_id not in failed:
-                result.sampled[r.request_id] = SampledTokens(mine, lps)
-        return result
-
-    def _step_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        """Logits of one decode step of one token per row at `positions`, their slots in `tables`: the model's
-        whole-model path where its backend has one, else forward and compute_logits."""
-        logits = self.model.decode_logits(input_ids, positions, tables, self.kv_caches)
-        if logits is not None:
-            return logits
-        bs = self.block_size
-        slots = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
-        meta = AttentionMetadata(slot_mapping=slots, num_paged_tokens=len(input_ids), block_tables=tables,
-                                 q_rows=torch.arange(len(input_ids), device=self.device), kv_lens=positions + 1)
-        return self.model.compute_logits(self.model(input_ids, positions, meta, self.kv_caches))
-
-    def _block_tables(self, block_ids: list[list[int]], num_positions: int) -> torch.Tensor:
-        """[R, blocks] tables of the blocks holding positions [0, num_positions), padded with block 0 (never read
-        past a row's kv_len)."""
-        width = -(-num_positions // self.block_size)
-        return self._long([ids[:width] + [0] * (width - len(ids[:width])) for ids in block_ids]).view(-1, width)
-
     def _step_row(self, req: Request, output: list[int]) -> SamplingRow:
         """The sampling row of a request's next output token after `output`."""
         p = req.params
-        blocked = _stop_ids(req) if len(output) < p.min_tokens else None
+        blocked = request_stop_ids(req) if len(output) < p.min_tokens else None
         gen = None if p.greedy else self.position_generator(req.request_id, p.seed, len(output))
         return SamplingRow(p, req.prompt_token_ids, output, gen, blocked)
 
@@ -390,43 +309,6 @@ class ModelRunner:
             i += n
         return result
 
-    def _inputs(self, spans: list[Span], num_paged: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Token ids, positions and attention metadata of these spans' tokens, the first `num_paged` spans read
-        through the block tables, the rest fresh prefills."""
-        input_ids, positions, slots = [], [], []
-        bs = self.block_size
-        for s, offset, n in spans:
-            req, start = s.request, s.request.num_computed_tokens + offset
-            input_ids.extend(req.tokens_with_spec(start, start + n))
-            for p in range(start, start + n):
-                positions.append(p)
-                slots.append(req.block_ids[p // bs] * bs + p % bs)
-        meta = AttentionMetadata(slot_mapping=self._long(slots))
-        paged, fresh = spans[:num_paged], spans[num_paged:]
-        if paged:
-            self._paged_metadata(meta, [(s.request.block_ids, s.request.num_computed_tokens + offset, n)
-                                        for s, offset, n in paged])
-        row = meta.num_paged_tokens
-        for _, _, n in fresh:
-            meta.fresh_spans.append((row, row + n))
-            row += n
-        return self._long(input_ids), self._long(positions), meta
-
-    def _long(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
-
-    def _paged_metadata(self, meta: AttentionMetadata, spans: list[tuple[list[int], int, int]]) -> None:
-        """Block tables (one row per span, padded with block 0, never read past kv_len) and, per token, its row
-        and how many keys it sees. A span: a request's block ids, its first new position, how many new tokens."""
-        q_rows, kv_lens = [], []
-        for i, (_, start, n) in enumerate(spans):
-            q_rows.extend([i] * n)
-            kv_lens.extend(range(start + 1, start + n + 1))
-        meta.num_paged_tokens = len(q_rows)
-        meta.block_tables = self._block_tables([ids for ids, _, _ in spans], max(start + n for _, start, n in spans))
-        meta.q_rows = self._long(q_rows)
-        meta.kv_lens = self._long(kv_lens)
-
     @torch.inference_mode()
     def forward_last(self, spans: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
         """Logits of each span's last token; a span is (block ids, first position, its tokens), each reading
@@ -451,43 +333,6 @@ class ModelRunner:
         req = s.request
         return [self._step_row(req, req.output_token_ids + req.spec_token_ids[:j] if j else req.output_token_ids)
                 for j in range(1 + s.num_spec_tokens)]
-
-
-def _stop_ids(req: Request) -> list[int]:
-    """The token ids that end a request past min_tokens: its stop_token_ids, and EOS unless it ignores EOS."""
-    p = req.params
-    return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids)))
-
-
-def _plain_greedy(req: Request) -> bool:
-    """Greedy with nothing on top: no penalty, no logprobs, past min_tokens (no stop id held back): each token is
-    the first argmax of the raw logits, and it ends the request if it is a stop id."""
-    p = req.params
-    return p.greedy and p.logprobs is None and not p.has_penalties and len(req.output_token_ids) >= p.min_tokens
-
-
-Span = tuple[ScheduledRequest, int, int]  # a scheduled chunk, or part of it: (scheduled, offset, tokens)
-MIN_MICRO_BATCH_TOKENS = 32  # smaller micro-batches cost more in per-call overhead than the overlap gains
-
-
-def micro_batches(ordered: list[ScheduledRequest], n: int, split_chunks: bool) -> list[list[Span]]:
-    """The step's tokens, in order, cut into at most n runs of about equal tokens (at least
-    MIN_MICRO_BATCH_TOKENS each, when there are that many): at request boundaries, or also inside a request's
-    chunk with `split_chunks`."""
-    total = sum(s.num_new_tokens for s in ordered)
-    n = max(1, min(n, total // MIN_MICRO_BATCH_TOKENS if split_chunks else len(ordered), total))
-    bounds = [round(k * total / n) for k in range(1, n)]
-    runs: list[list[Span]] = [[] for _ in range(n)]
-    pos = k = 0
-    for s in ordered:
-        offset, left = 0, s.num_new_tokens
-        while left:
-            while k < n - 1 and pos >= bounds[k]:
-                k += 1
-            take = min(left, bounds[k] - pos) if split_chunks and k < n - 1 else left
-            runs[k].append((s, offset, take))
-            offset, left, pos = offset + take, left - take, pos + take
-    return [r for r in runs if r]
 
 
 def _per_request(results: list, sampling: list[ScheduledRequest]) -> list[list]:

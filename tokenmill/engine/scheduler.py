@@ -27,12 +27,8 @@ scheduled 1 + k tokens (the budget may cut drafts off); `update` keeps the accep
 back over the rejected ones, whose KV slots the next step overwrites. A draft model writes its own KV a few
 positions ahead of the target (`lookahead`), so each allocation makes room for that many more.
 
-Multi-step decode (`max_steps` > 1, --num-scheduler-steps, as vLLM's): a step whose batch is a few plain decodes
-(MULTI_STEP_MAX_REQUESTS at most), with no one waiting and no inter-token latency target among them, runs up to
-`max_steps` decodes in a row in the runner, the KV slots of all of them allocated here first (never by preempting:
-short of blocks, one step; `_run_length`). `update` then takes several tokens per request, as after a verify pass, and stops at the
-one that ends a request. What it saves is the engine's Python between tokens (scheduling, output processing,
-detokenizing); what it costs is tokens arriving in bursts and a newcomer or an abort waiting for the run to end.
+Multi-step decode (`max_steps` > 1): a few plain decodes may run several tokens in a row (engine/multi_step.py);
+`update` then takes several tokens per request, as after a verify pass, and stops at the one that ends a request.
 
 Latency targets and priorities (any policy): while requests with an inter-token latency target decode, a step
 carries no more than the measured step cost (engine/step_cost.py) fits within the smallest target: the decodes it
@@ -49,97 +45,18 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from tokenmill.config import SchedulerConfig
-from tokenmill.engine.kv_cache import KVCacheManager, PrefixCacheStats
+from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.multi_step import run_length
 from tokenmill.engine.policy import StepBudget, make_policy, prefill_finish_key, step_budget
-from tokenmill.engine.step_cost import StepCost, StepCostModel, attention_pairs
+from tokenmill.engine.step_cost import StepCost, StepCostModel
+from tokenmill.engine.step_types import SampledTokens, ScheduledRequest, SchedulerOutput, SchedulerStats
 from tokenmill.request import Request, RequestStatus
 from tokenmill.spec.stats import SpecDecodeStats
 
 NEW_TOKEN_RATIO_FLOOR = 1 / 7  # of the configured ratio: where its decay stops (SGLang's 0.7 -> 0.1)
 NEW_TOKEN_RATIO_DECAY_STEPS = 600  # steps from the configured ratio down to the floor
-# Multi-step decode (`max_steps` > 1) applies to batches of at most this many decodes: beyond it a step's Python is
-# a few percent of its time, while K steps in one go hold back aborts and bursts for K times longer.
-MULTI_STEP_MAX_REQUESTS = 8
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-
-    @property
-    def num_left(self) -> int:
-        """Committed tokens of the request still to compute after this chunk."""
-        return max(0, self.request.num_tokens - self.request.num_computed_tokens - self.num_new_tokens)
-
-    @property
-    def num_spec_tokens(self) -> int:
-        """Draft tokens this chunk verifies: what it computes past the committed tokens."""
-        return max(0, self.request.num_computed_tokens + self.num_new_tokens - self.request.num_tokens)
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the request's known tokens, so its last logits are used."""
-        return self.num_left == 0
-
-
-@dataclass
-class SampledTokens:
-    """What a step sampled for one request: one token, or with speculation the accepted drafts and one more, with
-    their logprobs ({token: logprob}, that token first) when asked for."""
-
-    token_ids: list[int]
-    logprobs: list[dict[int, float]] | None = None
-
-    def truncate(self, n: int) -> None:
-        """Keep the first n (the request ended at the n-th)."""
-        del self.token_ids[n:]
-        if self.logprobs is not None:
-            del self.logprobs[n:]
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    # > 1: every scheduled request is one decode token, and the runner decodes this many tokens in a row for each
-    # (each sampled token fed back as the next input), its KV slots already allocated (multi-step decode)
-    num_steps: int = 1
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def empty(self) -> bool:
-        return not self.scheduled
-
-    @property
-    def num_attention_pairs(self) -> int:
-        """(query, key) pairs the step's attention covers (before `update` advances the requests)."""
-        return sum(attention_pairs(s.num_new_tokens, s.request.num_computed_tokens) for s in self.scheduled)
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    num_waiting_tokens: int
-    kv_usage: float
-    num_preemptions_total: int
-    num_prefill_tokens_computed_total: int = 0
-    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
-    spec_decode: SpecDecodeStats | None = None  # with speculative decoding on
-    preemptions_by_cause: dict[str, int] = field(default_factory=dict)  # "blocks" (pool short), "priority"
-    step_cost: StepCost | None = None  # what a step costs, as measured (step_cost.py)
-    running_context_tokens: int = 0  # computed tokens of the running requests: their decodes' attention
-    # prompt tokens still to compute of running requests (chunked prefills under way), by priority level now
-    prefill_tokens_by_level: dict[int, int] = field(default_factory=dict)
-    new_token_ratio: float = 0.0  # the KV headroom kept for decode growth now
-    leaked_blocks: int = 0  # blocks still held the last time no request was in flight (each a bug)
 
 
 class Scheduler:
@@ -239,33 +156,8 @@ class Scheduler:
             self._count_skips(queue)
         out.scheduled = [s for s in out.scheduled if s.num_new_tokens]  # chunks phase A left for C, or out of time
         if self.max_steps > 1 and out.scheduled:
-            out.num_steps = self._run_length(out)
+            out.num_steps = run_length(out, self.kv, self.max_steps, self.lookahead, bool(self.waiting))
         return out
-
-    def _run_length(self, out: SchedulerOutput) -> int:
-        """How many decode steps this step may run in a row (multi-step decode), their KV slots allocated: up to
-        `max_steps` when the batch is a few plain decodes and no one waits (a newcomer would wait for all of
-        them), no request has an inter-token latency target (the tokens come in bursts) and none has fewer
-        tokens left to write; 1 otherwise, or when the pool is short of the blocks the extra tokens need."""
-        if (self.waiting or out.preempted or self.lookahead or len(out.scheduled) > MULTI_STEP_MAX_REQUESTS):
-            return 1
-        steps = self.max_steps
-        for s in out.scheduled:
-            req = s.request
-            if (s.num_new_tokens != 1 or s.num_spec_tokens or not s.samples or not req.output_token_ids
-                    or req.itl_target is not None):
-                return 1
-            steps = min(steps, req.max_tokens - len(req.output_token_ids))
-        if steps <= 1:
-            return 1
-        kv = self.kv
-        need = sum(max(0, kv.blocks_needed(s.request.num_computed_tokens + steps) - len(s.request.block_ids))
-                   for s in out.scheduled)
-        if need > kv.num_free_blocks:
-            return 1
-        for s in out.scheduled:
-            kv.allocate_slots(s.request, steps)
-        return steps
 
     def _decay_new_token_ratio(self) -> None:
         top = self.config.new_token_ratio

@@ -177,7 +177,7 @@ class LlamaForCausalLM(nn.Module):
     def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Write Hugging Face-named tensors into the parameters one at a time, each through its owner's
         `weight_loader` (Linear: its LinearMethod's, so q/k/v and gate/up land in their rows of the fused weight;
-        others: a checked copy), cast to the parameter's dtype in place. A lazy loader.Checkpoint is read as this
+        others: a checked copy), cast to the parameter's dtype in place. A lazy checkpoint.Checkpoint is read as this
         goes, so the model is never held twice. Every parameter must be covered and every tensor used; packed
         copies of the old weights and the backend's cache are dropped (call backend.prepack again)."""
         if any(p.is_meta for p in self.parameters()):  # plain weights a backend released after packing

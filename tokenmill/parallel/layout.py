@@ -81,7 +81,7 @@ class TPLayout:
 
 
 class ShardedCheckpoint(Mapping):
-    """A checkpoint (any name -> tensor mapping, e.g. loader.Checkpoint) as one rank sees it: each tensor its
+    """A checkpoint (any name -> tensor mapping, e.g. checkpoint.Checkpoint) as one rank sees it: each tensor its
     rank's slice, by the role its Hugging Face name gives it."""
 
     def __init__(self, weights: Mapping[str, torch.Tensor], layout: TPLayout):

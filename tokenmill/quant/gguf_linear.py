@@ -17,8 +17,8 @@ from torch import nn
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.linear import DenseLinearMethod, Linear, copy_checked
-from tokenmill.quant.gguf import GGMLBlocks, decode_rows
-from tokenmill.quant.gguf import kept_gguf_type as kept
+from tokenmill.quant.gguf_blocks import GGMLBlocks, decode_rows
+from tokenmill.quant.gguf_blocks import kept_gguf_type as kept
 
 
 def embedding_rows(blocks: GGMLBlocks, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -83,7 +83,7 @@ class GGUFLinearMethod(DenseLinearMethod):
 
 
 class AWQLinearMethod(GGUFLinearMethod):
-    """An AWQ checkpoint's 4-bit groups (model/loader.py AWQCheckpoint hands them as Q4_Z blocks), kept and multiplied
+    """An AWQ checkpoint's 4-bit groups (model/hf_checkpoint.py AWQCheckpoint hands them as Q4_Z blocks), kept and multiplied
     as GGUF blocks are: the same tiles, widened to exactly (q - z) * s."""
 
     name = "awq"

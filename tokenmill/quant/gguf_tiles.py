@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from tokenmill.quant.gguf import KEPT_TYPES, Q4_Z, GGMLQuantizationType
+from tokenmill.quant.gguf_blocks import KEPT_TYPES, Q4_Z, GGMLQuantizationType
 
 Q4_0, Q4_1, Q8_0 = (int(GGMLQuantizationType.Q4_0), int(GGMLQuantizationType.Q4_1),
                     int(GGMLQuantizationType.Q8_0))

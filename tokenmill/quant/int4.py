@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from tokenmill.model.linear import Linear
-from tokenmill.quant.gguf import GGMLBlocks, GGMLQuantizationType
+from tokenmill.quant.gguf_blocks import GGMLBlocks, GGMLQuantizationType
 from tokenmill.quant.gguf_linear import GGUFLinearMethod, embedding_rows
 
 GROUP = 32  # Q4_1's block

@@ -13,10 +13,10 @@ import logging
 
 from fastapi import FastAPI, Request
 
-from tokenmill.config import KVTransferConfig
+from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.errors import InvalidRequest
-from tokenmill.server.protocol import parse_json
+from tokenmill.server.json_body import parse_json
 
 log = logging.getLogger("tokenmill")
 

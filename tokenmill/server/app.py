@@ -25,6 +25,7 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.admin import add_admin_routes
 from tokenmill.server.errors import ModelNotFound, error_body, install_error_handlers
 from tokenmill.server.guard import Guard
+from tokenmill.server.json_body import parse_json, validate
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.prompts import PromptEncoder
 from tokenmill.server.protocol import (
@@ -32,8 +33,6 @@ from tokenmill.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    parse_json,
-    validate,
 )
 from tokenmill.server.responses import ChatWriter, CompletionWriter
 from tokenmill.server.settings import ServerSettings

@@ -6,8 +6,8 @@ import math
 import time
 from collections.abc import AsyncIterator
 
-from tokenmill.engine.async_engine import OutputStream
 from tokenmill.engine.output_processor import RequestState
+from tokenmill.engine.output_stream import OutputStream
 from tokenmill.server.streaming import Choice
 from tokenmill.server.token_text import TokenText
 from tokenmill.server.tools import CallStream, Tool, parse_calls

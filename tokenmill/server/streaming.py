@@ -13,8 +13,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from tokenmill.engine.async_engine import OutputStream
 from tokenmill.engine.output_processor import SampleDelta
+from tokenmill.engine.output_stream import OutputStream
 from tokenmill.errors import TokenmillError
 from tokenmill.server.errors import APIError, classify
 

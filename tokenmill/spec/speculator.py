@@ -25,8 +25,8 @@ from tokenmill.engine.step_cost import StepCostModel
 from tokenmill.request import Request
 
 if TYPE_CHECKING:
-    from tokenmill.engine.runner import StepResult
-    from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
+    from tokenmill.engine.scheduler import Scheduler
+    from tokenmill.engine.step_types import SchedulerOutput, StepResult
 from tokenmill.spec.ngram import propose_ngram
 
 log = logging.getLogger("tokenmill")

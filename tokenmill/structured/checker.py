@@ -95,6 +95,9 @@ class GrammarChecker:
 
     def _run(self, spec: StructuredOutputsParams, deadline: float) -> Checked:
         worker = self._take()
+        if time.monotonic() >= deadline:  # the limit passed while a worker process started: the check never runs
+            worker.kill()
+            raise TimeoutError
         try:
             hit = worker.run(spec, deadline)
         except TimeoutError:

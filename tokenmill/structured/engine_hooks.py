@@ -17,8 +17,9 @@ from tokenmill.request import RequestStatus
 
 if TYPE_CHECKING:
     from tokenmill.engine.messages import AddRequest
-    from tokenmill.engine.runner import ModelRunner, StepResult
-    from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
+    from tokenmill.engine.runner import ModelRunner
+    from tokenmill.engine.scheduler import Scheduler
+    from tokenmill.engine.step_types import SchedulerOutput, StepResult
     from tokenmill.request import Request
     from tokenmill.structured.manager import StructuredOutputs
 

@@ -1,5 +1,7 @@
 """CpuBackend: the C++ kernels of model/csrc (built per CPU by model/cpu_kernels.py) where they apply, the torch
-reference op by op where they do not (another device, a shape or dtype a kernel does not take).
+reference op by op where they do not (another device, a shape or dtype a kernel does not take). Beside it:
+cpu_rows.py (a tied embedding's rows read from its LM head's packed copy) and cpu_decode.py (the whole-model decode
+path as C++ objects).
 
 Linear layers. Where a packed kernel of our own takes the weight, it serves every row count, so a row's result
 never depends on its batch (greedy output is batch-invariant), and the weight is held once:
@@ -17,19 +19,18 @@ Otherwise three kernels serve three shapes (measured on 2 AVX2 cores, BENCHMARKS
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from tokenmill.model.backends.base import LinearWeights
+from tokenmill.model.backends.cpu_decode import DECODE_MODEL, LAYER_STACK, LAYER_WEIGHTS, decode_model, layer_stack
+from tokenmill.model.backends.cpu_rows import gguf_tile_rows, int8_tile_rows, tile_rows
 from tokenmill.model.backends.huge_pages import move_to_huge_pages
 from tokenmill.model.backends.reference import TorchBackend, split_qkv
 from tokenmill.model.cpu_kernels import cpu_isa, cpu_tag
-from tokenmill.quant.gguf import KEPT_TYPES, decode_rows
-from tokenmill.quant.gguf_tiles import TileByteGather, block_byte_sources, gguf_pack, gguf_unpack_rows
+from tokenmill.quant.gguf_tiles import gguf_pack
 
 if TYPE_CHECKING:
     from tokenmill.model.attention import AttentionMetadata
@@ -38,10 +39,6 @@ log = logging.getLogger("tokenmill")
 
 SKINNY_MAX_ROWS = 4  # measured on 2 AVX2 cores: at 8 rows BLAS gemm is already as fast (BENCHMARKS.md)
 PREPACK_ROWS_HINT = 64  # oneDNN picks its blocking for this many rows; measured best across 2-512 rows
-_LAYER_WEIGHTS = "cpu.decoder_layer_weights"  # key of this backend's entry in model.backend_cache
-_LAYER_STACK = "cpu.decoder_stack"  # the same weights as one ops.DecoderStack
-_DECODE_MODEL = "cpu.decode_model"  # the stack with the embedding, final norm and LM head: one ops.DecodeModel
-DECODED_IN_CPP = KEPT_TYPES  # ops.gguf_decode_rows decodes every block type kept at run time
 
 
 def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -57,87 +54,6 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     except (RuntimeError, AttributeError) as e:
         log.debug("no prepacked weights for %s %s: %s", weight.dtype, tuple(weight.shape), e)
         return None
-
-
-TileGather = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # ops.tile_rows: (packed, ids) -> [n, K]
-BlockDecoder = Callable[[torch.Tensor, int, torch.Tensor], None]  # ops.gguf_decode_rows: (raw, type, out)
-
-
-@dataclass(frozen=True)
-class NativeRows:
-    """How an embedding looks its rows up, as ops.RowLookup takes it: a rows-callable below carries one as its
-    `native` attribute (None where its lookup is not the C++ ops'), so ops.DecodeModel looks rows up the same way
-    between tokens; "dense" is a plain table."""
-
-    kind: str  # RowLookup's kinds: "dense", "tiles", "int8", "gguf"
-    table: torch.Tensor
-    scale: torch.Tensor | None = None  # int8: per-row scales
-    ggml_type: int = 0  # gguf: the block type, its tile byte sources and the bits to flip
-    sources: torch.Tensor | None = None
-    flip: torch.Tensor | None = None
-
-
-def tile_rows(packed: torch.Tensor, gather: TileGather | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Token ids -> rows of a weight packed by bf16_pack ([N/16, K/32, 16 r, 16 n x 2]: feature n's K 2r, 2r + 1
-    in each 32-wide K block): a tied embedding reads its head's tiles, so the dense table need not stay.
-    `gather` (the C++ ops.tile_rows) does it in one call on the CPU; torch indexing otherwise."""
-    nb, kb = packed.shape[:2]
-    tiles = packed.view(nb, kb, 16, 16, 2)
-
-    def rows(ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1).to(packed.device)
-        if gather is not None and packed.device.type == "cpu":
-            return gather(packed, flat).view(*ids.shape, kb * 32).to(ids.device)
-        return tiles[flat // 16, :, :, flat % 16, :].reshape(*ids.shape, kb * 32).to(ids.device)
-
-    rows.native = NativeRows("tiles", packed) if gather is not None and packed.device.type == "cpu" else None
-    return rows
-
-
-def gguf_tile_rows(packed: torch.Tensor, ggml_type: int, layout: str, dtype: torch.dtype,
-                   gather: TileByteGather | None = None, decode: BlockDecoder | None = None
-                   ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Token ids -> rows of a tied embedding kept as GGML blocks, read from its LM head's packed copy (gguf_pack's
-    `layout`) and decoded as the whole table would be, so the file's table (30 MB of SmolLM2's Q8_0) is not held
-    a second time for the lookups. `decode` (the C++ ops.gguf_decode_rows, bit for bit quant/gguf.py's decoders)
-    decodes the blocks in one call where it takes the type."""
-    cols = packed.shape[1] * 32
-    native = decode is not None and packed.device.type == "cpu" and int(ggml_type) in DECODED_IN_CPP
-
-    def rows(ids: torch.Tensor) -> torch.Tensor:
-        raw = gguf_unpack_rows(packed, ggml_type, ids, layout, gather)
-        if native:
-            out = torch.empty(raw.shape[0], cols, dtype=dtype)
-            decode(raw, int(ggml_type), out)
-            return out.to(ids.device).view(*ids.shape, cols)
-        return decode_rows(raw, ggml_type, cols, dtype).to(ids.device).view(*ids.shape, cols)
-
-    rows.native = None
-    if native and gather is not None:
-        sources, flip = block_byte_sources(int(ggml_type), layout, str(packed.device))
-        if sources.dim() == 2:  # one gather (not Q4 in the AMX tiles, whose nibbles are regrouped)
-            rows.native = NativeRows("gguf", packed, ggml_type=int(ggml_type), sources=sources, flip=flip)
-    return rows
-
-
-def int8_tile_rows(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, gather: TileGather | None = None
-                   ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Token ids -> rows of a tied embedding quantized to int8 (quant/int8.py), read from its LM head's int8_pack
-    copy (bytes q + 128 in bf16_pack's tile layout) and scaled as the int8 table's rows would be, so the int8
-    table is not held a second time for the lookups."""
-    nb, kb = packed.shape[:2]
-    tiles = packed.view(nb, kb, 16, 16, 2)
-
-    def rows(ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1).to(packed.device)
-        if gather is not None and packed.device.type == "cpu":
-            q = (gather(packed, flat) ^ 0x80).view(torch.int8)
-        else:
-            q = (tiles[flat // 16, :, :, flat % 16, :] ^ 0x80).view(torch.int8).reshape(-1, kb * 32)
-        return (q.float() * scale[flat].unsqueeze(-1)).to(dtype).to(ids.device).view(*ids.shape, kb * 32)
-
-    rows.native = NativeRows("int8", packed, scale) if gather is not None and packed.device.type == "cpu" else None
-    return rows
 
 
 def _head_tiles_serve_lookups(m: LinearWeights) -> bool:
@@ -351,7 +267,7 @@ class CpuBackend(TorchBackend):
             else:
                 self._lookups_from_head(m)
         self._to_huge_pages(model)
-        for key in (_LAYER_WEIGHTS, _LAYER_STACK, _DECODE_MODEL):
+        for key in (LAYER_WEIGHTS, LAYER_STACK, DECODE_MODEL):
             model.backend_cache.pop(key, None)
         return packed_any
 
@@ -398,7 +314,7 @@ class CpuBackend(TorchBackend):
         with the next one's input norm), the same math as the modules."""
         if meta.fresh_spans or not _rows(x) or not x.is_contiguous():
             return None
-        stack = self._layer_stack(model)
+        stack = layer_stack(self.ops, model)
         if stack is None or len(stack) != len(kv_caches):
             return None
         cfg, t = model.config, x.shape[0]
@@ -412,7 +328,7 @@ class CpuBackend(TorchBackend):
                       stop_ids: torch.Tensor) -> torch.Tensor | None:
         """The steps in one C++ call (`DecodeModel.run`): the embedding lookup, the layers, the final norm, the LM
         head and the argmax, each the op the Python step runs, so the same tokens."""
-        decoder = self._decode_model(model, input_ids)
+        decoder = decode_model(self.ops, model, input_ids)
         if decoder is None:
             return None
         return decoder.run(input_ids, positions, block_tables, [k for k, _ in kv_caches], [v for _, v in kv_caches],
@@ -422,81 +338,7 @@ class CpuBackend(TorchBackend):
                       block_tables: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
                       ) -> torch.Tensor | None:
         """One step in one C++ call (`DecodeModel.logits`), the same logits as the modules and compute_logits."""
-        decoder = self._decode_model(model, input_ids)
+        decoder = decode_model(self.ops, model, input_ids)
         if decoder is None:
             return None
         return decoder.logits(input_ids, positions, block_tables, [k for k, _ in kv_caches], [v for _, v in kv_caches])
-
-    def _decode_model(self, model: nn.Module, input_ids: torch.Tensor) -> Any:
-        if _DECODE_MODEL not in model.backend_cache:
-            model.backend_cache[_DECODE_MODEL] = self._build_decode_model(model)
-        return model.backend_cache[_DECODE_MODEL] if input_ids.device.type == "cpu" else None
-
-    def _build_decode_model(self, model: nn.Module) -> Any:
-        """ops.DecodeModel for a whole Llama model here (no tensor or pipeline split) whose every part of a step
-        has its C++ op: the layers a DecoderStack, the embedding a table or a NativeRows lookup, the LM head a
-        packed copy that linear_any runs as the Python head does (or a plain weight); None otherwise."""
-        make, stack = getattr(self.ops, "DecodeModel", None), self._layer_stack(model)
-        if (make is None or stack is None or getattr(model, "tp", None) is not None or not (model.first and model.last)
-                or model.rotary is None):
-            return None
-        emb, norm = model.embed_tokens, model.norm.weight
-        if emb.rows is not None and emb.weight.is_meta:
-            native = getattr(emb.rows, "native", None)
-        else:
-            native = NativeRows("dense", emb.weight) if emb.weight.device.type == "cpu" else None
-        head = model.lm_head if model.lm_head is not None else model.tied_head
-        packed, scale = head.packed_weight, getattr(head, "weight_scale", None)
-        quantized = getattr(head, "gguf_type", None) is not None or scale is not None
-        if native is None or head.bias is not None or (
-                packed is None if quantized or head.weight.is_meta else False):
-            return None
-        if quantized and (norm.dtype != torch.bfloat16 or packed.dtype not in (torch.uint8, torch.float8_e4m3fn)):
-            return None  # the Python head takes the reference path there
-        empty = torch.empty(0, dtype=norm.dtype)
-        lookup = self.ops.RowLookup(
-            native.kind, native.table, native.sources if native.sources is not None else empty.long(),
-            native.flip if native.flip is not None else empty.byte(), native.ggml_type,
-            native.scale if native.scale is not None else empty.float(), norm)
-        cos, sin = model.rotary.rounded(norm.dtype)
-        cfg = model.config
-        return make(stack, lookup, norm, cfg.rms_norm_eps, head.weight, packed if packed is not None else empty,
-                    scale if scale is not None and packed is not None else empty, empty,
-                    cos, sin, cfg.num_heads, cfg.num_kv_heads)
-
-    def _layer_stack(self, model: nn.Module) -> Any:
-        """The model's layers as one ops.DecoderStack (_layer_weights' tensors, held in C++), built once per model
-        and kept in model.backend_cache; None where _layer_weights is."""
-        if _LAYER_STACK not in model.backend_cache:
-            weights = self._layer_weights(model)
-            model.backend_cache[_LAYER_STACK] = None if weights is None else self.ops.DecoderStack(weights)
-        return model.backend_cache[_LAYER_STACK]
-
-    def _layer_weights(self, model: nn.Module) -> list[list[torch.Tensor]] | None:
-        """Per layer, the 15 tensors a layer of `DecoderStack` takes (csrc/cpu_kernels.cpp), gathered once per
-        model and kept in model.backend_cache (which the model empties when its weights change); None where a
-        quantized weight has no packed copy (the C++ layer reads quantized weights only from their packed copies)."""
-        if _LAYER_WEIGHTS not in model.backend_cache and any(
-                (getattr(m, "qweight", None) is not None or getattr(m, "gguf_type", None) is not None)
-                and m.packed_weight is None for m in model.linear_layers()):
-            model.backend_cache[_LAYER_WEIGHTS] = None
-        if _LAYER_WEIGHTS in model.backend_cache:
-            return model.backend_cache[_LAYER_WEIGHTS]
-        empty = torch.empty(0, dtype=model.norm.weight.dtype, device=model.norm.weight.device)
-
-        def packed(m: LinearWeights) -> torch.Tensor:
-            return empty if m.packed_weight is None else m.packed_weight
-
-        def scale(m: LinearWeights) -> torch.Tensor:  # an int8 weight's scales, read beside its packed copy
-            s = getattr(m, "weight_scale", None)
-            return s if s is not None and m.packed_weight is not None else empty
-
-        model.backend_cache[_LAYER_WEIGHTS] = [
-            [l.input_layernorm.weight, l.self_attn.qkv_proj.weight,
-             l.self_attn.qkv_proj.bias if l.self_attn.qkv_proj.bias is not None else empty,
-             l.self_attn.o_proj.weight, l.post_attention_layernorm.weight,
-             l.mlp.gate_up_proj.weight, l.mlp.down_proj.weight,
-             packed(l.self_attn.qkv_proj), packed(l.self_attn.o_proj), packed(l.mlp.gate_up_proj),
-             packed(l.mlp.down_proj), scale(l.self_attn.qkv_proj), scale(l.self_attn.o_proj),
-             scale(l.mlp.gate_up_proj), scale(l.mlp.down_proj)] for l in model.layers]
-        return model.backend_cache[_LAYER_WEIGHTS]

@@ -1,0 +1,80 @@
+"""How a step's scheduled chunks become the model's one flat batch: token ids, positions, KV slots, block tables and
+attention metadata (model/attention.py), and how a step is cut into pipeline micro-batches. ModelRunner mixes
+StepInputs in; runner.py keeps the forward pass and the sampling."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.engine.step_types import ScheduledRequest
+from tokenmill.model.attention import AttentionMetadata
+
+Span = tuple[ScheduledRequest, int, int]  # a scheduled chunk, or part of it: (scheduled, offset, tokens)
+MIN_MICRO_BATCH_TOKENS = 32  # smaller micro-batches cost more in per-call overhead than the overlap gains
+
+
+def micro_batches(ordered: list[ScheduledRequest], n: int, split_chunks: bool) -> list[list[Span]]:
+    """The step's tokens, in order, cut into at most n runs of about equal tokens (at least
+    MIN_MICRO_BATCH_TOKENS each, when there are that many): at request boundaries, or also inside a request's
+    chunk with `split_chunks`."""
+    total = sum(s.num_new_tokens for s in ordered)
+    n = max(1, min(n, total // MIN_MICRO_BATCH_TOKENS if split_chunks else len(ordered), total))
+    bounds = [round(k * total / n) for k in range(1, n)]
+    runs: list[list[Span]] = [[] for _ in range(n)]
+    pos = k = 0
+    for s in ordered:
+        offset, left = 0, s.num_new_tokens
+        while left:
+            while k < n - 1 and pos >= bounds[k]:
+                k += 1
+            take = min(left, bounds[k] - pos) if split_chunks and k < n - 1 else left
+            runs[k].append((s, offset, take))
+            offset, left, pos = offset + take, left - take, pos + take
+    return [r for r in runs if r]
+
+
+class StepInputs:
+    """ModelRunner's input building: tensors on `self.device`, KV slots in blocks of `self.block_size`."""
+
+    def _inputs(self, spans: list[Span], num_paged: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Token ids, positions and attention metadata of these spans' tokens, the first `num_paged` spans read
+        through the block tables, the rest fresh prefills."""
+        input_ids, positions, slots = [], [], []
+        bs = self.block_size
+        for s, offset, n in spans:
+            req, start = s.request, s.request.num_computed_tokens + offset
+            input_ids.extend(req.tokens_with_spec(start, start + n))
+            for p in range(start, start + n):
+                positions.append(p)
+                slots.append(req.block_ids[p // bs] * bs + p % bs)
+        meta = AttentionMetadata(slot_mapping=self._long(slots))
+        paged, fresh = spans[:num_paged], spans[num_paged:]
+        if paged:
+            self._paged_metadata(meta, [(s.request.block_ids, s.request.num_computed_tokens + offset, n)
+                                        for s, offset, n in paged])
+        row = meta.num_paged_tokens
+        for _, _, n in fresh:
+            meta.fresh_spans.append((row, row + n))
+            row += n
+        return self._long(input_ids), self._long(positions), meta
+
+    def _long(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _paged_metadata(self, meta: AttentionMetadata, spans: list[tuple[list[int], int, int]]) -> None:
+        """Block tables (one row per span, padded with block 0, never read past kv_len) and, per token, its row
+        and how many keys it sees. A span: a request's block ids, its first new position, how many new tokens."""
+        q_rows, kv_lens = [], []
+        for i, (_, start, n) in enumerate(spans):
+            q_rows.extend([i] * n)
+            kv_lens.extend(range(start + 1, start + n + 1))
+        meta.num_paged_tokens = len(q_rows)
+        meta.block_tables = self._block_tables([ids for ids, _, _ in spans], max(start + n for _, start, n in spans))
+        meta.q_rows = self._long(q_rows)
+        meta.kv_lens = self._long(kv_lens)
+
+    def _block_tables(self, block_ids: list[list[int]], num_positions: int) -> torch.Tensor:
+        """[R, blocks] tables of the blocks holding positions [0, num_positions), padded with block 0 (never read
+        past a row's kv_len)."""
+        width = -(-num_positions // self.block_size)
+        return self._long([ids[:width] + [0] * (width - len(ids[:width])) for ids in block_ids]).view(-1, width)

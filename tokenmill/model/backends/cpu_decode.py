@@ -1,0 +1,97 @@
+"""The CPU backend's whole-model decode path as C++ objects: a Llama model's decoder layers as one ops.DecoderStack,
+and the stack with the embedding, final norm and LM head as one ops.DecodeModel, each built once per model and kept
+in model.backend_cache (which the model empties when its weights change; CpuBackend.prepack drops them too).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.model.backends.base import LinearWeights
+from tokenmill.model.backends.cpu_rows import NativeRows
+
+LAYER_WEIGHTS = "cpu.decoder_layer_weights"  # key of this backend's entry in model.backend_cache
+LAYER_STACK = "cpu.decoder_stack"  # the same weights as one ops.DecoderStack
+DECODE_MODEL = "cpu.decode_model"  # the stack with the embedding, final norm and LM head: one ops.DecodeModel
+
+
+def decode_model(ops: Any, model: nn.Module, input_ids: torch.Tensor) -> Any:
+    """The model's ops.DecodeModel, built on first use; None where none can run it, or for inputs off the CPU."""
+    if DECODE_MODEL not in model.backend_cache:
+        model.backend_cache[DECODE_MODEL] = _build_decode_model(ops, model)
+    return model.backend_cache[DECODE_MODEL] if input_ids.device.type == "cpu" else None
+
+
+def _build_decode_model(ops: Any, model: nn.Module) -> Any:
+    """ops.DecodeModel for a whole Llama model here (no tensor or pipeline split) whose every part of a step
+    has its C++ op: the layers a DecoderStack, the embedding a table or a NativeRows lookup, the LM head a
+    packed copy that linear_any runs as the Python head does (or a plain weight); None otherwise."""
+    make, stack = getattr(ops, "DecodeModel", None), layer_stack(ops, model)
+    if (make is None or stack is None or getattr(model, "tp", None) is not None or not (model.first and model.last)
+            or model.rotary is None):
+        return None
+    emb, norm = model.embed_tokens, model.norm.weight
+    if emb.rows is not None and emb.weight.is_meta:
+        native = getattr(emb.rows, "native", None)
+    else:
+        native = NativeRows("dense", emb.weight) if emb.weight.device.type == "cpu" else None
+    head = model.lm_head if model.lm_head is not None else model.tied_head
+    packed, scale = head.packed_weight, getattr(head, "weight_scale", None)
+    quantized = getattr(head, "gguf_type", None) is not None or scale is not None
+    if native is None or head.bias is not None or (
+            packed is None if quantized or head.weight.is_meta else False):
+        return None
+    if quantized and (norm.dtype != torch.bfloat16 or packed.dtype not in (torch.uint8, torch.float8_e4m3fn)):
+        return None  # the Python head takes the reference path there
+    empty = torch.empty(0, dtype=norm.dtype)
+    lookup = ops.RowLookup(
+        native.kind, native.table, native.sources if native.sources is not None else empty.long(),
+        native.flip if native.flip is not None else empty.byte(), native.ggml_type,
+        native.scale if native.scale is not None else empty.float(), norm)
+    cos, sin = model.rotary.rounded(norm.dtype)
+    cfg = model.config
+    return make(stack, lookup, norm, cfg.rms_norm_eps, head.weight, packed if packed is not None else empty,
+                scale if scale is not None and packed is not None else empty, empty,
+                cos, sin, cfg.num_heads, cfg.num_kv_heads)
+
+
+def layer_stack(ops: Any, model: nn.Module) -> Any:
+    """The model's layers as one ops.DecoderStack (_layer_weights' tensors, held in C++), built once per model
+    and kept in model.backend_cache; None where _layer_weights is."""
+    if LAYER_STACK not in model.backend_cache:
+        weights = _layer_weights(model)
+        model.backend_cache[LAYER_STACK] = None if weights is None else ops.DecoderStack(weights)
+    return model.backend_cache[LAYER_STACK]
+
+
+def _layer_weights(model: nn.Module) -> list[list[torch.Tensor]] | None:
+    """Per layer, the 15 tensors a layer of `DecoderStack` takes (csrc/cpu_kernels.cpp), gathered once per
+    model and kept in model.backend_cache (which the model empties when its weights change); None where a
+    quantized weight has no packed copy (the C++ layer reads quantized weights only from their packed copies)."""
+    if LAYER_WEIGHTS not in model.backend_cache and any(
+            (getattr(m, "qweight", None) is not None or getattr(m, "gguf_type", None) is not None)
+            and m.packed_weight is None for m in model.linear_layers()):
+        model.backend_cache[LAYER_WEIGHTS] = None
+    if LAYER_WEIGHTS in model.backend_cache:
+        return model.backend_cache[LAYER_WEIGHTS]
+    empty = torch.empty(0, dtype=model.norm.weight.dtype, device=model.norm.weight.device)
+
+    def packed(m: LinearWeights) -> torch.Tensor:
+        return empty if m.packed_weight is None else m.packed_weight
+
+    def scale(m: LinearWeights) -> torch.Tensor:  # an int8 weight's scales, read beside its packed copy
+        s = getattr(m, "weight_scale", None)
+        return s if s is not None and m.packed_weight is not None else empty
+
+    model.backend_cache[LAYER_WEIGHTS] = [
+        [l.input_layernorm.weight, l.self_attn.qkv_proj.weight,
+         l.self_attn.qkv_proj.bias if l.self_attn.qkv_proj.bias is not None else empty,
+         l.self_attn.o_proj.weight, l.post_attention_layernorm.weight,
+         l.mlp.gate_up_proj.weight, l.mlp.down_proj.weight,
+         packed(l.self_attn.qkv_proj), packed(l.self_attn.o_proj), packed(l.mlp.gate_up_proj),
+         packed(l.mlp.down_proj), scale(l.self_attn.qkv_proj), scale(l.self_attn.o_proj),
+         scale(l.mlp.gate_up_proj), scale(l.mlp.down_proj)] for l in model.layers]
+    return model.backend_cache[LAYER_WEIGHTS]
