@@ -48,11 +48,11 @@ def test_ray_ranks_give_one_process_output(ray_cluster, gqa, parallel):
     ref = run(core(gqa, "mp"), requests)
     engine = core(gqa, "ray", **parallel)
     try:
-        assert all(isinstance(p, RayRank) for p in engine.workers.procs)
+        assert all(isinstance(p, RayRank) for p in engine.executor.procs)
         assert run(engine, requests) == ref
     finally:
         engine.close()
-    assert engine.workers is None
+    assert engine.executor is None
 
 
 def test_a_ray_rank_that_dies_mid_request_stops_the_engine_within_seconds(ray_cluster, gqa):
@@ -65,14 +65,14 @@ def test_a_ray_rank_that_dies_while_idle_fails_the_health_check(ray_cluster, gqa
     engine = core(gqa, "ray", context_parallel_size=2)
     try:
         engine.check_health()
-        engine.workers.procs[0].kill()
+        engine.executor.procs[0].kill()
         deadline = time.monotonic() + 10
         with pytest.raises(ParallelFailure, match=r"parallel rank 1 \(ray task .*\) exited with code 1"):
             while time.monotonic() < deadline:
                 engine.check_health()
                 time.sleep(0.1)
     finally:
-        engine.workers.kill()
+        engine.executor.kill()
 
 
 def test_ray_is_refused_with_nnodes_and_named_when_missing(monkeypatch):

@@ -58,22 +58,22 @@ class EngineCore:
         self.max_model_len = max_len
         self.kv = KVCacheManager(num_blocks, config.kv_block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.workers: Executor | None = None  # tensor-parallel ranks or pipeline stages 1..N-1
+        self.executor: Executor | None = None  # tensor-parallel ranks or pipeline stages 1..N-1
         tp = pp = cp = None
         if config.parallel_size > 1:
-            self.workers = Executor(config, num_blocks, config.parallel_size)
+            self.executor = Executor(config, num_blocks, config.parallel_size)
             if layout is not None:
-                tp = TensorParallel(self.workers.group, layout)
+                tp = TensorParallel(self.executor.group, layout)
             if pp_size > 1:
-                pp = PipelineParallel(self.workers.group, PPStage.of(mc, pp_size, 0),
+                pp = PipelineParallel(self.executor.group, PPStage.of(mc, pp_size, 0),
                                       config.pipeline_micro_batches or pp_size)
             if config.context_parallel_size > 1:
-                cp = ContextParallel(self.workers.group, cc.block_size, num_blocks)
+                cp = ContextParallel(self.executor.group, cc.block_size, num_blocks)
         try:
             self.runner = model_spec.build_runner(config, num_blocks, tp, pp, cp)
         except BaseException:
-            if self.workers is not None:
-                self.workers.kill()
+            if self.executor is not None:
+                self.executor.kill()
             raise
         self.step_cost = StepCostModel()  # measured step times: a step's size within an ITL target; a draft's cost
         self.scheduler.step_cost = self.step_cost
@@ -182,8 +182,8 @@ class EngineCore:
 
     def check_health(self) -> None:
         """Raise if something the engine depends on has died (a tensor-parallel rank)."""
-        if self.workers is not None:
-            self.workers.check()
+        if self.executor is not None:
+            self.executor.check()
 
     def _hf_tokenizer(self):
         """The tokenizer a grammar's matcher needs, loaded at the first constrained request."""
@@ -193,9 +193,9 @@ class EngineCore:
 
     def close(self) -> None:
         """Stop what runs beside the engine: the parallel ranks, the hooks' threads and connections."""
-        if self.workers is not None:
-            self.workers.close()
-            self.workers = None
+        if self.executor is not None:
+            self.executor.close()
+            self.executor = None
         for hook in self.hooks:
             hook.close()
 
