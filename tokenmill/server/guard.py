@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 
 from tokenmill.server.asgi import bearer_matches, drain_body
-from tokenmill.server.errors import BadRequest, InternalError, NotFound, RequestTooLarge, Unauthorized, classify
+from tokenmill.server.errors import APIError, BadRequest, InternalError, NotFound, RequestTooLarge, Unauthorized, classify
 from tokenmill.server.settings import ServerSettings
 
 log = logging.getLogger("tokenmill")
@@ -70,6 +70,9 @@ class Guard:
 
         try:
             await self.app(scope, limited_receive, tracked_send)
+        except APIError as exc:  # the guard's own refusal from inside the body (too large), left unhandled
+            if not started:
+                await self._reject(exc, receive, send, drain=False)
         except Exception as exc:
             log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
             if not started:
