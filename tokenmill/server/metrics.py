@@ -125,7 +125,6 @@ class ServerMetrics:
         self.block_size = 16  # for the blocks counter (app.py sets the engine's)
         self.leaked_blocks = Gauge("tokenmill_leaked_blocks", "KV blocks still held the last time no request was "
                                    "in flight: 0 unless there is a bug", labels, registry=r)
-        self.leaked_blocks.labels(model_name).set(0)
         self.engine_alive = Gauge("tokenmill_engine_alive", "1 while the engine loop is alive", labels, registry=r)
         self.weight_bytes = Gauge("tokenmill_model_weight_bytes", "Bytes the model's weights hold in the engine, by "
                                   "weight format (as the start-up log says)", ["model_name", "format"], registry=r)
@@ -142,6 +141,7 @@ class ServerMetrics:
         self._pq, self._ph = self.prefix_queries.labels(m), self.prefix_hits.labels(m)
         self._prate, self._pblocks = self.prefix_hit_rate.labels(m), self.prefix_blocks.labels(m)
         self._pevict = self.prefix_evictions.labels(m)
+        self._leaked = self.leaked_blocks.labels(m)
         self._prefill = self.prefill_computed.labels(m)
         self._from_totals = (self._preempt, self._prefill, self._pq, self._ph, self._pevict)
         self._totals_seen = (0,) * len(self._from_totals)
@@ -236,7 +236,7 @@ class ServerMetrics:
             self._totals_seen = totals
             self._prate.set(pc.hit_rate)
         self._pblocks.set(pc.cached_blocks)
-        self.leaked_blocks.labels(self._model).set(stats.leaked_blocks)
+        self._leaked.set(stats.leaked_blocks)
         if stats.spec_decode is not None:
             self._on_spec(stats.spec_decode)
         for cause, total in stats.preemptions_by_cause.items():
