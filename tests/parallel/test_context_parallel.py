@@ -208,7 +208,7 @@ def same_as_one_process(model, cp: int, requests, ref_kw=None, replicate_max: in
     ref = run(core(model, 1, **(ref_kw or kw)), requests)
     engine = core(model, cp, **kw)
     if replicate_max is not None:  # rank 0 decides, per step, whether every rank computes the paged rows
-        engine.runner.model.cp.replicate_max = replicate_max
+        engine.runner.cp.replicate_max = replicate_max
     try:
         assert run(engine, requests) == ref
         if check is not None:

@@ -41,9 +41,9 @@ def model(tmp_path_factory):
 def same_as_one_process(model, pp: int, requests, **kw) -> EngineCore:
     ref = run(core(model, 1, **{k: v for k, v in kw.items() if k not in ("micro", "tp")}), requests)
     engine = core(model, pp, **kw)
-    driver, seen = engine.runner.model, []
-    real = driver.forward_micro_batches
-    driver.forward_micro_batches = lambda batches, caches: (seen.append(len(batches)), real(batches, caches))[1]
+    calls, seen = engine.runner.calls, []
+    real = calls.forward
+    calls.forward = lambda model, batches, caches: (seen.append(len(batches)), real(model, batches, caches))[1]
     try:
         assert run(engine, requests) == ref
     finally:

@@ -47,7 +47,10 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         q, k, v = self.backend.rotary_and_write_kv(self.qkv_proj(x), self.num_heads, self.num_kv_heads, cos, sin,
                                                    k_cache, v_cache, meta.slot_mapping)
-        out = self.backend.paged_attention(q, k, v, k_cache, v_cache, meta)
+        if meta.context is None:
+            out = self.backend.paged_attention(q, k, v, k_cache, v_cache, meta)
+        else:  # context parallelism: this rank's share of the step attends with the other ranks (parallel/context.py)
+            out = meta.context.attend(q, k, v, k_cache, v_cache, meta.num_paged_tokens)
         out = self.o_proj(out.reshape(x.shape[0], self.q_size))
         return out if self.reduce is None else self.reduce(out)
 
@@ -110,8 +113,10 @@ class LlamaForCausalLM(nn.Module):
         before the last: after its layers, from `hidden_in` unless it is the first)."""
         x = self.embed(input_ids) if hidden_in is None else hidden_in
         cos, sin = self.rotary.tables(positions, x.dtype)
-        # the backend's whole-layer kernel has no place for the all-reduces: tensor-parallel layers run op by op
-        fast = None if self.tp is not None else self.backend.decode_layers(self, x, cos, sin, meta, kv_caches)
+        # the backend's whole-layer kernel has no place for the all-reduces or the context-parallel collectives:
+        # such layers run op by op
+        split = self.tp is not None or meta.context is not None
+        fast = None if split else self.backend.decode_layers(self, x, cos, sin, meta, kv_caches)
         if fast is None:
             for layer, kv in zip(self.layers, kv_caches):
                 x = layer(x, cos, sin, meta, kv)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
@@ -222,40 +221,3 @@ def forward(model: torch.nn.Module, cp: ContextParallel, input_ids: torch.Tensor
     hidden = model(ids, pos, local, kv_caches)
     shard = local.context
     return cp.group.gather_rows_to_driver(hidden[shard.sent_from:], shard.sent, len(input_ids))
-
-
-class ContextParallelBackend:
-    """A backend whose attention is context-parallel (ContextShard.attend) and whose other ops are `inner`'s. No
-    whole-layer fast path: the collectives sit inside every layer's attention."""
-
-    def __init__(self, inner: Any):
-        self.inner = inner
-        self.name = f"{inner.name}+context-parallel"
-
-    def paged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return meta.context.attend(q, k, v, k_cache, v_cache, meta.num_paged_tokens)
-
-    def decode_layers(self, *args: Any) -> None:
-        return None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
-class ContextParallelDriver:
-    """Rank 0's model: each forward pass announced to the other ranks, then run on this rank's share; the LM head is
-    rank 0's alone (every rank holds the whole model)."""
-
-    def __init__(self, model: torch.nn.Module, cp: ContextParallel):
-        self.model, self.cp = model, cp
-
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 kv_caches: list) -> torch.Tensor:
-        replicate = meta.num_paged_tokens <= self.cp.replicate_max
-        with self.cp.group.together("a context-parallel forward pass"):
-            self.cp.group.broadcast(("context", (input_ids, positions, meta, replicate)))
-            return forward(self.model, self.cp, input_ids, positions, meta, kv_caches, replicate)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.model, name)
