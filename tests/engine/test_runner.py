@@ -149,15 +149,14 @@ def test_write_kv_then_read_kv_round_trips_a_token_range(runner):
 
 
 def test_an_unseeded_request_keeps_one_base_seed_until_released(runner):
-    """Draws for a position repeat while the request lives; release drops its seed and draft state, and a new
-    request of the same id gets a fresh seed."""
+    """Draws for a position repeat while the request lives; release drops its seed, and a new request of the
+    same id gets a fresh seed."""
     rid = "unseeded"
     a = runner.position_generator(rid, None, 3).initial_seed()
     assert runner.position_generator(rid, None, 3).initial_seed() == a
     assert runner.position_generator(rid, None, 4).initial_seed() != a
-    runner.draft_probs[rid] = torch.zeros(1, 4)
     runner.release(rid)
-    assert rid not in runner.base_seeds and rid not in runner.draft_probs
+    assert rid not in runner.base_seeds
     assert runner.position_generator(rid, None, 3).initial_seed() != a
     runner.release(rid)
     runner.release("never-seen")

@@ -186,6 +186,7 @@ class FakeProposer:
     """Proposes k tokens 1000, 1001, ... for each request, and records what it was asked."""
 
     lookahead = 0
+    draft_probs: dict = {}  # its drafts are point masses: never written
 
     def __init__(self):
         self.calls: list[list[tuple[str, int]]] = []
@@ -333,7 +334,7 @@ def test_forget_resets_k_and_tells_the_proposer():
 
 def test_the_ngram_proposer_looks_up_prompt_and_output_together():
     config = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=3)
-    spec = build_speculator(config, core=None)
+    spec = build_speculator(config)
     assert isinstance(spec.proposer, NgramProposer) and spec.lookahead == 0
     req = Request("a", [1, 2, 3, 4, 5, 6], SamplingParams(), 32, output_token_ids=[9, 1, 2],
                   status=RequestStatus.RUNNING)

@@ -104,6 +104,7 @@ class ReferenceProposer:
     (request id, k) it was asked."""
 
     lookahead = 0
+    draft_probs: dict = {}  # its drafts are point masses: never written
 
     def __init__(self, refs: dict, right: int | None = None, extra: int = 0):
         self.refs, self.right, self.extra = refs, right, extra
@@ -133,6 +134,7 @@ class ReferenceProposer:
 
 class RandomProposer:
     lookahead = 0
+    draft_probs: dict = {}  # its drafts are point masses: never written
 
     def __init__(self, seed: int = 0, vocab: int = SMOLLM2_VOCAB):
         self.rng, self.vocab = random.Random(seed), vocab
@@ -149,6 +151,7 @@ class LikelyProposer:
     often draws, so many are accepted."""
 
     lookahead = 0
+    draft_probs: dict = {}  # its drafts are point masses: never written
 
     def __init__(self, samples: list[list[int]]):
         self.next: dict[tuple[int, ...], Counter] = {}

@@ -18,6 +18,7 @@ from tokenmill.engine.hooks import RequestHooks
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.messages import AddRequest, EngineCoreOutput, EngineOutputs
 from tokenmill.engine.model_spec import ModelSpec, size_kv_cache, threads_per_rank
+from tokenmill.engine.multi_step_hook import MultiStepDecode
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.step_cost import StepCostModel
 from tokenmill.engine.step_types import SchedulerOutput, StepResult
@@ -27,6 +28,7 @@ from tokenmill.parallel.executor import Executor
 from tokenmill.parallel.group import PipelineParallel, TensorParallel
 from tokenmill.parallel.layout import PPStage, TPLayout
 from tokenmill.request import Request, RequestStatus
+from tokenmill.spec.draft_model import DraftTarget
 from tokenmill.spec.speculator import Speculator, build_speculator
 from tokenmill.spec.stats import SpecDecodeStats
 from tokenmill.structured.engine_hooks import ConstrainedDecoding
@@ -81,7 +83,9 @@ class EngineCore:
         self.hooks: list[RequestHooks] = []
         self.speculator: Speculator | None = None
         if config.speculative is not None:
-            self.speculator = build_speculator(config.speculative, self, self.step_cost)
+            target = DraftTarget(self.runner, self.model_config, num_blocks, config.kv_block_size, self.kv_dtype,
+                                 config.seed)
+            self.speculator = build_speculator(config.speculative, target, self.step_cost)
             self.speculator.scheduler = self.scheduler
             self.scheduler.spec_stats = SpecDecodeStats()
             self.scheduler.lookahead = self.cache_info.reserved_tokens = self.speculator.lookahead
@@ -97,8 +101,8 @@ class EngineCore:
         self.hooks.append(self.constrained)
         if self.speculator is not None:
             self.hooks.append(self.speculator)
-        # multi-step decode where the runner holds the whole model (and, each step, where no hook acts between tokens)
-        self.num_steps = config.scheduler.num_scheduler_steps if getattr(self.runner, "multi_step", False) else 1
+        if config.scheduler.num_scheduler_steps > 1 and self.runner.multi_step:  # the runner holds the whole model
+            self.hooks.append(MultiStepDecode(config.scheduler.num_scheduler_steps, list(self.hooks)))
         self._unstarted: set[str] = set()  # added, never scheduled yet: reported in `started` when first scheduled
 
     # ---- requests ----------------------------------------------------------------------------------------
@@ -212,7 +216,6 @@ class EngineCore:
                 log.warning("request %s failed: %s", rid, why)
                 self._end(rid)
                 outputs.append(EngineCoreOutput(rid, [], None, "error", None, why))
-        self.scheduler.max_steps = self.num_steps if all(hook.allows_runs for hook in self.hooks) else 1
         sched = self.scheduler.schedule()
         if sched.empty:
             return EngineOutputs(self._on_outputs(outputs, idle=True))

@@ -26,7 +26,7 @@ def run_length(out: SchedulerOutput, kv: KVCacheManager, max_steps: int, lookahe
     steps = max_steps
     for s in out.scheduled:
         req = s.request
-        if (s.num_new_tokens != 1 or s.num_spec_tokens or not s.samples or not req.output_token_ids
+        if (s.num_new_tokens != 1 or s.num_spec_tokens or not s.samples_next_token or not req.output_token_ids
                 or req.itl_target is not None):
             return 1
         steps = min(steps, req.max_tokens - len(req.output_token_ids))
@@ -39,3 +39,4 @@ def run_length(out: SchedulerOutput, kv: KVCacheManager, max_steps: int, lookahe
     for s in out.scheduled:
         kv.allocate_slots(s.request, steps)
     return steps
+

@@ -22,13 +22,13 @@ from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.backends import select_backend
 from tokenmill.model.loader import allocate_parameters
 from tokenmill.model.registry import model_class
-from tokenmill.parallel.context import ContextParallel, ContextParallelBackend, ContextParallelDriver
-from tokenmill.parallel.driver import DriverModel, PipelineDriver
+from tokenmill.parallel.driver import model_calls
 from tokenmill.parallel.layout import ShardedCheckpoint, StageCheckpoint
 from tokenmill.quant.methods import linear_method
 from tokenmill.spec.rejection import rejection_sample
 
 if TYPE_CHECKING:
+    from tokenmill.parallel.context import ContextParallel
     from tokenmill.parallel.group import PipelineParallel, TensorParallel
     from tokenmill.request import Request
     from tokenmill.structured.manager import StructuredOutputs
@@ -96,10 +96,9 @@ class ModelRunner(StepInputs, MultiStepRunner):
         self.cfg, self.dtype, self.device, self.block_size = cfg, dtype, torch.device(device), block_size
         # Chosen once: use_kernel=False is the plain-PyTorch reference, which runs no C++ op at all.
         self.backend = select_backend(self.device, use_kernels=use_kernel, batch_invariant=batch_invariant)
-        # context parallelism: the whole model here, 1/C of each sequence's tokens and KV (parallel/context.py)
+        # context parallelism: the whole model here, 1/C of each sequence's tokens and KV (parallel/context.py); a
+        # step's metadata carries this rank's share, and the attention layers attend through it
         self.cp = cp
-        if cp is not None:
-            self.backend = ContextParallelBackend(self.backend)
         # Built in `dtype` on the meta device, then allocated uninitialised where it runs: each parameter is
         # written once, in place, as `weights` (a lazy checkpoint.Checkpoint, or any mapping) is read tensor by tensor.
         with torch.device("meta"):
@@ -120,16 +119,9 @@ class ModelRunner(StepInputs, MultiStepRunner):
                            torch.zeros(shape, dtype=kv_dtype, device=self.device)) for _ in range(cfg.num_layers)]
         self.sampler = Sampler(self.backend)
         self.base_seeds: dict[str, int] = {}  # unseeded requests: a base seed drawn from the engine's seed
-        # a draft model's distributions q [drafts, V] for the drafts it drew (spec/draft_model.py), by request
-        self.draft_probs: dict[str, torch.Tensor] = {}
         self.structured: StructuredOutputs | None = None  # constrained requests' masks (engine/core.py sets it)
         self._seed_rng = random.Random(seed)
-        if tp is not None and tp.group.is_driver and pp is None:  # each call announced to the other ranks first
-            self.model = DriverModel(self.model, tp.group)
-        if pp is not None and pp.group.is_driver:
-            self.model = PipelineDriver(self.model, pp.group, pp.stage.count)
-        if cp is not None and cp.group.is_driver:
-            self.model = ContextParallelDriver(self.model, cp)
+        self.calls = model_calls(tp, pp, cp)  # rank 0 of several: each call announced to the other ranks first
 
     def weight_format(self) -> str:
         """The matmul weights as served: the dtype, or the quantized format and the dtype it computes in."""
@@ -153,7 +145,6 @@ class ModelRunner(StepInputs, MultiStepRunner):
 
     def release(self, request_id: str) -> None:
         self.base_seeds.pop(request_id, None)
-        self.draft_probs.pop(request_id, None)
 
     # ---- KV in and out (disaggregated prefill/decode: tokenmill/disagg/) ---------------------------------
     def _token_slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
@@ -202,23 +193,23 @@ class ModelRunner(StepInputs, MultiStepRunner):
             runs = micro_batches(ordered, self.pp.micro_batches, split_chunks=self.batch_invariant)
             in_paged = {id(s) for s in paged}
             batches = [self._inputs(run, sum(id(s) in in_paged for s, _, _ in run)) for run in runs]
-            hidden = self.model.forward_micro_batches(batches, self.kv_caches)
+            hidden = self.calls.forward(self.model, batches, self.kv_caches)
         else:
-            hidden = self.model(*self._inputs([(s, 0, s.num_new_tokens) for s in ordered], len(paged)),
-                                self.kv_caches)
+            hidden = self.calls.forward(self.model, [self._inputs([(s, 0, s.num_new_tokens) for s in ordered],
+                                                                  len(paged))], self.kv_caches)
         last_rows, sampling = [], []
         row, scoring = 0, False
         for s in ordered:
             row += s.num_new_tokens
             scoring = scoring or s.request.params.prompt_logprobs is not None
-            if s.samples:  # the last committed token's row, and one per draft token it verifies
+            if s.samples_next_token:  # the last committed token's row, and one per draft token it verifies
                 last_rows.extend(range(row - 1 - s.num_spec_tokens, row))
                 sampling.append(s)
         prompt_logprobs = self._prompt_logprobs(hidden, ordered) if scoring else {}
         if not sampling:
             return StepResult(prompt_logprobs=prompt_logprobs)
         every_row = len(last_rows) == hidden.shape[0] and last_rows[-1] == len(last_rows) - 1  # rows ascend
-        logits = self.model.compute_logits(hidden if every_row else hidden[self._long(last_rows)])
+        logits = self.calls.logits(self.model, hidden if every_row else hidden[self._long(last_rows)])
         if self.structured is not None and len(self.structured):  # constrained requests: their rows' masks
             masks = self.structured.bitmask([(s.request.request_id, s.request.spec_token_ids[:s.num_spec_tokens])
                                              for s in sampling])
@@ -234,7 +225,7 @@ class ModelRunner(StepInputs, MultiStepRunner):
             result, i = StepResult(), 0
             for s, mine in zip(sampling, _per_request(results, sampling)):
                 rid, n = s.request.request_id, 1 + s.num_spec_tokens
-                q = self.draft_probs.pop(rid, None)
+                q = out.draft_probs.get(rid)
                 # seeded requests keep the point-mass rule: their tokens are then the ones decoding without
                 # speculation draws, whether or not (and however far) a step speculated
                 if q is not None and n > 1 and not s.request.params.greedy and s.request.params.seed is None:
@@ -273,7 +264,7 @@ class ModelRunner(StepInputs, MultiStepRunner):
         out = []
         for i in range(0, len(targets), PROMPT_LOGPROB_ROWS):
             chunk = targets[i:i + PROMPT_LOGPROB_ROWS]
-            logprobs = self.model.compute_logits(hidden[i:i + len(chunk)]).float().log_softmax(dim=-1)
+            logprobs = self.calls.logits(self.model, hidden[i:i + len(chunk)]).float().log_softmax(dim=-1)
             picked = logprobs.gather(1, self._long(chunk).unsqueeze(1)).squeeze(1).tolist()
             rows = [{t: v} for t, v in zip(chunk, picked)]
             if top_n:
@@ -324,8 +315,9 @@ class ModelRunner(StepInputs, MultiStepRunner):
             last_rows.append(len(input_ids) - 1)
         meta = AttentionMetadata(slot_mapping=self._long(slots))
         self._paged_metadata(meta, [(b, start, len(t)) for b, start, t in spans])
-        hidden = self.model(self._long(input_ids), self._long(positions), meta, self.kv_caches)
-        return self.model.compute_logits(hidden[self._long(last_rows)])
+        hidden = self.calls.forward(self.model, [(self._long(input_ids), self._long(positions), meta)],
+                                    self.kv_caches)
+        return self.calls.logits(self.model, hidden[self._long(last_rows)])
 
     def _sampling_rows(self, s: ScheduledRequest) -> list[SamplingRow]:
         """One row per output position this step samples: the next token, then one after each draft token (its

@@ -1,10 +1,12 @@
 """The data one engine step passes along, plain Python (no tensors): what the scheduler schedules (SchedulerOutput),
 what the runner samples (StepResult) and what the scheduler reports (SchedulerStats). A module of their own, so the
-scheduler, the runner, the hooks and the API process each name them without importing one another."""
+scheduler, the runner, the hooks and the API process each name them without importing one another. The one tensor
+payload, a draft model's distributions, passes from the speculator to the runner untouched (`draft_probs`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.engine.kv_cache import PrefixCacheStats
 from tokenmill.engine.step_cost import StepCost, attention_pairs
@@ -28,7 +30,7 @@ class ScheduledRequest:
         return max(0, self.request.num_computed_tokens + self.num_new_tokens - self.request.num_tokens)
 
     @property
-    def samples(self) -> bool:
+    def samples_next_token(self) -> bool:
         """True when this chunk reaches the end of the request's known tokens, so its last logits are used."""
         return self.num_left == 0
 
@@ -55,6 +57,9 @@ class SchedulerOutput:
     # > 1: every scheduled request is one decode token, and the runner decodes this many tokens in a row for each
     # (each sampled token fed back as the next input), its KV slots already allocated (multi-step decode)
     num_steps: int = 1
+    # a draft model's distributions q [drafts, V] of the drafts a request verifies this step, for the rejection
+    # sampler (set by the speculator before the step runs: spec/speculator.py)
+    draft_probs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -87,6 +92,10 @@ class SchedulerStats:
     prefill_tokens_by_level: dict[int, int] = field(default_factory=dict)
     new_token_ratio: float = 0.0  # the KV headroom kept for decode growth now
     leaked_blocks: int = 0  # blocks still held the last time no request was in flight (each a bug)
+    # of the waiting, those that ran before (preempted, waiting to be recomputed): the requests the API process
+    # cannot count itself, since it saw them start (engine/async_engine.py num_waiting)
+    num_requeued: int = 0
+    num_requeued_tokens: int = 0
 
 
 @dataclass

@@ -15,7 +15,7 @@ the rejection sampler (spec/rejection.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,6 +38,20 @@ def check_draft_config(draft: ModelConfig, target: ModelConfig, path: str) -> No
 
 
 @dataclass
+class DraftTarget:
+    """What a draft model needs of the engine it drafts for: the target's runner (its device, dtype and per-request
+    generators), its model config (the draft must share its vocabulary), the KV pool's shape (the draft's KV sits at
+    the same block ids) and the engine's seed."""
+
+    runner: ModelRunner
+    config: ModelConfig
+    num_blocks: int
+    block_size: int
+    kv_dtype: torch.dtype | None
+    seed: int = 0
+
+
+@dataclass
 class _DraftState:
     tokens: list[int] = field(default_factory=list)  # the tokens whose K/V the draft holds, from position 0
 
@@ -47,28 +61,28 @@ class DraftModelProposer:
         self.runner, self.target, self.lookahead = runner, target, k
         self.sampler = Sampler()
         self.states: dict[str, _DraftState] = {}
+        self.draft_probs: dict[str, torch.Tensor] = {}  # q of the last drafts drawn, by request (the speculator's)
 
     @classmethod
-    def for_engine(cls, config: SpeculativeConfig, core: Any) -> DraftModelProposer:
-        """The draft for an EngineCore (engine/core.py, which builds the speculator: not imported here, so the two
-        modules do not import each other): its target runner, model config, KV pool shape and seed."""
+    def load(cls, config: SpeculativeConfig, target: DraftTarget) -> DraftModelProposer:
+        """Load the draft model of `config` beside `target`, on its device and in its dtype."""
         from tokenmill.engine.runner import ModelRunner
         from tokenmill.model.loader import load_model_config, load_weights, resolve_model_path
         from tokenmill.quant.methods import resolve_quantization
 
         path = resolve_model_path(config.model)
         cfg = load_model_config(path)
-        check_draft_config(cfg, core.model_config, str(config.model))
-        target = core.runner
-        quant = resolve_quantization(config.quantization, path, target.dtype, target.device)
-        runner = ModelRunner(cfg, load_weights(path, cfg, target.dtype), target.dtype, str(target.device),
-                             core.cache_info.num_blocks, core.cache_info.block_size, core.config.seed,
-                             batch_invariant=True, quantization=quant, kv_dtype=core.kv_dtype)
-        return cls(runner, target, config.num_speculative_tokens)
+        check_draft_config(cfg, target.config, str(config.model))
+        dtype, device = target.runner.dtype, target.runner.device
+        quant = resolve_quantization(config.quantization, path, dtype, device)
+        runner = ModelRunner(cfg, load_weights(path, cfg, dtype), dtype, str(device), target.num_blocks,
+                             target.block_size, target.seed, batch_invariant=True, quantization=quant,
+                             kv_dtype=target.kv_dtype)
+        return cls(runner, target.runner, config.num_speculative_tokens)
 
     def forget(self, request_id: str) -> None:
         self.states.pop(request_id, None)
-        self.target.draft_probs.pop(request_id, None)
+        self.draft_probs.pop(request_id, None)
 
     def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
         """k drafts per request (ks), after catching the draft's KV up with each request's committed tokens."""
@@ -101,9 +115,9 @@ class DraftModelProposer:
                 spans[i] = (requests[i].block_ids, len(states[i].tokens), [drafts[i][-1]])
         for r, q_rows in zip(requests, probs):
             if q_rows:
-                self.target.draft_probs[r.request_id] = torch.stack(q_rows)
+                self.draft_probs[r.request_id] = torch.stack(q_rows)
             else:
-                self.target.draft_probs.pop(r.request_id, None)
+                self.draft_probs.pop(r.request_id, None)
         return drafts
 
     def _row(self, request: Request, drafts: list[int]) -> SamplingRow:

@@ -17,17 +17,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.hooks import RequestHooks
 from tokenmill.engine.step_cost import StepCostModel
 from tokenmill.request import Request
 
+from tokenmill.spec.ngram import propose_ngram
+
 if TYPE_CHECKING:
     from tokenmill.engine.scheduler import Scheduler
     from tokenmill.engine.step_types import SchedulerOutput, StepResult
-from tokenmill.spec.ngram import propose_ngram
+    from tokenmill.spec.draft_model import DraftTarget
 
 log = logging.getLogger("tokenmill")
 
@@ -38,6 +40,9 @@ EMA = 0.3  # weight of the newest verify pass in a request's acceptance estimate
 
 class Proposer(Protocol):
     lookahead: int  # KV slots past the scheduled tokens the proposer writes (a draft model's own KV)
+    # by request, the distributions q [drafts, V] its last drafts were drawn from (a draft model sampling), for the
+    # rejection sampler; none where drafts are point masses (greedy, n-gram)
+    draft_probs: dict[str, Any]
 
     def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]: ...
     def forget(self, request_id: str) -> None: ...
@@ -48,6 +53,7 @@ class NgramProposer:
 
     def __init__(self, config: SpeculativeConfig):
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        self.draft_probs: dict[str, Any] = {}  # always empty: a looked-up draft is a point mass
 
     def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
         return [propose_ngram(r.prompt_token_ids + r.output_token_ids, k, self.min_n, self.max_n)
@@ -143,8 +149,17 @@ class Speculator(RequestHooks):
         self.passed_over.pop(request_id, None)
         self.proposer.forget(request_id)
 
-
     # ---- RequestHooks ------------------------------------------------------------------------------------------
+    def before_execute(self, sched: SchedulerOutput) -> None:
+        """Hand the runner the distributions of the drafts each request verifies this step (a draft model's, when
+        sampling); a request scheduled without its drafts drops them (the next proposal replaces them anyway)."""
+        probs = self.proposer.draft_probs
+        if probs:
+            for s in sched.scheduled:
+                q = probs.pop(s.request.request_id, None)
+                if q is not None and s.num_spec_tokens:
+                    sched.draft_probs[s.request.request_id] = q
+
     def after_execute(self, sched: SchedulerOutput, result: StepResult) -> None:
         """What each verify pass accepted, read before the scheduler advances the requests (drafts are what a
         chunk computes past the committed tokens)."""
@@ -170,13 +185,17 @@ class Speculator(RequestHooks):
         return False  # drafts are proposed and verified step by step
 
     def check_idle(self) -> None:
-        assert not (self.k or self.acceptance or self.passed_over), "speculation state outlived its requests"
+        assert not (self.k or self.acceptance or self.passed_over or self.proposer.draft_probs), \
+            "speculation state outlived its requests"
 
 
-def build_speculator(config: SpeculativeConfig, core: object, cost: StepCostModel | None = None) -> Speculator:
-    """The speculator for `config`; a draft model is loaded beside the engine core's target (spec/draft_model.py)."""
+def build_speculator(config: SpeculativeConfig, target: DraftTarget | None = None,
+                     cost: StepCostModel | None = None) -> Speculator:
+    """The speculator for `config`; a draft model is loaded beside the target (spec/draft_model.py)."""
     if config.method == "ngram":
         return Speculator(config, NgramProposer(config), cost)
     from tokenmill.spec.draft_model import DraftModelProposer
 
-    return Speculator(config, DraftModelProposer.for_engine(config, core), cost)
+    if target is None:
+        raise ValueError("a draft model needs its target (DraftTarget)")
+    return Speculator(config, DraftModelProposer.load(config, target), cost)
