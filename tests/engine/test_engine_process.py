@@ -14,7 +14,8 @@ from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.engine_process import CALIBRATION_PROMPTS, HEARTBEAT_S, _warm_up, serve
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.messages import AbortRequests, AddRequest, EngineOutputs, FinishRequest, Shutdown
+from tokenmill.engine.messages import (AbortRequests, AddRequest, EngineOutputs, FinishRequest, Shutdown,
+                                       decode_output)
 from tokenmill.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -53,7 +54,7 @@ class Loop:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.outputs.poll(0.1):
-                msg = self.outputs.recv()
+                msg = decode_output(self.outputs.recv_bytes())
                 self.received.append(msg)
                 if done(msg):
                     return msg
@@ -80,7 +81,7 @@ class Loop:
         while self.thread.is_alive() and time.monotonic() < deadline:
             try:
                 while self.outputs.poll(0):
-                    self.received.append(self.outputs.recv())
+                    self.received.append(decode_output(self.outputs.recv_bytes()))
             except EOFError:  # the loop returned and its end of the pipe went with the thread's arguments
                 pass
             self.thread.join(0.05)
@@ -142,9 +143,8 @@ def test_finish_ends_a_sequence_now_and_frees_its_blocks(model_dir):
     loop.stop()
 
 
-class Unpicklable(Exception):
-    def __reduce__(self):
-        raise TypeError("no pickling")
+class Unknown(Exception):
+    pass
 
 
 def test_a_refused_request_is_reported_and_the_others_go_on(model_dir, monkeypatch):
@@ -153,15 +153,15 @@ def test_a_refused_request_is_reported_and_the_others_go_on(model_dir, monkeypat
 
     def refusing(msg: AddRequest) -> None:
         if msg.request_id == "bad":
-            raise Unpicklable("no room for you")
+            raise Unknown("no room for you")
         add_request(msg)
 
     monkeypatch.setattr(core, "add_request", refusing)
     loop = Loop(core)
     loop.send(add("bad", [1, 2]), add("good", [3, 4]))
     loop.recv_until(lambda m: loop.finished("good"))
-    rejected = {rid: why for m in loop.received for rid, why in m.rejected.items()}
-    assert rejected == {"bad": "Unpicklable: no room for you"}  # crossed as text, the loop alive
+    rejected = {rid: why.text for m in loop.received for rid, why in m.rejected.items()}
+    assert rejected == {"bad": "Unknown: no room for you"}  # crossed as text, the loop alive
     assert len(loop.tokens("good")) == GREEDY.max_tokens and loop.tokens("bad") == []
     loop.stop()
 
@@ -190,9 +190,9 @@ def test_shutdown_aborts_what_is_left_and_the_loop_ends_when_the_client_goes(mod
 
 def test_the_warm_up_leaves_a_step_cost_fit_and_no_block_held(model_dir):
     core = EngineCore(config(model_dir))
-    assert core.step_cost.fit is None
+    assert core.step_cost.fitted is None
     _warm_up(core)
-    fit = core.step_cost.fit
+    fit = core.step_cost.fitted
     assert fit is not None  # the first burst's mixed steps are sized from the start
     assert fit.fixed < 1.0  # the first request's kernel build was forgotten, not fitted as a step's fixed cost
     assert not core.has_unfinished

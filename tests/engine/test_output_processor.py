@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.engine.recorder import Recorder
-from tokenmill.engine.messages import EngineCoreOutput, EngineOutputs, FinishRequest
+from tokenmill.engine.messages import EngineCoreOutput, EngineOutputs, ErrorInfo, FinishRequest
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.step_types import SchedulerStats
 from tokenmill.errors import ContextTooLong, RequestFailed
@@ -132,10 +132,10 @@ def test_abort_after_some_samples_ended_counts_each_as_it_ended():
     assert sorted(rec.calls["on_outcomes"][0][0]) == ["abort", "length", "stop"]
 
 
-@pytest.mark.parametrize("why,kind", [("ValueError: boom", RequestFailed),
-                                      (ContextTooLong("too long", param="prompt"), ContextTooLong)])
+@pytest.mark.parametrize("why,kind", [(ErrorInfo("ValueError", "boom"), RequestFailed),
+                                      (ErrorInfo.of(ContextTooLong("too long", param="prompt")), ContextTooLong)])
 def test_a_rejection_by_the_core_keeps_its_kind(why, kind):
-    """Text (an unpicklable error) is an internal failure, not 'context too long'; a typed one keeps its type."""
+    """A built-in error is an internal failure, not 'context too long'; one of tokenmill's keeps its type."""
     proc = OutputProcessor(CharDecoder(), frozenset({EOS}))
     state, _ = add(proc, n=2)
     processed = proc.process(step(rejected={"r#1": why}))

@@ -1,6 +1,6 @@
 """The engine-core process: build the EngineCore, warm it up, say ready, then `serve`: drain the client's
 messages, step while there is work, send what each step produced (and a heartbeat when idle). `serve` takes any
-core and any pair of pipe-like ends (poll/recv, send), so tests drive it in a thread with a tiny model."""
+core and any pair of pipe-like ends (poll/recv, send_bytes), so tests drive it in a thread with a tiny model."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ from tokenmill.engine.messages import (
     EngineFailed,
     EngineOutputs,
     EngineReady,
+    ErrorInfo,
     FinishRequest,
     Shutdown,
-    picklable_error,
+    encode_output,
 )
 from tokenmill.sampling_params import SamplingParams
 
@@ -39,13 +40,14 @@ def run_engine_core(config: EngineConfig, inputs: Any, outputs: Any) -> None:
         core = EngineCore(config)
         _warm_up(core)
     except BaseException as e:  # noqa: BLE001 - reported to the API process, which exits with it
-        outputs.send(EngineFailed(picklable_error(e)))
+        outputs.send_bytes(encode_output(EngineFailed(ErrorInfo.of(e))))
         return
     info = core.cache_info
-    outputs.send(EngineReady(core.max_model_len, core.model_config.vocab_size, list(core.model_config.eos_token_ids),
-                             info.num_blocks, info.block_size, core.startup_summary(), os.getpid(),
-                             core.runner.weight_format(), weight_bytes(core.runner.model), info.token_capacity,
-                             core.connector.address() if core.connector is not None else None))
+    ready = EngineReady(core.max_model_len, core.model_config.vocab_size, list(core.model_config.eos_token_ids),
+                        info.num_blocks, info.block_size, core.startup_summary(), os.getpid(),
+                        core.runner.weight_format(), weight_bytes(core.runner.model), info.token_capacity,
+                        core.connector.address() if core.connector is not None else None)
+    outputs.send_bytes(encode_output(ready))
     try:
         serve(core, inputs, outputs)
     finally:
@@ -57,7 +59,7 @@ def serve(core: EngineCore, inputs: Any, outputs: Any) -> None:
     when idle), step while there is work, send each step's EngineOutputs (and one per heartbeat when idle)."""
     last_sent = 0.0
     while True:
-        rejected: dict[str, BaseException | str] = {}
+        rejected: dict[str, ErrorInfo] = {}
         timeout = 0 if core.has_unfinished else HEARTBEAT_S
         try:
             while inputs.poll(timeout):
@@ -67,7 +69,7 @@ def serve(core: EngineCore, inputs: Any, outputs: Any) -> None:
                         try:
                             core.add_request(msg)
                         except Exception as e:  # noqa: BLE001 - a refused request must not stop the engine
-                            rejected[msg.request_id] = picklable_error(e)
+                            rejected[msg.request_id] = ErrorInfo.of(e)
                     elif isinstance(msg, AbortRequests):
                         core.abort(msg.request_ids)
                     elif isinstance(msg, FinishRequest):
@@ -85,7 +87,7 @@ def serve(core: EngineCore, inputs: Any, outputs: Any) -> None:
             if core.connector is not None:
                 step.kv_transfer = core.connector.stats()
             try:
-                outputs.send(step)
+                outputs.send_bytes(encode_output(step))
             except (EOFError, OSError):
                 return
             last_sent = now

@@ -224,8 +224,9 @@ class OutputProcessor:
         for core_id, why in step.rejected.items():
             entry = self._samples.get(core_id)
             if entry is not None:  # the request ends whole: its other samples must not run on with their blocks
-                error = why if isinstance(why, TokenmillError) else RequestFailed(
-                    f"the engine refused this request: {why}")
+                error = why.to_exception()
+                if not isinstance(error, TokenmillError):
+                    error = RequestFailed(f"the engine refused this request: {why.text}")
                 result.rejected.append((entry[0], error))
                 result.aborts += [s.core_id for s in entry[0].samples if s.core_id != core_id and not s.finished]
                 self.pop(entry[0].request_id)

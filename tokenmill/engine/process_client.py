@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine_process import run_engine_core
-from tokenmill.engine.messages import EngineFailed, EngineOutputs, EngineReady, Shutdown
+from tokenmill.engine.messages import EngineFailed, EngineOutputs, EngineReady, ErrorInfo, Shutdown, decode_output
 from tokenmill.errors import TokenmillError
 
 log = logging.getLogger("tokenmill")
@@ -50,22 +50,24 @@ class EngineProcessClient:
         while True:
             if self._out_recv.poll(0.2):
                 try:
-                    msg = self._out_recv.recv()
+                    msg = decode_output(self._out_recv.recv_bytes())
                 except (EOFError, OSError):
-                    msg = EngineFailed(f"the engine process exited (code {self.proc.exitcode})")
+                    msg = EngineFailed(ErrorInfo.of(f"the engine process exited (code {self.proc.exitcode})"))
                 break
             if not self.proc.is_alive():
-                msg = EngineFailed(f"the engine process exited during start-up (code {self.proc.exitcode})")
+                msg = EngineFailed(ErrorInfo.of(f"the engine process exited during start-up "
+                                                f"(code {self.proc.exitcode})"))
                 break
             if time.monotonic() > deadline:
                 self.proc.kill()
-                msg = EngineFailed(f"the engine did not start within {timeout:.0f} s")
+                msg = EngineFailed(ErrorInfo.of(f"the engine did not start within {timeout:.0f} s"))
                 break
         if isinstance(msg, EngineFailed):
             self.proc.join(5)
-            if isinstance(msg.error, BaseException):
-                raise msg.error
-            raise EngineDeadError(msg.error)
+            error = msg.error.to_exception()
+            if error is not None:
+                raise error
+            raise EngineDeadError(msg.error.text)
         assert isinstance(msg, EngineReady), msg
         return msg
 
@@ -133,7 +135,7 @@ class EngineProcessClient:
                     if not self.proc.is_alive():
                         break
                     continue
-                msg = self._out_recv.recv()
+                msg = decode_output(self._out_recv.recv_bytes())
             except (EOFError, OSError):
                 self.proc.join(2)
                 break
