@@ -24,11 +24,11 @@ browser:
 	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
 
 test: setup browser
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests benchmarks/tests
 
 # The quick loop: everything but the tests marked slow (real servers, the real model, the fuzzer). `make test` runs all.
 test-fast: setup
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests benchmarks/tests
 
 run: setup
 	$(BIN)/tokenmill generate "The capital of France is" --max-tokens 32 --temperature 0

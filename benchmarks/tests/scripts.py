@@ -1,4 +1,4 @@
-"""Load a script from benchmarks/ as a module, for tests of its logic that run no server or engine."""
+"""Load a script from benchmarks/ as a module, for the tests of its logic beside it (they run no server or engine)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 
 def load_benchmark_script(filename: str) -> ModuleType:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.bench.scripts import load_benchmark_script
+from benchmarks.tests.scripts import load_benchmark_script
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from tests.bench.scripts import load_benchmark_script
+from benchmarks.tests.scripts import load_benchmark_script
 
 kernel_ab = load_benchmark_script("kernel_ab.py")
 

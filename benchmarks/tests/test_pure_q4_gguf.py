@@ -8,7 +8,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from tests.bench.scripts import load_benchmark_script
+from benchmarks.tests.scripts import load_benchmark_script
 from tokenmill.model.paths import default_model_path
 from tokenmill.quant.gguf import GGUFFile
 

@@ -20,6 +20,7 @@ from tokenmill.engine.messages import (
     EngineCoreOutput,
     EngineOutputs,
     EngineReady,
+    ErrorInfo,
     FinishRequest,
 )
 from tokenmill.engine.output_stream import OutputStream
@@ -156,6 +157,11 @@ def test_the_waiting_queue_limits_refuse_and_free_up():
         client.play(outputs(started={"a#0": (time.monotonic(), 0)}))
         await asyncio.sleep(0)
         assert engine.num_waiting == (1, 10)  # scheduled: no longer waiting
+        client.play(outputs(stats=SchedulerStats(1, 2, 20, 0.0, 1, num_requeued=1, num_requeued_tokens=10)))
+        await asyncio.sleep(0)
+        assert engine.num_waiting == (2, 20)  # a#0 preempted: waiting again, which only the core can count
+        client.play(outputs())
+        await asyncio.sleep(0)
         a.abort()
         assert engine.num_waiting == (0, 0) and engine.overloaded() is None
         assert client.of_type(AbortRequests) == [AbortRequests(["a#0", "a#1"])]
@@ -194,8 +200,9 @@ def test_fail_all_ends_every_stream_with_the_error():
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("rejection,expected", [("ValueError: boom", RequestFailed),
-                                                 (ContextTooLong("too long", param="prompt"), ContextTooLong)])
+@pytest.mark.parametrize("rejection,expected", [(ErrorInfo("ValueError", "boom"), RequestFailed),
+                                                 (ErrorInfo.of(ContextTooLong("too long", param="prompt")),
+                                                  ContextTooLong)])
 def test_an_engine_rejection_keeps_its_kind(rejection, expected):
     """A refusal that crossed the process boundary as text is an internal failure, not 'context too long';
     a typed one keeps its type."""
@@ -352,7 +359,7 @@ def test_a_refused_sample_ends_its_siblings_in_the_core():
     async def main():
         engine, client = await started_engine()
         stream = engine.add_requests("r", [(None, [1, 2])], SamplingParams(n=3, max_tokens=4))
-        client.play(outputs(EngineCoreOutput("r#0", [7]), rejected={"r#1": "ValueError: boom"}))
+        client.play(outputs(EngineCoreOutput("r#0", [7]), rejected={"r#1": ErrorInfo("ValueError", "boom")}))
         with pytest.raises(RequestFailed):
             await drain(stream)
         assert client.of_type(AbortRequests) == [AbortRequests(["r#0", "r#2"])]

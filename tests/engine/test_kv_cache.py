@@ -27,7 +27,7 @@ def scheduler(num_blocks=64, block_size=4, **cfg) -> Scheduler:
 
 def step(sched: Scheduler, token: int = 7):
     out = sched.schedule()
-    sampled = {s.request.request_id: SampledTokens([token]) for s in out.scheduled if s.samples}
+    sampled = {s.request.request_id: SampledTokens([token]) for s in out.scheduled if s.samples_next_token}
     sched.update(out, sampled)
     check_accounting(sched)
     return out

@@ -195,10 +195,10 @@ def test_step_budget_under_an_itl_target_reserves_the_protected_decodes():
     d0, d1 = decoding("d0", itl=0.05), decoding("d1")
     budget = step_budget([d0, d1, req("p", prompt=200)], 512, PriorityPolicy(AGING), None, cost)
     assert budget.seconds == pytest.approx(0.05 * ITL_STEP_SHARE - 0.01 - 0.001)
-    assert budget.fit(d0, 1, d0.num_computed_tokens) == 1
+    assert budget.tokens_that_fit(d0, 1, d0.num_computed_tokens) == 1
     budget.take(d0, 1, d0.num_computed_tokens)
     assert budget.seconds == pytest.approx(0.029) and budget.tokens == 511
-    assert budget.fit(req("p", prompt=200), 200, 0) == 29
+    assert budget.tokens_that_fit(req("p", prompt=200), 200, 0) == 29
     budget.take(d1, 1, d1.num_computed_tokens)
     assert budget.seconds == pytest.approx(0.028)
 
@@ -217,11 +217,11 @@ def test_a_budget_with_no_time_left_still_gives_prompts_minimal_progress_once():
     d = decoding("d", itl=0.02)
     budget = StepBudget(100, seconds=0.02, cost=cost, reserved=[d])
     p = req("p", prompt=200)
-    assert budget.fit(p, 200, 0) == MIN_PROGRESS_TOKENS
-    assert budget.fit(p, 5, 0) == 5
+    assert budget.tokens_that_fit(p, 200, 0) == MIN_PROGRESS_TOKENS
+    assert budget.tokens_that_fit(p, 5, 0) == 5
     budget.take(p, MIN_PROGRESS_TOKENS, 0)
-    assert budget.fit(req("q", prompt=200), 200, 0) == 0
-    assert budget.fit(d, 1, d.num_computed_tokens) == 1
+    assert budget.tokens_that_fit(req("q", prompt=200), 200, 0) == 0
+    assert budget.tokens_that_fit(d, 1, d.num_computed_tokens) == 1
 
 
 def test_step_budget_with_a_slowdown_grows_with_the_prompts_per_decode():
@@ -231,13 +231,13 @@ def test_step_budget_with_a_slowdown_grows_with_the_prompts_per_decode():
     few = step_budget(running, 4096, FcfsPolicy(), None, cost, slowdown=2.0, num_waiting=0)
     many = step_budget(running, 4096, FcfsPolicy(), None, cost, slowdown=2.0, num_waiting=6)
     assert few.seconds is not None and many.seconds > few.seconds
-    assert few.fit(running[0], 1, running[0].num_computed_tokens) == 1
+    assert few.tokens_that_fit(running[0], 1, running[0].num_computed_tokens) == 1
 
 
 def test_a_budget_without_a_cost_counts_tokens_only():
     """Before the step cost is fitted seconds are ignored: fit is the tokens left, never more than asked."""
     budget = StepBudget(10, seconds=0.001, cost=None)
     assert budget.seconds is None and budget.left
-    assert budget.fit(req("p"), 25, 0) == 10 and budget.fit(req("p"), 3, 0) == 3
+    assert budget.tokens_that_fit(req("p"), 25, 0) == 10 and budget.tokens_that_fit(req("p"), 3, 0) == 3
     budget.take(req("p"), 10, 0)
-    assert not budget.left and budget.fit(req("p"), 3, 0) == 0
+    assert not budget.left and budget.tokens_that_fit(req("p"), 3, 0) == 0

@@ -30,7 +30,7 @@ def scheduler(num_blocks: int = 64, block_size: int = 4, **cfg) -> Scheduler:
 
 def step(sched: Scheduler):
     out = sched.schedule()
-    sched.update(out, {s.request.request_id: SampledTokens([7]) for s in out.scheduled if s.samples})
+    sched.update(out, {s.request.request_id: SampledTokens([7]) for s in out.scheduled if s.samples_next_token})
     return out
 
 
@@ -172,7 +172,7 @@ def test_by_rank_an_itl_target_protects_its_decodes_before_lower_priority_ones()
 def test_under_an_itl_target_chunks_deep_into_a_long_prompt_shrink_and_every_step_fits_the_target():
     sched = scheduler(num_blocks=2048, block_size=16, max_num_batched_tokens=512, policy="continuous")
     sched.step_cost = fitted_with_pairs(0.010, 2e-4, 1e-7)
-    cost, target = sched.step_cost.fit, 0.100
+    cost, target = sched.step_cost.fitted, 0.100
     for i in range(4):
         sched.add_request(request(f"d{i}", prompt_len=4, max_tokens=400, itl=target))
     step(sched)
@@ -183,7 +183,7 @@ def test_under_an_itl_target_chunks_deep_into_a_long_prompt_shrink_and_every_ste
         assert cost.seconds(out.num_tokens, out.num_attention_pairs) <= target * ITL_STEP_SHARE + 1e-9
         long_chunks += [s.num_new_tokens for s in out.scheduled if s.request.request_id == "long"]
         assert sum(1 for s in out.scheduled if s.request.request_id.startswith("d")) == 4  # no decode waits
-        sched.update(out, {s.request.request_id: SampledTokens([7]) for s in out.scheduled if s.samples})
+        sched.update(out, {s.request.request_id: SampledTokens([7]) for s in out.scheduled if s.samples_next_token})
     assert sum(long_chunks) == 4000 and long_chunks[-2] < long_chunks[0]  # deeper chunks cost more per token
 
 

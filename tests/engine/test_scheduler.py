@@ -25,7 +25,7 @@ def run_step(sched: Scheduler, token=7):
     """One step whose sampler draws `token` (as many as a multi-step run's steps)."""
     out = sched.schedule()
     assert all(s.num_new_tokens > 0 for s in out.scheduled)
-    sampled = {s.request.request_id: SampledTokens([token] * out.num_steps) for s in out.scheduled if s.samples}
+    sampled = {s.request.request_id: SampledTokens([token] * out.num_steps) for s in out.scheduled if s.samples_next_token}
     finished = sched.update(out, sampled)
     return out, finished
 
@@ -95,7 +95,7 @@ class FixedCost:
     """A step cost model whose fit never changes (the engine's is fitted from measured steps)."""
 
     def __init__(self, cost: StepCost):
-        self.fit = cost
+        self.fitted = cost
 
 
 def drain_and_check_pool(sched: Scheduler) -> None:
@@ -181,12 +181,17 @@ def test_preemption_frees_blocks_and_resumes_by_recompute():
     a, b = make_request("a", 8, 8), make_request("b", 8, 8)
     sched.add_request(a)
     sched.add_request(b)
-    preempted = []
+    preempted, requeued = [], []
     while sched.has_unfinished:
         out, _ = run_step(sched)
         preempted += [r.request_id for r in out.preempted]
         check_blocks_match_tokens(sched)
+        stats = sched.stats()  # the waiting that ran before: what only the engine can count (num_waiting)
+        again = [r for r in sched.waiting if r.num_preemptions]
+        assert (stats.num_requeued, stats.num_requeued_tokens) == (len(again), sum(r.num_tokens for r in again))
+        requeued.append(stats.num_requeued)
     assert preempted and preempted[0] == "b"  # the later arrival gives way
+    assert max(requeued) == 1 and requeued[-1] == 0
     assert a.num_output_tokens == b.num_output_tokens == 8
     assert b.num_preemptions >= 1
     kv.pool.check_whole()
@@ -306,7 +311,7 @@ def test_a_long_prefill_goes_before_prompts_that_arrive_after_its_virtual_finish
     alone waits its turn (fewest tokens left first would let a stream of such arrivals starve the long one)."""
     for delay, expected in ((1.0, [("long", 128), ("mid", 384)]), (9.0, [("long", 512)])):
         sched = long_prefill_scheduler()
-        sched.step_cost = SimpleNamespace(fit=StepCost(fixed=0.0, per_token=1e-3))  # "long" alone: 8 s
+        sched.step_cost = SimpleNamespace(fitted=StepCost(fixed=0.0, per_token=1e-3))  # "long" alone: 8 s
         long, mid = make_request("long", 8000, 2), make_request("mid", 1200, 2)
         sched.add_request(long)
         run_step(sched)

@@ -23,23 +23,23 @@ def fitted(fixed: float, per_token: float) -> StepCostModel:
 
 
 def test_the_step_cost_fit_recovers_fixed_and_per_token_time():
-    assert StepCostModel().fit is None
-    cost = fitted(0.010, 0.001).fit
+    assert StepCostModel().fitted is None
+    cost = fitted(0.010, 0.001).fitted
     assert cost.fixed == pytest.approx(0.010, rel=1e-6) and cost.per_token == pytest.approx(0.001, rel=1e-6)
     assert cost.per_pair == 0.0  # no pairs observed: the two-term fit
     model = StepCostModel()
     for _ in range(20):
         model.observe(8, 0.02)  # one token count only: nothing to fit a slope from
-    assert model.fit is None and model.break_even_acceptance(8) == 0.0
+    assert model.fitted is None and model.break_even_acceptance(8) == 0.0
 
 
 def test_forget_drops_every_step_seen():
     model = fitted(5.0, 0.001)  # steps that timed a kernel build: a fixed cost of seconds
     model.forget()
-    assert model.fit is None
+    assert model.fitted is None
     for n in [1, 8, 64, 5, 300, 16, 2, 40]:
         model.observe(n, 0.010 + 0.001 * n)
-    assert model.fit.fixed == pytest.approx(0.010, rel=1e-6)  # nothing of the forgotten steps left in the fit
+    assert model.fitted.fixed == pytest.approx(0.010, rel=1e-6)  # nothing of the forgotten steps left in the fit
 
 
 def test_attention_pairs_count_the_causal_square_after_the_context():
@@ -55,7 +55,7 @@ def test_the_fit_separates_attention_pairs_from_tokens():
         n, ctx = rng.choice([(rng.randint(1, 64), rng.randint(0, 4000)), (rng.randint(100, 500), 0)])
         pairs = attention_pairs(n, ctx)
         model.observe(n, 0.008 + 2e-4 * n + 3e-8 * pairs, pairs)
-    cost = model.fit
+    cost = model.fitted
     assert cost.fixed == pytest.approx(0.008, rel=1e-3)
     assert cost.per_token == pytest.approx(2e-4, rel=1e-3) and cost.per_pair == pytest.approx(3e-8, rel=1e-3)
 
@@ -64,12 +64,12 @@ def test_pairs_that_only_follow_tokens_fall_back_to_the_token_fit():
     model = StepCostModel()
     for n in [1, 8, 64, 5, 300, 16, 2, 40, 128, 3] * 3:  # pairs exactly proportional to tokens: not separable
         model.observe(n, 0.010 + 0.001 * n, pairs=100 * n)
-    cost = model.fit
+    cost = model.fitted
     assert cost.per_pair == 0.0 and cost.per_token == pytest.approx(0.001, rel=1e-6)
 
 
 def test_tokens_within_a_target_follow_the_fit():
-    cost = fitted(0.010, 0.001).fit
+    cost = fitted(0.010, 0.001).fitted
     assert cost.max_chunk_within(0.050 - cost.fixed, 0) == 40
     assert cost.max_chunk_within(0.005 - cost.fixed, 0) == 0  # below the fixed cost: nothing besides what must run
 
@@ -110,15 +110,15 @@ def fitted_with_pairs(fixed: float, per_token: float, per_pair: float) -> StepCo
 
 def test_the_overrun_is_how_much_longer_than_the_fit_recent_sized_steps_took():
     model = fitted(0.010, 0.001)
-    assert model.fit.overrun == 1.0  # steps took exactly what the fit says
+    assert model.fitted.overrun == 1.0  # steps took exactly what the fit says
     rng = random.Random(2)
     for _ in range(200):  # a quarter of the sized steps take 1.5x their cost, the rest 0.95x: the fit follows the bulk
         n = rng.randint(20, 300)
         model.observe(n, (0.010 + 0.001 * n) * (1.5 if rng.random() < 0.25 else 0.95))
-    assert 1.2 < model.fit.overrun <= 1.6
+    assert 1.2 < model.fitted.overrun <= 1.6
     for _ in range(200):
         model.observe(1, 0.0101)  # steps of the fixed cost alone do not count
-    assert model.fit.overrun > 1.2
+    assert model.fitted.overrun > 1.2
 
 
 def test_stretched_step_is_a_multiple_of_the_decodes_own_with_a_floor():

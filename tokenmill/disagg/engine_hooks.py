@@ -63,10 +63,11 @@ class KVTransferHooks(RequestHooks):
     def __init__(self, config: KVTransferConfig, connector: KVConnector, runner: ModelRunner, block_size: int):
         self.config, self.connector, self.runner, self.block_size = config, connector, runner, block_size
         self._shipments: dict[str, Shipment] = {}  # producer: sequence id -> its shipment
-        self._held: dict[str, tuple[str, EngineCoreOutput | None]] = {}  # transfer id -> sequence, final output
+        # producer: transfer id -> (sequence, its final output, held back until the transfer's outcome is known)
+        self._awaiting_outcome: dict[str, tuple[str, EngineCoreOutput | None]] = {}
         self._outcomes: dict[str, SendResult] = {}  # sequence id -> its transfer's outcome, before it finished
         self._external: dict[str, ExternalKV] = {}  # consumer: transfer id -> claimed KV
-        self._takes: dict[str, str] = {}  # sequence id -> the transfer id it loads from
+        self._loading_from: dict[str, str] = {}  # sequence id -> the transfer id it loads from
 
     # ---- RequestHooks ------------------------------------------------------------------------------------------
     def on_add(self, request: Request, msg: AddRequest) -> bool:
@@ -75,7 +76,7 @@ class KVTransferHooks(RequestHooks):
         return False
 
     def before_execute(self, sched: SchedulerOutput) -> None:
-        if self._takes:
+        if self._loading_from:
             self._load_external(sched)
 
     def after_execute(self, sched: SchedulerOutput, result: StepResult) -> None:
@@ -84,8 +85,8 @@ class KVTransferHooks(RequestHooks):
 
     def on_outputs(self, outputs: list[EngineCoreOutput], idle: bool) -> list[EngineCoreOutput]:
         if idle:  # only transfers under way: wait a little for their outcome rather than spin
-            return self._settle_shipments(outputs, 0.005) if self._held else outputs
-        return self._settle_shipments(outputs) if self._shipments or self._held else outputs
+            return self._settle_shipments(outputs, 0.005) if self._awaiting_outcome else outputs
+        return self._settle_shipments(outputs) if self._shipments or self._awaiting_outcome else outputs
 
     def on_preempt(self, request: Request) -> None:
         self._untake(request.request_id)  # recomputed from its prompt (or a cache hit): arrived KV is not kept
@@ -102,15 +103,15 @@ class KVTransferHooks(RequestHooks):
 
     @property
     def pending(self) -> bool:
-        return bool(self._held)
+        return bool(self._awaiting_outcome)
 
     @property
     def allows_runs(self) -> bool:
         return False  # a step's tokens are shipped or loaded step by step
 
     def check_idle(self) -> None:
-        assert not (self._shipments or self._held or self._external or self._takes or self._outcomes), \
-            "KV transfer state outlived its requests"
+        kept = (self._shipments, self._awaiting_outcome, self._external, self._loading_from, self._outcomes)
+        assert not any(kept), "KV transfer state outlived its requests"
 
     def close(self) -> None:
         self.connector.close()
@@ -157,7 +158,7 @@ class KVTransferHooks(RequestHooks):
             usable += 1
         if usable:
             ext.holders.add(rid)
-            self._takes[rid] = tid
+            self._loading_from[rid] = tid
             request.num_external_tokens = usable
         elif not ext.holders:
             del self._external[tid]
@@ -165,9 +166,9 @@ class KVTransferHooks(RequestHooks):
     def _forget_shipment(self, request_id: str) -> None:
         """The client is done with a sequence (aborted, or a stop string ended it): no output waits for its
         transfer's outcome any more (a shipment not yet ended is aborted by `on_release`)."""
-        for tid, (held, _) in list(self._held.items()):
+        for tid, (held, _) in list(self._awaiting_outcome.items()):
             if held == request_id:  # the outcome still comes (has_unfinished waits for it), then goes nowhere
-                self._held[tid] = (request_id, None)
+                self._awaiting_outcome[tid] = (request_id, None)
         ship = self._shipments.get(request_id)
         if ship is not None and ship.ended:
             del self._shipments[request_id]
@@ -181,13 +182,13 @@ class KVTransferHooks(RequestHooks):
                 continue
             start, end = req.pending_load
             req.pending_load = None
-            ext = self._external[self._takes[req.request_id]]
+            ext = self._external[self._loading_from[req.request_id]]
             self.runner.write_kv(req.block_ids, start, ext.received.data[start:end])
             self.connector.count(loaded_tokens=end - start)
             self._untake(req.request_id)
 
     def _untake(self, request_id: str) -> None:
-        tid = self._takes.pop(request_id, None)
+        tid = self._loading_from.pop(request_id, None)
         if tid is not None:
             ext = self._external[tid]
             ext.holders.discard(request_id)
@@ -223,11 +224,11 @@ class KVTransferHooks(RequestHooks):
                 del self._shipments[out.request_id]
                 kept.append(out)
             else:  # ended: a sequence samples only once its prompt is shipped (`on_release` aborts the others)
-                self._held[ship.transfer_id] = (out.request_id, out)
+                self._awaiting_outcome[ship.transfer_id] = (out.request_id, out)
                 del self._shipments[out.request_id]
-        if self._held or self._shipments:
-            for result in self.connector.results(timeout if self._held else 0.0):
-                rid, out = self._held.pop(result.transfer_id, (None, None))
+        if self._awaiting_outcome or self._shipments:
+            for result in self.connector.results(timeout if self._awaiting_outcome else 0.0):
+                rid, out = self._awaiting_outcome.pop(result.transfer_id, (None, None))
                 if out is not None:
                     out.kv_transfer = result.as_params(self.block_size)
                     kept.append(out)

@@ -24,10 +24,7 @@ def admit(prompt_token_ids: list[int], max_tokens: int | None, limits: ContextLi
     the limit named, so nothing that can never run reaches the scheduler."""
     if not prompt_token_ids:
         raise InvalidRequest("the prompt is empty", param="prompt")
-    vocab = limits.vocab_size
-    bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-    if bad is not None:
-        raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+    check_token_ids(prompt_token_ids, limits.vocab_size, "prompt")
     num_prompt, window = len(prompt_token_ids), limits.max_model_len
     if num_prompt >= window:
         raise ContextTooLong(f"the prompt has {num_prompt} tokens; the context window is {window}", param="prompt")
@@ -44,6 +41,14 @@ def admit(prompt_token_ids: list[int], max_tokens: int | None, limits: ContextLi
                              f"capacity of {limits.token_capacity} tokens; raise --kv-cache-memory (or spread the KV over "
                              "ranks: --context-parallel-size)", param=param)
     return max_tokens
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    """Every id a token of the vocabulary: the one rule for any field of token ids (a prompt, stop_token_ids,
+    /detokenize's tokens)."""
+    bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"{param}: token id {bad} is outside the vocabulary [0, {vocab_size})", param=param)
 
 
 def validate_cache_salt(salt: object) -> str | None:

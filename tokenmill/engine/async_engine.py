@@ -149,10 +149,11 @@ class AsyncEngine:
     # ---- admission -----------------------------------------------------------------------------------------------
     @property
     def num_waiting(self) -> tuple[int, int]:
-        """(requests, tokens) not yet running: our own count of what the core has not scheduled yet, or the
-        core's own count when it is larger (it also holds preempted requests)."""
-        return (max(len(self._unstarted), self.stats.num_waiting),
-                max(self._unstarted_tokens, self.stats.num_waiting_tokens))
+        """(requests, tokens) not yet running, each request counted by one side: this process counts what it sent
+        that the core has not started yet (up to date at once, so a burst is counted as it arrives); the core counts
+        those waiting again after a preemption (which this process saw start), as of its last step."""
+        return (len(self._unstarted) + self.stats.num_requeued,
+                self._unstarted_tokens + self.stats.num_requeued_tokens)
 
     def overloaded(self, new_requests: int = 1, new_tokens: int = 1) -> ServerOverloaded | None:
         """Why a request of this size cannot join the waiting queue now, or None. Cheap: the server asks it

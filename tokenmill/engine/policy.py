@@ -173,7 +173,7 @@ class StepBudget:
     def left(self) -> bool:
         return self.tokens > 0
 
-    def fit(self, request: Request, n: int, start: int) -> int:
+    def tokens_that_fit(self, request: Request, n: int, start: int) -> int:
         """The most of `n` tokens of `request`'s chunk starting after `start` computed tokens that fit (nothing is
         taken: see `take`)."""
         n = min(n, self.tokens)

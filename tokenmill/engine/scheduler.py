@@ -117,7 +117,7 @@ class Scheduler:
             self._form_static_batch(now)
         if policy.ranked and self.waiting:
             self._preempt_for_priority(out, now, threshold)
-        cost = self.step_cost.fit if self.step_cost is not None else None
+        cost = self.step_cost.fitted if self.step_cost is not None else None
         budget = (step_budget(self.running, tokens, policy, self.config.max_prefill_tokens_while_decoding, cost,
                               self.config.max_decode_slowdown, len(self.waiting))
                   if admitting else StepBudget(tokens))
@@ -128,7 +128,7 @@ class Scheduler:
             req = running[i]
             start = req.num_computed_tokens
             todo = req.num_tokens_with_spec - start
-            n = budget.fit(req, min(todo, share) if todo > threshold else todo, start)
+            n = budget.tokens_that_fit(req, min(todo, share) if todo > threshold else todo, start)
             while not self.kv.allocate_slots(req, n + self.lookahead):
                 # the latest arrival (or the worst ranked) among those not yet served this step
                 victim = running.pop(i + policy.victim(running[i:], now))
@@ -151,7 +151,7 @@ class Scheduler:
             if admitting:  # phase B
                 passed_over = self._admit_waiting(out, budget, now, threshold, capped)
             self._grow(budget, capped)  # phase C
-            if passed_over and budget.left and all(s.samples for s in capped):
+            if passed_over and budget.left and all(s.samples_next_token for s in capped):
                 self._admit_waiting(out, budget, now, None, capped)
             self._count_skips(queue)
         out.scheduled = [s for s in out.scheduled if s.num_new_tokens]  # chunks phase A left for C, or out of time
@@ -210,7 +210,7 @@ class Scheduler:
         cached_len = self.kv.cached_prefix_len if self.kv.prefix_caching else None
         headroom = bool(self.config.new_token_ratio)
         growth = [(self.policy.level(r, now), self._expected_growth(r)) for r in self.running] if headroom else []
-        cost = self.step_cost.fit if self.step_cost is not None else None
+        cost = self.step_cost.fitted if self.step_cost is not None else None
         for _, req in self.policy.admission_order(self.waiting, now, cached_len, cost):
             if not budget.left or len(self.running) >= self.config.max_num_seqs:
                 break
@@ -226,7 +226,7 @@ class Scheduler:
                             for s in capped):  # its turn comes after theirs
                 passed_over = True
                 continue
-            n = budget.fit(req, min(todo, threshold) if long else todo, cached)
+            n = budget.tokens_that_fit(req, min(todo, threshold) if long else todo, cached)
             if (n <= 0 or not self._has_headroom(req, todo, now, growth)
                     or not self.kv.admit(req, match, n, self.lookahead)):
                 break
@@ -247,12 +247,12 @@ class Scheduler:
     def _grow(self, budget: StepBudget, capped: list[ScheduledRequest]) -> None:
         """Phase C: give the budget left to the capped long prefills in prefill_finish_key order; only the extra
         blocks are allocated, and a chunk the pool cannot grow stays as it is (no preemption here)."""
-        cost = self.step_cost.fit if self.step_cost is not None else None
+        cost = self.step_cost.fitted if self.step_cost is not None else None
         for s in sorted(capped, key=lambda s: self._finish_key(s, cost)):
             if not budget.left:
                 break
             start = s.request.num_computed_tokens + s.num_new_tokens
-            extra = budget.fit(s.request, s.num_left, start)
+            extra = budget.tokens_that_fit(s.request, s.num_left, start)
             if extra > 0 and self.kv.allocate_slots(s.request, s.num_new_tokens + extra + self.lookahead):
                 s.num_new_tokens += extra
                 budget.take(s.request, extra, start)
@@ -378,11 +378,13 @@ class Scheduler:
             prefix_cache=self.kv.prefix_cache_stats(),
             spec_decode=self.spec_stats.copy() if self.spec_stats is not None else None,
             preemptions_by_cause=dict(self.preemptions_by_cause),
-            step_cost=self.step_cost.fit if self.step_cost is not None else None,
+            step_cost=self.step_cost.fitted if self.step_cost is not None else None,
             running_context_tokens=sum(r.num_computed_tokens for r in self.running),
             prefill_tokens_by_level=self._prefill_tokens_by_level(),
             new_token_ratio=self.new_token_ratio,
             leaked_blocks=self.leaked_blocks,
+            num_requeued=len(requeued := [r for r in self.waiting if r.first_scheduled_time is not None]),
+            num_requeued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in requeued),
         )
 
     def _prefill_tokens_by_level(self) -> dict[int, int]:

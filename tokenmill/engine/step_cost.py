@@ -125,7 +125,7 @@ class StepCostModel:
         return StepCost(fixed, per_token, per_kilo_pair * KILO)
 
     @property
-    def fit(self) -> StepCost | None:
+    def fitted(self) -> StepCost | None:
         """The fitted cost, or None before enough varied steps were seen."""
         return self._fit
 

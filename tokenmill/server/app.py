@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 import tokenmill
 from tokenmill.disagg.transfer import KVTransferParams
+from tokenmill.engine.admission import check_token_ids
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.errors import InvalidRequest
 from tokenmill.sampling_params import SamplingParams
@@ -191,9 +192,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
     async def detokenize(request: Request):
         req: DetokenizeRequest = await read(request, DetokenizeRequest)
         check_model(req.model)
-        bad = next((t for t in req.tokens if not 0 <= t < info.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {info.vocab_size})", param="tokens")
+        check_token_ids(req.tokens, info.vocab_size, "tokens")
         return {"prompt": await encoder.decode(req.tokens)}
 
     app.add_middleware(Guard, settings=settings, on_reject=metrics.on_rejected, overloaded=engine.overloaded)

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tokenmill.engine.admission import check_token_ids, validate_cache_salt
 from tokenmill.errors import InvalidRequest
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
 from tokenmill.server.json_body import first_error
@@ -91,15 +92,11 @@ class _Sampling(_Body):
             raise InvalidRequest("logit_bias is not supported", param="logit_bias")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequest("best_of is not supported (only best_of == n)", param="best_of")
-        if self.cache_salt is not None and not self.cache_salt:
-            raise InvalidRequest("cache_salt must be a non-empty string", param="cache_salt")
+        validate_cache_salt(self.cache_salt)
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > MAX_STOP_STRINGS:
             raise InvalidRequest(f"stop takes at most {MAX_STOP_STRINGS} strings", param="stop")
-        bad = next((t for t in self.stop_token_ids or [] if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(f"stop_token_ids: {bad} is outside the vocabulary [0, {vocab_size})",
-                                 param="stop_token_ids")
+        check_token_ids(self.stop_token_ids or [], vocab_size, "stop_token_ids")
         temperature = 1.0 if self.temperature is None else self.temperature
         if temperature > MAX_TEMPERATURE:
             raise InvalidRequest(f"temperature must be in [0, {MAX_TEMPERATURE:g}]", param="temperature")
