@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.errors import ConfigError
+from tokenmill.family_config import hf_max_positions, hf_nope_layers, hf_rope_scaling
 from tokenmill.json_flag import json_flag
 
 if TYPE_CHECKING:
     import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Phi3ForCausalLM", "SmolLM3ForCausalLM")
+# config.json `model_type` -> architecture, for configs without `architectures` (and back, for to_hf_dict)
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 
 
 @dataclass
@@ -34,6 +39,9 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v bias (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before rotary (Qwen3's q_norm/k_norm)
+    partial_rotary_factor: float = 1.0  # the share of head_dim that rotary turns (Phi-4-mini: 0.75)
+    nope_layers: list[int] = field(default_factory=list)  # layers without rotary (SmolLM3's NoPE layers)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -44,16 +52,34 @@ class ModelConfig:
             )
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ConfigError(f"partial_rotary_factor {self.partial_rotary_factor} of head_dim {self.head_dim} "
+                              "does not give an even number of rotated dims")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dims of each head that rotary turns (the rest pass through), as transformers rounds it."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def serving(self, max_model_len: int | None) -> ModelConfig:
+        """This config for an engine serving sequences of up to `max_model_len` tokens (None: the model's
+        positions): long-rope fixes its factor set for that context (model/layers.py rope_angles says why)."""
+        scaling = self.rope_scaling
+        if not scaling or scaling.get("rope_type") != "longrope":
+            return self
+        served = max_model_len or self.max_position_embeddings
+        long = served > scaling["original_max_position_embeddings"]
+        return replace(self, rope_scaling={**scaling, "long": long})
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face config.json dictionary."""
         archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                       "qwen2": "Qwen2ForCausalLM"}.get(cfg.get("model_type", ""), "?")
+        arch = archs[0] if archs else MODEL_TYPES.get(cfg.get("model_type", ""), "?")
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -65,10 +91,14 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            rope_scaling=_rope_scaling(cfg),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rope_scaling=hf_rope_scaling(cfg),
+            max_position_embeddings=hf_max_positions(arch, cfg),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            partial_rotary_factor=float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor")
+                                        or 1.0),
+            nope_layers=hf_nope_layers(cfg) if arch == "SmolLM3ForCausalLM" else [],
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -76,11 +106,16 @@ class ModelConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """A Hugging Face config.json dictionary that from_hf_dict reads back as this config (for writing a model
         directory from a GGUF file, e.g. `tokenmill quantize`)."""
-        model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                      "Qwen2ForCausalLM": "qwen2"}.get(self.architecture, "llama")
+        model_type = {a: t for t, a in MODEL_TYPES.items()}.get(self.architecture, "llama")
         eos = self.eos_token_ids
-        return {"architectures": [self.architecture], "model_type": model_type, "vocab_size": self.vocab_size,
-                "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+        family: dict[str, Any] = {}
+        if self.partial_rotary_factor != 1.0:
+            family["partial_rotary_factor"] = self.partial_rotary_factor
+        if self.architecture == "SmolLM3ForCausalLM":
+            family["no_rope_layers"] = [int(i not in self.nope_layers) for i in range(self.num_layers)]
+        return {**family, "architectures": [self.architecture], "model_type": model_type,
+                "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size,
                 "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
                 "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps,
                 "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
@@ -93,18 +128,6 @@ class ModelConfig:
     def kv_bytes_per_token_per_element(self) -> int:
         """K and V elements per token over all layers (multiply by the dtype's size)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
-
-def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
-    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-    if not scaling:
-        return None
-    kind = scaling.get("rope_type") or scaling.get("type")
-    if kind in (None, "default"):
-        return None
-    if kind != "llama3":
-        raise ConfigError(f"unsupported rope scaling {kind!r}; supported: llama3")
-    return dict(scaling)
 
 
 def default_kv_cache_memory() -> int:

@@ -28,15 +28,21 @@ def smollm2_tokenizer() -> Any:
 
 
 def _hf_config(arch: str, **kw: Any) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config, SmolLM3Config
 
+    if arch == "qwen3":
+        return Qwen3Config(use_sliding_window=False, **kw)  # per-head q/k RMSNorm, head_dim as given
+    if arch == "phi3":
+        return Phi3Config(sliding_window=None, **kw)  # fused qkv_proj / gate_up_proj in the checkpoint
+    if arch == "smollm3":
+        return SmolLM3Config(use_sliding_window=False, **kw)  # every 4th layer NoPE unless no_rope_layers says
     if arch == "llama":
         return LlamaConfig(**kw)
     if arch == "mistral":
         return MistralConfig(sliding_window=None, **kw)  # plain causal attention, like the engine
     if arch == "qwen2":
         return Qwen2Config(use_sliding_window=False, **kw)  # q/k/v always carry a bias
-    raise ValueError(f"unknown tiny arch {arch!r}; use llama, qwen2 or mistral")
+    raise ValueError(f"unknown tiny arch {arch!r}; use llama, qwen2, mistral, qwen3, phi3 or smollm3")
 
 
 @torch.no_grad()
@@ -85,12 +91,16 @@ def make_tiny_model(
     rope_scaling: dict[str, Any] | None = None,
     rope_theta: float = 10000.0,
     max_position_embeddings: int = 2048,
+    head_dim: int | None = None,
+    **family: Any,
 ) -> Path:
     """Build, save and return a new directory `tmp_path/tiny-{arch}-{n}` holding a random model.
 
     GQA when num_kv_heads < num_heads. vocab_size None uses SmolLM2's 49152 so text prompts work; a
     smaller vocab_size keeps the same tokenizer, so feed such a model token ids below vocab_size.
-    rope_scaling is a HF dict such as {"rope_type": "llama3", "factor": 8.0, ...}.
+    rope_scaling is a HF dict such as {"rope_type": "llama3", "factor": 8.0, ...}. head_dim None is
+    hidden_size // num_heads. `family` goes to the config class as it is (e.g. Phi-3's partial_rotary_factor and
+    original_max_position_embeddings, SmolLM3's no_rope_layers).
     """
     from transformers import AutoModelForCausalLM
 
@@ -103,7 +113,7 @@ def make_tiny_model(
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        head_dim=hidden_size // num_heads,
+        head_dim=head_dim or hidden_size // num_heads,
         max_position_embeddings=max_position_embeddings,
         rms_norm_eps=1e-5,
         tie_word_embeddings=tie_word_embeddings,
@@ -111,6 +121,7 @@ def make_tiny_model(
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         pad_token_id=EOS_ID,
+        **family,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -57,7 +57,7 @@ class ModelSpec:
     @classmethod
     def resolve(cls, config: EngineConfig) -> ModelSpec:
         path = resolve_model_path(config.model)
-        mc = load_model_config(path)
+        mc = load_model_config(path).serving(config.scheduler.max_model_len)
         stored = checkpoint_quantization(path)  # an AWQ checkpoint computes as --quantization awq would
         dtype = DTYPES[auto_dtype(config.device, config.quantization or stored) if config.dtype == "auto"
                        else config.dtype]

@@ -36,7 +36,34 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
+        if config.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (config.head_dim,),
+                           p + "self_attn.k_norm.weight": (config.head_dim,)})
     return shapes
+
+
+# a fused checkpoint tensor (Phi-3's) -> the tensors it stacks, in row order
+FUSED_TENSORS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                 "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+Part = tuple[str, int, int]  # (fused tensor's name, first row, rows)
+
+
+def fused_parts(name: str, expected: dict[str, tuple[int, ...]]) -> dict[str, Part] | None:
+    """For a fused tensor (`...self_attn.qkv_proj.weight`), each part the model expects (`...q_proj.weight`) as
+    a block of its rows; None for any other name. Why: every form of a checkpoint reads as the one layout the model
+    loads (q/k/v and gate/up shards), so fused checkpoints need nothing from the model, tensor parallelism or the
+    weight formats."""
+    for fused, parts in FUSED_TENSORS.items():
+        if f".{fused}." in name:
+            names = [name.replace(f".{fused}.", f".{part}.") for part in parts]
+            if not all(n in expected for n in names):
+                return None
+            out, row = {}, 0
+            for n in names:
+                out[n] = (name, row, expected[n][0])
+                row += expected[n][0]
+            return out
+    return None
 
 
 class Checkpoint(Mapping[str, torch.Tensor]):
@@ -47,11 +74,29 @@ class Checkpoint(Mapping[str, torch.Tensor]):
     checkpoint that does not fit the config fails before any tensor is read."""
 
     def __init__(self, path: Path, config: ModelConfig, dtype: torch.dtype, shapes: dict[str, tuple[int, ...]]):
-        self.path, self.dtype, self._shapes = path, dtype, shapes
         expected = expected_shapes(config)
+        self._parts: dict[str, Part] = {}  # a part of a fused tensor -> where its rows are
+        self._fused: tuple[str, torch.Tensor] | None = None  # the fused tensor read last: its parts come in a row
+        for name in [n for n in shapes if n not in expected]:
+            parts = fused_parts(name, expected)
+            if parts is None:
+                continue
+            first = next(iter(parts))
+            need = (sum(rows for _, _, rows in parts.values()), *expected[first][1:])
+            if tuple(shapes[name]) != need:
+                raise ModelLoadError(f"{path}: fused tensor {name} has shape {shapes[name]}, but its parts "
+                                     f"({', '.join(n.rpartition('.')[0].rpartition('.')[2] for n in parts)}) "
+                                     f"need {need}")
+            shapes = {k: v for k, v in shapes.items() if k != name}
+            shapes.update({n: expected[n] for n in parts})
+            self._parts.update(parts)
+        self.path, self.dtype, self._shapes = path, dtype, shapes
         missing = sorted(set(expected) - set(shapes))
         if missing:
             raise ModelLoadError(f"{path} lacks {len(missing)} weights the config needs, e.g. {missing[:4]}")
+        unknown = sorted(set(shapes) - set(expected))
+        if unknown:
+            raise ModelLoadError(f"{path} has weights a {config.architecture} model does not have: {unknown[:4]}")
         wrong = [f"{n}: {s} != {expected[n]}" for n, s in shapes.items() if s != expected[n]]
         if wrong:
             raise ModelLoadError(f"{path} has weights whose shape disagrees with its config: {wrong[:4]}")
@@ -63,7 +108,16 @@ class Checkpoint(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._shapes:
             raise KeyError(name)
-        return self._read(name)
+        part = self._parts.get(name)
+        if part is None:
+            return self._read(name)
+        fused, row, rows = part
+        if self._fused is None or self._fused[0] != fused:
+            self._fused = (fused, self._read(fused))
+        whole = self._fused[1]
+        if row + rows == whole.shape[0]:  # its last part: not kept past it
+            self._fused = None
+        return whole.narrow(0, row, rows)
 
     def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
         return name in self._shapes

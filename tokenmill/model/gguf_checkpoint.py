@@ -11,11 +11,17 @@ import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ConfigError, ModelLoadError
-from tokenmill.model.checkpoint import Checkpoint
+from tokenmill.family_config import longrope_scaling
+from tokenmill.model.checkpoint import Checkpoint, expected_shapes, fused_parts
 from tokenmill.quant.gguf import GGUFFile
 from tokenmill.quant.gguf_blocks import GGMLBlocks, kept_gguf_type
 
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+# llama.cpp's converter reorders q/k rows for ggml's rope of these (LlamaModel and its subclasses), not the others
+PERMUTED_QK = ("llama", "smollm3")
+# tensors llama.cpp writes that the config reads (Phi-3's long-rope factors), not model weights
+_CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def gguf_architecture(gguf: GGUFFile) -> tuple[str, str]:
@@ -44,7 +50,18 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
     num_kv = gguf.get(f"{arch}.attention.head_count_kv", num_heads)
     if isinstance(num_kv, list):
         raise ModelLoadError(f"GGUF file {gguf.path} has per-layer KV head counts, which are not supported")
-    head_dim = gguf.get(f"{arch}.attention.key_length") or gguf.get(f"{arch}.rope.dimension_count")
+    head_dim = int(gguf.get(f"{arch}.attention.key_length") or 0)
+    rope_dims = gguf.get(f"{arch}.rope.dimension_count")
+    partial = 1.0
+    if arch == "phi3":  # rope.dimension_count is the rotated part of a head (Phi-4-mini: 96 of 128)
+        head_dim = head_dim or hidden // num_heads
+        partial = int(rope_dims) / head_dim if rope_dims else 1.0
+        if int(head_dim * partial) != (rope_dims or head_dim):
+            raise ModelLoadError(f"GGUF file {gguf.path}: rotating {rope_dims} of {head_dim} dims is not supported")
+    else:
+        head_dim = head_dim or int(rope_dims or 0)
+    context = int(gguf.get(f"{arch}.context_length", 2048))
+    window = gguf.get(f"{arch}.attention.sliding_window") if arch == "phi3" else None
     tokens = gguf.get("tokenizer.ggml.tokens")
     vocab = gguf.get(f"{arch}.vocab_size") or (len(tokens) if tokens else None)
     if vocab is None:
@@ -62,17 +79,31 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
         head_dim=int(head_dim or hidden // num_heads),
         rms_norm_eps=float(gguf.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(gguf.get(f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=_gguf_rope_scaling(gguf, arch),
-        max_position_embeddings=int(gguf.get(f"{arch}.context_length", 2048)),
+        rope_scaling=_gguf_rope_scaling(gguf, arch, context),
+        # no sliding-window attention here: serve only lengths Phi-3's window never cuts (0: none)
+        max_position_embeddings=min(context, int(window)) if window else context,
         tie_word_embeddings="output.weight" not in gguf.tensors,
         attention_bias=hf_arch == "Qwen2ForCausalLM" or "blk.0.attn_q.bias" in gguf.tensors,
+        qk_norm=arch == "qwen3",
+        partial_rotary_factor=partial,
+        # llama.cpp has no key for SmolLM3's NoPE layers: it fixes every 4th (src/models/smollm3.cpp), as here
+        nope_layers=[i for i in range(int(need("block_count"))) if (i + 1) % 4 == 0] if arch == "smollm3" else [],
         bos_token_id=gguf.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=list(dict.fromkeys(int(i) for i in eos if i is not None)),
     )
 
 
-def _gguf_rope_scaling(gguf: GGUFFile, arch: str) -> dict[str, Any] | None:
-    """No mapped scaling exists yet: refuse any, rather than run the model with the wrong positions."""
+def _gguf_rope_scaling(gguf: GGUFFile, arch: str, context: int) -> dict[str, Any] | None:
+    """Phi-3's long-rope (its factors stored as two tensors, as llama.cpp's converter writes them); any other
+    scaling is refused, rather than run the model with the wrong positions."""
+    if arch == "phi3" and "rope_factors_long.weight" in gguf.tensors:
+        original = gguf.get(f"{arch}.rope.scaling.original_context_length")
+        factors = {f"{k}_factor": gguf.read_tensor(f"rope_factors_{k}.weight").tolist() for k in ("short", "long")}
+        try:
+            return longrope_scaling({**factors, "attention_factor": gguf.get(f"{arch}.rope.scaling.attn_factor")},
+                                    context, original)
+        except ConfigError as e:
+            raise ModelLoadError(f"GGUF file {gguf.path}: {e}") from None
     kind = gguf.get(f"{arch}.rope.scaling.type")
     if kind not in (None, "none"):
         raise ConfigError(f"GGUF file {gguf.path} uses rope scaling {kind!r}, which tokenmill does not "
@@ -90,6 +121,9 @@ _GGUF_LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: fused, split by checkpoint.fused_parts
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -98,14 +132,15 @@ _GGUF_LAYER_NAMES = {
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def hf_name_for_gguf(name: str) -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for unknown names."""
+def hf_name_for_gguf(name: str, arch: str = "llama") -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for unknown names. Phi-3's
+    `ffn_up` holds gate and up stacked (its HF `gate_up_proj`), which checkpoint.fused_parts splits."""
     base, _, suffix = name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
     if m:
-        leaf = _GGUF_LAYER_NAMES.get(m.group(2))
+        leaf = "mlp.gate_up_proj" if arch == "phi3" and m.group(2) == "ffn_up" else _GGUF_LAYER_NAMES.get(m.group(2))
         return f"model.layers.{m.group(1)}.{leaf}.{suffix}" if leaf else None
     leaf = _GGUF_GLOBAL_NAMES.get(base)
     return f"{leaf}.{suffix}" if leaf else None
@@ -130,17 +165,21 @@ class GGUFCheckpoint(Checkpoint):
     def __init__(self, path: Path, config: ModelConfig, dtype: torch.dtype):
         self._gguf = gguf = GGUFFile.open(path)
         arch, _ = gguf_architecture(gguf)
+        expected = expected_shapes(config)
         self._names: dict[str, str] = {}  # HF name -> GGUF name
         self._rope_heads: dict[str, int] = {}  # HF name -> heads, for the rows llama.cpp permuted
         for name in gguf.tensors:
-            hf_name = hf_name_for_gguf(name)
-            if hf_name is None:
+            if name in _CONFIG_TENSORS:
+                continue
+            hf_name = hf_name_for_gguf(name, arch)
+            if hf_name is None or (hf_name not in expected and fused_parts(hf_name, expected) is None
+                                   and hf_name != "lm_head.weight"):
                 raise ModelLoadError(f"GGUF file {path} holds tensor {name!r}, which tokenmill cannot map to a "
                                      f"{config.architecture} parameter")
             if hf_name == "lm_head.weight" and config.tie_word_embeddings:
                 continue
             self._names[hf_name] = name
-            if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            if arch in PERMUTED_QK and (".attn_q." in name or ".attn_k." in name):
                 self._rope_heads[hf_name] = config.num_heads if ".attn_q." in name else config.num_kv_heads
         super().__init__(path, config, dtype, {n: gguf.tensors[g].shape for n, g in self._names.items()})
 
@@ -152,9 +191,12 @@ class GGUFCheckpoint(Checkpoint):
     def blocks(self, name: str) -> torch.Tensor | GGMLBlocks:
         """A 2-D tensor of a type kept at run time (quant/gguf_linear.py) as its raw blocks, rows in HF order;
         any other tensor dequantized, as `self[name]`."""
-        info = self._gguf.tensors[self._names[name]]
+        part = self._parts.get(name)  # a block of a fused tensor's rows (Phi-3's q/k/v, gate/up)
+        info = self._gguf.tensors[self._names[part[0] if part else name]]
         if len(info.shape) != 2 or not kept_gguf_type(info.ggml_type):
             return self[name]
         rows = self._gguf.read_raw(info.name).view(info.shape[0], -1)
+        if part is not None:
+            return GGMLBlocks(info.ggml_type, rows[part[1]:part[1] + part[2]], (part[2], info.shape[1]))
         heads = self._rope_heads.get(name)
         return GGMLBlocks(info.ggml_type, rows if heads is None else unpermute_rope_rows(rows, heads), info.shape)

@@ -14,7 +14,7 @@ import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
-from tokenmill.model.checkpoint import Checkpoint, expected_shapes
+from tokenmill.model.checkpoint import Checkpoint, expected_shapes, fused_parts
 from tokenmill.quant.awq_format import BLOCK, Int4Groups
 from tokenmill.quant.gguf_blocks import GGMLBlocks
 
@@ -51,7 +51,7 @@ class SafetensorsCheckpoint(Checkpoint):
                     shape = tuple(f.get_slice(name).get_shape())
                     if self._claim(name, file, shape, expected):
                         continue
-                    if name in expected:
+                    if name in expected or fused_parts(name, expected) is not None:  # Phi-3's fused q/k/v, gate/up
                         self._files[name] = file
                         shapes[name] = shape
                     elif not _ignorable_hf_name(name, config):

@@ -57,7 +57,7 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling is None:
+    if scaling is None or scaling.get("rope_type") == "longrope":  # longrope: per position, rope_angles
         return inv_freq
     # llama3: keep high frequencies, divide low ones by `factor`, blend smoothly in between.
     factor = scaling["factor"]
@@ -72,16 +72,41 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     return torch.where(medium, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables over every position, computed once; rotation in the non-interleaved (HF) layout."""
+def rope_angles(dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
+                ) -> tuple[torch.Tensor, float]:
+    """The rotary angles [positions, dim / 2] and the scale of cos and sin (1 but for long-rope).
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None):
+    Long-rope (Phi-3): the frequencies divided by `short_factor` or `long_factor`, cos and sin scaled by
+    `attention_factor`, as transformers computes them. Transformers picks the set by a sequence's length so far
+    and, once a sequence grows past the original context, recomputes its whole cache with the long factors
+    (Phi3ForCausalLM.prepare_inputs_for_generation). A cache that is never recomputed must hold one set, or a
+    sequence's keys would disagree on positions; so the set is chosen once, for the context served (`long`,
+    ModelConfig.serving), as llama.cpp chooses: long where sequences may grow past the original context.
+    Equal to transformers for every sequence when the served context fits the original one, and otherwise for
+    every sequence whose prompt is longer than it."""
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    if scaling is None or scaling.get("rope_type") != "longrope":
+        return torch.outer(positions, rope_inv_freq(dim, theta, scaling)), 1.0
+    long = scaling.get("long", max_positions > scaling["original_max_position_embeddings"])
+    factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+    inv_freq = 1.0 / (factors * theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return torch.outer(positions, inv_freq), scaling["attention_factor"]
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables over every position, computed once; rotation in the non-interleaved (HF) layout, of the
+    first `rotary_dim` dims of each head (all of head_dim unless the model rotates part of it, as Phi-4-mini)."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
+                 rotary_dim: int | None = None):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        freqs, scale = rope_angles(rotary_dim or head_dim, max_positions, theta, scaling)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        cos, sin = emb.cos(), emb.sin()
+        if scale != 1.0:  # as transformers: scaled in float32, rounded to the model's dtype afterwards
+            cos, sin = cos * scale, sin * scale
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
         self._rounded: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

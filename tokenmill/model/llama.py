@@ -2,6 +2,8 @@
 
 The model knows nothing about requests: it sees token ids, positions, attention metadata and the caches. Nor
 does it know the device: every op goes through the backend it is built with (model/backends/).
+Other families are small variations of these modules, each in its own file (qwen3.py, phi3.py, smollm3.py):
+a subclass swaps a module through `attention_class` / `layer_class` and overrides a hook.
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ WeightTarget = tuple[nn.Module, nn.Parameter, int | None]  # the parameter's own
 
 
 class Attention(nn.Module):
+    rope = True  # False: a layer without rotary (smollm3.py's NoPE layers)
+
     def __init__(self, cfg: ModelConfig, backend: Backend, dtype: torch.dtype | None = None,
-                 method: LinearMethod | None = None, reduce: Reduce | None = None):
+                 method: LinearMethod | None = None, reduce: Reduce | None = None, layer_idx: int = 0):
         super().__init__()
         self.backend, self.reduce = backend, reduce
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -45,7 +49,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        q, k, v = self.backend.rotary_and_write_kv(self.qkv_proj(x), self.num_heads, self.num_kv_heads, cos, sin,
+        if not self.rope:
+            cos = sin = None
+        q, k, v = self.backend.rotary_and_write_kv(self.project(x), self.num_heads, self.num_kv_heads, cos, sin,
                                                    k_cache, v_cache, meta.slot_mapping)
         if meta.context is None:
             out = self.backend.paged_attention(q, k, v, k_cache, v_cache, meta)
@@ -54,13 +60,19 @@ class Attention(nn.Module):
         out = self.o_proj(out.reshape(x.shape[0], self.q_size))
         return out if self.reduce is None else self.reduce(out)
 
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """The fused q/k/v projection [T, (H + 2 KVH) D], before rotary (qwen3.py normalises q and k here)."""
+        return self.qkv_proj(x)
+
 
 class DecoderLayer(nn.Module):
+    attention_class: type[Attention] = Attention
+
     def __init__(self, cfg: ModelConfig, backend: Backend, dtype: torch.dtype | None = None,
-                 method: LinearMethod | None = None, reduce: Reduce | None = None):
+                 method: LinearMethod | None = None, reduce: Reduce | None = None, layer_idx: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, dtype)
-        self.self_attn = Attention(cfg, backend, dtype, method, reduce)
+        self.self_attn = self.attention_class(cfg, backend, dtype, method, reduce, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, dtype)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, backend, dtype, method, reduce)
 
@@ -82,6 +94,11 @@ class LlamaForCausalLM(nn.Module):
     head, only the last applies the final norm, and a later stage's forward starts from the hidden state it is given
     (parallel/layout.py PPStage)."""
 
+    layer_class: type[DecoderLayer] = DecoderLayer
+    # whether a backend may run the layers as its own whole-layer Llama kernel (Backend.decode_layers and the
+    # whole-step paths): False where a layer computes something else (a family's variation, partial rotary)
+    whole_layer_kernels = True
+
     def __init__(self, cfg: ModelConfig, backend: Backend | None = None, dtype: torch.dtype | None = None,
                  method: LinearMethod | None = None, tp: TensorParallel | None = None, stage: PPStage | None = None):
         super().__init__()
@@ -90,8 +107,10 @@ class LlamaForCausalLM(nn.Module):
         self.backend = backend = backend if backend is not None else TorchBackend()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype) if self.first else None
         reduce = tp.group.all_reduce if tp is not None else None
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, dtype, method, reduce)
-                                    for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, backend, dtype, method, reduce, i)
+                                    for i in range(cfg.num_layers))
+        if cfg.rotary_dim != cfg.head_dim:
+            self.whole_layer_kernels = False
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, dtype)
         self.rotary: RotaryEmbedding | None = None  # built by init_rotary once the model is on its device
         untied, tied = self.first and not cfg.tie_word_embeddings, self.first and cfg.tie_word_embeddings
@@ -103,7 +122,8 @@ class LlamaForCausalLM(nn.Module):
 
     def init_rotary(self, device: torch.device) -> None:
         cfg = self.config
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                                      cfg.rotary_dim)
         self.rotary.to(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

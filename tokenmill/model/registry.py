@@ -4,11 +4,21 @@ from __future__ import annotations
 
 from torch import nn
 
-from tokenmill.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.phi3 import Phi3ForCausalLM
+from tokenmill.model.qwen3 import Qwen3ForCausalLM
+from tokenmill.model.smollm3 import SmolLM3ForCausalLM
 
-_REGISTRY: dict[str, type[nn.Module]] = {name: LlamaForCausalLM for name in SUPPORTED_ARCHITECTURES}
+_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+}
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:

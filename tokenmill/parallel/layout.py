@@ -154,7 +154,8 @@ class PPStage:
         return self.index == self.count - 1
 
     def shard_config(self, cfg: ModelConfig) -> ModelConfig:
-        return replace(cfg, num_layers=self.end - self.start)
+        return replace(cfg, num_layers=self.end - self.start,
+                       nope_layers=[i - self.start for i in cfg.nope_layers if self.start <= i < self.end])
 
     @staticmethod
     def describe(cfg: ModelConfig, count: int, micro_batches: int) -> str:

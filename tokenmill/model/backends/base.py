@@ -52,7 +52,20 @@ class Backend(ABC):
                             sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Split the fused projection qkv [T, (H + 2 KVH) D] into q [T, H, D], k, v [T, KVH, D], rotate q and k
-        (cos, sin [T, 1, D]), and write k, v into the caches at slot_mapping [T]. May rotate qkv in place."""
+        (cos, sin [T, 1, R]: the first R <= D dims of each head, the rest passing through, as Phi-4-mini's partial
+        rotary; None: no rotation, a NoPE layer of SmolLM3), and write k, v into the caches at slot_mapping [T].
+        May rotate qkv in place."""
+
+    def qk_norm(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_weight: torch.Tensor,
+                k_weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Qwen3's q_norm and k_norm: each q and k head of the fused projection's output qkv [T, (H + 2 KVH) D]
+        RMS-normalised over D with its weight [D], written back into qkv, which is returned (rotary comes next).
+        Through `rms_norm` on [T * heads, D] rows, so a backend's norm kernel serves it."""
+        t, d = qkv.shape[0], q_weight.shape[0]
+        for start, heads, weight in ((0, num_heads, q_weight), (num_heads * d, num_kv_heads, k_weight)):
+            part = qkv[:, start:start + heads * d]
+            part.copy_(self.rms_norm(part.reshape(t * heads, d), weight, eps).view(t, heads * d))
+        return qkv
 
     @abstractmethod
     def paged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -124,8 +124,10 @@ class CpuBackend(TorchBackend):
     def rotary_and_write_kv(self, qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping):
         t = qkv.shape[0]
         cache_ok = k_cache.dtype == v_cache.dtype in (qkv.dtype, torch.float8_e4m3fn)  # FP8: written as codes
-        if (_rows(qkv) and k_cache.is_contiguous() and v_cache.is_contiguous() and qkv.dtype == cos.dtype and
-                cache_ok and slot_mapping.dtype == torch.long):
+        # the kernel rotates whole heads: a NoPE layer (cos None) or partial rotary takes the reference path
+        whole_heads = cos is not None and cos.shape[-1] == k_cache.shape[-1]
+        if (whole_heads and _rows(qkv) and k_cache.is_contiguous() and v_cache.is_contiguous()
+                and qkv.dtype == cos.dtype and cache_ok and slot_mapping.dtype == torch.long):
             # rotary in place and the K/V cache write, in one call
             self.ops.rotary_write_kv(qkv, num_heads, num_kv_heads, cos.reshape(t, -1).contiguous(),
                                      sin.reshape(t, -1).contiguous(), k_cache, v_cache, slot_mapping)

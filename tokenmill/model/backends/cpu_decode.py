@@ -60,9 +60,10 @@ def _build_decode_model(ops: Any, model: nn.Module) -> Any:
 
 def layer_stack(ops: Any, model: nn.Module) -> Any:
     """The model's layers as one ops.DecoderStack (_layer_weights' tensors, held in C++), built once per model
-    and kept in model.backend_cache; None where _layer_weights is."""
+    and kept in model.backend_cache; None where _layer_weights is, or where the model's layers are not the plain
+    Llama layer the stack computes (model.whole_layer_kernels: q/k norms, partial rotary, NoPE layers)."""
     if LAYER_STACK not in model.backend_cache:
-        weights = _layer_weights(model)
+        weights = _layer_weights(model) if getattr(model, "whole_layer_kernels", True) else None
         model.backend_cache[LAYER_STACK] = None if weights is None else ops.DecoderStack(weights)
     return model.backend_cache[LAYER_STACK]
 

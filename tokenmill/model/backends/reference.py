@@ -32,6 +32,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+def rotate_leading(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rotary on the first cos.shape[-1] dims of each head, the rest as they are (partial rotary)."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return apply_rotary(x, cos, sin)
+    return torch.cat([apply_rotary(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     kvh, hd = k.shape[1], k.shape[2]
@@ -112,7 +120,8 @@ class TorchBackend(Backend):
 
     def rotary_and_write_kv(self, qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping):
         q, k, v = split_qkv(qkv, num_heads, num_kv_heads, k_cache.shape[-1])
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cos is not None:
+            q, k = rotate_leading(q, cos, sin), rotate_leading(k, cos, sin)
         write_kv(k_cache, v_cache, k, v, slot_mapping)
         return q, k, v
 
