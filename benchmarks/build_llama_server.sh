@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Build llama.cpp's own C++ `llama-server` and `llama-bench`, the llama.cpp peer of benchmarks/compare.py, from the
-# llama.cpp source vendored in the llama-cpp-python sdist (PyPI is the only source this needs: no GitHub).
+# Build llama.cpp's own C++ `llama-server`, `llama-bench`, `llama-perplexity` and `llama-quantize` (the llama.cpp
+# peer of benchmarks/compare.py, its perplexity reference, its quantizer) from the llama.cpp source vendored in the
+# llama-cpp-python sdist (PyPI is the only source this needs: no GitHub).
 #
 #     bash benchmarks/build_llama_server.sh [OUT_DIR]        # default /work/peers/llama.cpp/bin
 #
-# Skips the build when both binaries are already in OUT_DIR. Environment knobs:
+# Skips the build when all the binaries are already in OUT_DIR. Environment knobs:
 #   PYTHON      python whose pip downloads the sdist (default: .venv/bin/python of this checkout, else python3)
 #   JOBS        parallel compile jobs (default 2)
 #   WORK_DIR    where the sdist is downloaded, unpacked and built (default: OUT_DIR/../src, kept for rebuilds)
@@ -26,8 +27,11 @@ fi
 log() { printf '[build_llama_server %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 die() { printf '[build_llama_server] error: %s\n' "$*" >&2; exit 1; }
 
-if [[ -x $OUT_DIR/llama-server && -x $OUT_DIR/llama-bench ]]; then
-    log "llama-server and llama-bench are already in $OUT_DIR; nothing to do (delete them to rebuild)"
+TOOLS=(llama-server llama-bench llama-perplexity llama-quantize)
+have_all=1
+for exe in "${TOOLS[@]}"; do [[ -x $OUT_DIR/$exe ]] || have_all=0; done
+if (( have_all )); then
+    log "${TOOLS[*]} are already in $OUT_DIR; nothing to do (delete them to rebuild)"
     exit 0
 fi
 mkdir -p "$OUT_DIR"
@@ -97,12 +101,12 @@ cmake -S "$src" -B "$build" \
     -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
     -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF \
     -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags"
-log "building llama-server and llama-bench with -j$JOBS (several minutes on 2 cores)"
+log "building ${TOOLS[*]} with -j$JOBS (several minutes on 2 cores)"
 start=$SECONDS
-cmake --build "$build" --config Release -j"$JOBS" --target llama-server llama-bench
+cmake --build "$build" --config Release -j"$JOBS" --target "${TOOLS[@]}"
 log "built in $((SECONDS - start)) s"
 
-for exe in llama-server llama-bench; do
+for exe in "${TOOLS[@]}"; do
     bin=$(find "$build" -type f -name "$exe" -perm -u+x -print -quit)
     [[ -n $bin ]] || die "the build produced no $exe"
     install -m 0755 "$bin" "$OUT_DIR/$exe"
