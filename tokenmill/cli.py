@@ -9,7 +9,8 @@ import sys
 
 from tokenmill.engine_args import EngineArgs, parse_bytes
 from tokenmill.errors import TokenmillError
-from tokenmill.server.settings import parse_priority_range
+from tokenmill.server.reasoning import REASONING_PARSERS
+from tokenmill.server.settings import parse_priority_range, parse_template_kwargs_flag
 
 log = logging.getLogger("tokenmill")
 
@@ -144,6 +145,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "stream's error event)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
     g.add_argument("--no-ui", action="store_true", help="no web playground and dashboard at /")
+    g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="split a chat answer's <think>...</think> block into message.reasoning_content (streamed as "
+                        "delta.reasoning_content), the rest staying content. deepseek_r1: the output starts inside "
+                        "the block (reasoning up to </think>, all of it if none comes); qwen3: only where <think> "
+                        "appears (as vLLM's parsers of those names)")
+    g.add_argument("--default-chat-template-kwargs", type=parse_template_kwargs_flag, default=None,
+                   metavar="JSON", help="chat template variables for every chat request, e.g. '{\"enable_thinking\": "
+                                        "false}'; a request's chat_template_kwargs override them")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

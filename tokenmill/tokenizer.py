@@ -91,14 +91,15 @@ class Tokenizer:
     # -- chat ------------------------------------------------------------------------------------------
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> str:
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> str:
         """The prompt text the model's chat template makes of `messages` (and `tools`, for a template that takes
-        them: `template_takes_tools`)."""
+        them: `template_takes_tools`); `template_kwargs` are extra template variables (e.g. enable_thinking)."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template, so chat messages cannot be turned into a "
                              "prompt; send a plain text prompt (the completions API) instead")
         return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                            tools=tools or None)
+                                            tools=tools or None, **(template_kwargs or {}))
 
     @property
     def template_takes_tools(self) -> bool:

@@ -158,13 +158,15 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         takes_tools = tok.template_takes_tools
         messages = template_messages(req.template_messages(), tools, takes_tools)
         text, ids = await encoder.render_chat(messages, req.add_generation_prompt,
-                                              [t.as_openai() for t in tools.offered] if tools and takes_tools else None)
+                                              [t.as_openai() for t in tools.offered] if tools and takes_tools else None,
+                                              settings.template_kwargs(req.chat_template_kwargs))
         grammar = await engine.check_grammar(params)
         transfer = KVTransferParams.from_request(req.kv_transfer_params, engine.config.kv_transfer)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = engine.add_requests(request_id, [(text, ids)], params, arrival, req.cache_salt, grammar, transfer)
         writer = ChatWriter(request_id, model, params.n, (req.top_logprobs or 0) if req.logprobs else None,
-                            token_text, req.prompt_logprobs, tools.offered if tools and tools.parses else None)
+                            token_text, req.prompt_logprobs, tools.offered if tools and tools.parses else None,
+                            settings.reasoning_parser)
         if req.stream:
             return sse(stream, writer.chunks(stream, len(ids) if req.include_usage else None))
         choices = await collect(request, stream, params.n)
@@ -180,7 +182,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
             raise InvalidRequest("give either prompt or messages", param="prompt")
         if req.messages is not None:
             chat = ChatCompletionRequest(messages=req.messages)
-            text, ids = await encoder.render_chat(chat.template_messages(), req.add_generation_prompt)
+            text, ids = await encoder.render_chat(chat.template_messages(), req.add_generation_prompt,
+                                                  template_kwargs=settings.template_kwargs(req.chat_template_kwargs))
             if req.add_special_tokens:
                 ids = await encoder.encode(text, True)
         else:

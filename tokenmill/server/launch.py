@@ -63,7 +63,8 @@ def serve(args: argparse.Namespace) -> int:
                                   metrics_api_key=args.metrics_api_key or None,
                                   client_priority_range=args.client_priority_range,
                                   max_request_bytes=args.max_request_bytes,
-                                  ui=not args.no_ui)
+                                  ui=not args.no_ui, reasoning_parser=args.reasoning_parser,
+                                  default_chat_template_kwargs=args.default_chat_template_kwargs or {})
         app = create_app(engine, settings, metrics)
         # uvicorn's own timeout is only the backstop: Server ends what is left at --shutdown-timeout with a 503
         uconfig = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on",

@@ -4,6 +4,7 @@ text is long, so one big prompt does not stall every stream."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from tokenmill.errors import InvalidRequest
 from tokenmill.tokenizer import Tokenizer
@@ -30,12 +31,13 @@ class PromptEncoder:
             encoded = iter([self.tok.encode(t) for t in texts])
         return [(p, next(encoded)) if isinstance(p, str) else (None, p) for p in raw]
 
-    async def render_chat(self, messages: list[dict], add_generation_prompt: bool,
-                          tools: list[dict] | None = None) -> tuple[str, list[int]]:
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
+                          template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
         """The chat template's text and its ids; a template that raises is the client's error (400)."""
         def work() -> tuple[str, list[int]]:
             try:
-                text = self.tok.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+                text = self.tok.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                            template_kwargs=template_kwargs)
             except Exception as e:  # noqa: BLE001 - whatever a template raises, the messages caused it
                 raise InvalidRequest(f"the chat template rejected the messages: {e}", param="messages") from None
             return text, self.tok.encode(text, add_special_tokens=False)

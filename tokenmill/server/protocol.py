@@ -239,6 +239,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra chat template variables (enable_thinking)
 
     def tool_choice_spec(self) -> ToolChoice | None:
         return ToolChoice.parse(self.tools, self.tool_choice, self.parallel_tool_calls)
@@ -276,6 +277,7 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # as in a chat request
 
 
 class DetokenizeRequest(_Body):

@@ -6,19 +6,25 @@ import math
 import time
 from collections.abc import AsyncIterator
 
-from tokenmill.engine.output_processor import RequestState
+from tokenmill.engine.output_processor import RequestState, SampleDelta
 from tokenmill.engine.output_stream import OutputStream
+from tokenmill.server.reasoning import ReasoningStream, split_reasoning
 from tokenmill.server.streaming import Choice
 from tokenmill.server.token_text import TokenText
 from tokenmill.server.tools import CallStream, Tool, parse_calls
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, stream: OutputStream) -> dict:
-    """OpenAI's usage; cached_tokens: prompt tokens served from the prefix cache."""
+def _usage(prompt_tokens: int, completion_tokens: int, stream: OutputStream,
+           reasoning_tokens: int | None = None) -> dict:
+    """OpenAI's usage; cached_tokens: prompt tokens served from the prefix cache; reasoning_tokens (with a reasoning
+    parser): the completion tokens of the deltas that made up <think> blocks."""
     cached_tokens = stream.num_cached_tokens
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens,
+             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if reasoning_tokens is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return usage
 
 
 def _with_transfer(body: dict, stream: OutputStream) -> dict:
@@ -55,9 +61,10 @@ class _Writer:
         return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def _usage_chunk(self, prompt_tokens: int, completion_tokens: int, stream: OutputStream) -> dict:
+    def _usage_chunk(self, prompt_tokens: int, completion_tokens: int, stream: OutputStream,
+                     reasoning_tokens: int | None = None) -> dict:
         chunk = self._chunk([])
-        chunk["usage"] = _usage(prompt_tokens, completion_tokens, stream)
+        chunk["usage"] = _usage(prompt_tokens, completion_tokens, stream, reasoning_tokens)
         return chunk
 
 
@@ -172,24 +179,35 @@ class CompletionWriter(_Writer):
 
 
 class ChatWriter(_Writer):
+    """With a reasoning parser (server/reasoning.py) the <think> block goes to `reasoning_content` first, and tool
+    calls are parsed out of the rest (the content) only."""
+
     chunk_object = "chat.completion.chunk"
 
     def __init__(self, request_id: str, model: str, n: int, top_logprobs: int | None, token_text: TokenText,
-                 prompt_logprobs: int | None = None, tools: tuple[Tool, ...] | None = None):
+                 prompt_logprobs: int | None = None, tools: tuple[Tool, ...] | None = None,
+                 reasoning_parser: str | None = None):
         self.id, self.model, self.n, self.top, self.tt = request_id, model, n, top_logprobs, token_text
         self.prompt_logprobs = prompt_logprobs  # vLLM's `prompt_logprobs` list in each choice (not streamed)
         self.tools = tools  # offered tools whose calls are parsed out of the text (server/tools.py); None: no parsing
+        self.reasoning_parser = reasoning_parser  # None: the text is all content
         self.created = int(time.time())
 
-    def _message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-        """The assistant message of a whole choice, tool calls parsed out, and its finish_reason."""
-        if not self.tools:
-            return {"role": "assistant", "content": text}, finish_reason
-        content, calls = parse_calls(text, self.tools)
+    def _message(self, c: Choice) -> tuple[dict, str | None, int]:
+        """The assistant message of a whole choice (reasoning split off, tool calls parsed out), its finish_reason
+        and its reasoning tokens."""
+        message: dict = {"role": "assistant"}
+        text, reasoning_tokens = "".join(c.text), 0
+        if self.reasoning_parser:
+            reasoning, text, reasoning_tokens = split_reasoning(self.reasoning_parser, c.text, c.sizes)
+            message["reasoning_content"] = reasoning
+        content, calls = parse_calls(text, self.tools) if self.tools else (text, [])
+        found = message.get("reasoning_content") is not None
+        message["content"] = (content or None) if found or calls else content  # as before without a block
         if not calls:
-            return {"role": "assistant", "content": text}, finish_reason
-        return ({"role": "assistant", "content": content, "tool_calls": calls},
-                "tool_calls" if finish_reason == "stop" else finish_reason)
+            return message, c.finish_reason, reasoning_tokens
+        message["tool_calls"] = calls
+        return message, "tool_calls" if c.finish_reason == "stop" else c.finish_reason, reasoning_tokens
 
     def _logprobs(self, token_ids: list[int], lps: list[dict[int, float]]) -> dict:
         content = []
@@ -201,32 +219,55 @@ class ChatWriter(_Writer):
         return {"content": content}
 
     def response(self, choices: list[Choice], prompt_tokens: int, stream: OutputStream) -> dict:
-        body = []
+        body, reasoning_tokens = [], 0
         for i, c in enumerate(choices):
-            message, finish_reason = self._message("".join(c.text), c.finish_reason)
+            message, finish_reason, reasoned = self._message(c)
+            reasoning_tokens += reasoned
             body.append({"index": i, "message": message,
                          "logprobs": self._logprobs(c.token_ids, c.logprobs) if self.top is not None else None,
                          "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         if self.prompt_logprobs is not None:
             for choice in body:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(stream.requests[0], self.prompt_logprobs, self.tt)
+        usage = _usage(prompt_tokens, sum(len(c.token_ids) for c in choices), stream,
+                       reasoning_tokens if self.reasoning_parser else None)
         return _with_transfer({"id": self.id, "object": "chat.completion", "created": self.created,
-                               "model": self.model, "choices": body,
-                               "usage": _usage(prompt_tokens, sum(len(c.token_ids) for c in choices), stream)}, stream)
+                               "model": self.model, "choices": body, "usage": usage}, stream)
+
+    def _deltas(self, d: SampleDelta, calls: dict[int, CallStream] | None,
+                reasoners: dict[int, ReasoningStream] | None) -> list[dict]:
+        """A sample delta's text as chat deltas: reasoning, content, tool calls (what is held back goes at the
+        end)."""
+        if reasoners is None:
+            pieces = [("content", d.text)]
+        else:
+            r = reasoners[d.index]
+            pieces = r.feed(d.text, len(d.token_ids)) + (r.finish() if d.finish_reason is not None else [])
+        deltas = []
+        for kind, text in pieces:
+            if kind == "reasoning":
+                deltas.append({"reasoning_content": text})
+            elif calls is not None:  # tool calls split out of the content as their blocks close
+                deltas += calls[d.index].feed(text)
+            elif text:
+                deltas.append({"content": text})
+        if calls is not None and d.finish_reason is not None:
+            deltas += calls[d.index].finish()
+        return deltas
 
     async def chunks(self, stream: OutputStream, usage_prompt: int | None) -> AsyncIterator[dict]:
         yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None} for i in range(self.n)])
         completion_tokens = 0
         calls = {i: CallStream(self.tools) for i in range(self.n)} if self.tools else None
+        parser = self.reasoning_parser
+        reasoners = {i: ReasoningStream(parser) for i in range(self.n)} if parser else None
         async for update in stream:
             content, finished = [], []
             for d in update.samples:
                 completion_tokens += len(d.token_ids)
                 lps = self._logprobs(d.token_ids, d.logprobs or []) if self.top is not None and d.token_ids else None
-                deltas = [{"content": d.text}] if d.text else []
-                if calls is not None:  # tool calls split out of the text as their blocks close
-                    deltas = calls[d.index].feed(d.text) + (calls[d.index].finish() if d.finish_reason else [])
+                deltas = self._deltas(d, calls, reasoners)
                 for j, delta in enumerate(deltas or ([{"content": ""}] if lps else [])):
                     content.append({"index": d.index, "delta": delta, "logprobs": lps if j == 0 else None,
                                     "finish_reason": None})
@@ -239,7 +280,8 @@ class ChatWriter(_Writer):
                 for chunk in _one_per_choice(choices):
                     yield self._chunk(chunk)
         if usage_prompt is not None:
-            yield self._usage_chunk(usage_prompt, completion_tokens, stream)
+            reasoning_tokens = sum(r.reasoning_tokens for r in reasoners.values()) if reasoners else None
+            yield self._usage_chunk(usage_prompt, completion_tokens, stream, reasoning_tokens)
 
 
 def _one_per_choice(entries: list[dict]) -> list[list[dict]]:

@@ -26,6 +26,7 @@ class Choice:
     """One choice's output so far (a request's sample), gathered from its deltas."""
 
     text: list[str] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)  # each delta's token count (reasoning_tokens counts by delta)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
@@ -33,6 +34,7 @@ class Choice:
 
     def add(self, d: SampleDelta) -> None:
         self.text.append(d.text)
+        self.sizes.append(len(d.token_ids))
         self.token_ids.extend(d.token_ids)
         if d.logprobs:
             self.logprobs.extend(d.logprobs)
