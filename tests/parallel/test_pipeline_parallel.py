@@ -160,3 +160,13 @@ def test_smollm2_on_two_stages_gives_one_process_greedy_output():
         assert run(pp2, requests) == ref
     finally:
         pp2.close()
+
+
+def test_smollm3_nope_layers_keep_their_place_across_stages(tmp_path):
+    """SmolLM3's layer 3 of 4 has no rotary: on two stages (layers 0-1 and 2-3) the second stage's first layer is
+    model layer 2, and its NoPE layer still the model's layer 3."""
+    from tests.model.test_families import VARIANTS
+
+    model = make_tiny_model(tmp_path, **{**VARIANTS["smollm3"], "vocab_size": 256})
+    requests = {f"r{i}": (p, GREEDY) for i, p in enumerate(prompts(3, lengths=(5, 37, 45)))}
+    same_as_one_process(model, 2, requests, micro=2, chunk=16)

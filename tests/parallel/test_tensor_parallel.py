@@ -103,6 +103,17 @@ def test_qwen2_biases_and_a_vocabulary_the_ranks_do_not_divide(tmp_path):
     same_as_one_process(model, 2, {f"r{i}": (p, GREEDY) for i, p in enumerate(prompts(2, vocab=250))})
 
 
+@pytest.mark.parametrize("family", ["qwen3", "phi4-mini", "smollm3"])
+def test_the_model_families_shard_to_one_process_output(tmp_path, family):
+    """Qwen3's per-head q/k norms, Phi-4-mini's fused checkpoint tensors with partial rotary and long-rope,
+    SmolLM3's NoPE layers: each split over two ranks serves what one process serves."""
+    from tests.model.test_families import VARIANTS
+
+    model = make_tiny_model(tmp_path, **{**VARIANTS[family], "vocab_size": 256})
+    requests = {f"r{i}": (p, GREEDY) for i, p in enumerate(prompts(3, lengths=(5, 37, 45)))}
+    same_as_one_process(model, 2, requests, chunk=16)
+
+
 def test_int8_weights_quantize_each_rank_shard(gqa):
     same_as_one_process(gqa, 2, {f"r{i}": (p, GREEDY) for i, p in enumerate(prompts(2))}, quantization="int8")
 
