@@ -333,3 +333,22 @@ def write_llama_cpp_gguf(model_dir: Path, out: Path, arch: str, qtype=None) -> P
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "phi4-mini", "smollm3"])
+def test_chunked_prefill_prefix_hits_and_speculation_keep_the_greedy_output(families, variant, monkeypatch):
+    """Prompts cut into 16-token chunks, drafts (the model drafting for itself) verified every step, and a second
+    pass over the same prompts that finds their blocks cached: still transformers' tokens."""
+    family = families[variant]
+    case = family.cases[0]  # prompts of 16+ tokens: full blocks to cache
+    spec = {"model": str(family.path), "num_speculative_tokens": 3}
+    llm = make_llm(family.path, "cpu" if cpu_kernels._extension() is not None else "reference", monkeypatch,
+                   max_num_batched_tokens=16, speculative_config=spec, **case.llm_kwargs)
+    for _ in range(2):
+        outs = llm.generate([{"prompt_token_ids": p} for p in case.prompts],
+                            SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+        for out, (ref, logits) in zip(outs, case.reference):
+            assert_matches_reference(out.outputs[0].token_ids, ref, logits)
+    stats = llm.engine.core.scheduler.stats()
+    assert stats.prefix_cache.hits > 0 and stats.spec_decode.num_draft_tokens > 0
+    llm.engine.core.check_idle_invariants()
