@@ -96,10 +96,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+MODEL: str | None = None  # --model: a GGUF path or an installed model package's name; None: the default SmolLM2
+
+
 def gguf_path() -> Path:
     from tokenmill.model.loader import resolve_model_path
 
-    return resolve_model_path(None)
+    return resolve_model_path(MODEL)
 
 
 def eos_token_ids() -> list[int]:
@@ -221,11 +224,12 @@ def make_peers(args: argparse.Namespace, out: Path) -> tuple[list[Peer], list[st
     if "tokenmill" in wanted:
         peers.append(Peer(
             "tokenmill", "tokenmill",
-            [sys.executable, "-m", "tokenmill.cli", "serve", "--port", "{port}", "--served-model-name", SERVED_NAME,
+            [sys.executable, "-m", "tokenmill.cli", "serve", "--model", str(gguf_path()), "--port", "{port}",
+             "--served-model-name", SERVED_NAME,
              "--max-waiting-requests", "100000", "--max-waiting-tokens", str(1 << 30),
              *shlex.split(args.tokenmill_flags)],
             env={"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"},
-            notes=f"the same GGUF (Q4_1), {{weights}}; {args.tokenmill_flags or 'default flags'}"))
+            notes=f"the same GGUF ({gguf_path().name}), {{weights}}; {args.tokenmill_flags or 'default flags'}"))
     if "llamacpp" in wanted:
         binary = args.llama_server
         if Path(binary).is_file() and os.access(binary, os.X_OK):
@@ -409,6 +413,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--peers", default=",".join(DEFAULT_PEERS),
                    help=f"comma-separated subset of {', '.join(PEERS)} (default {','.join(DEFAULT_PEERS)}): "
                         "llamacpp = llama.cpp's C++ llama-server, llamacpp-python = llama-cpp-python's server")
+    p.add_argument("--model", default=None, help="a GGUF file or an installed model package's name (gemma3-270m); "
+                   "default: the bundled SmolLM2")
     p.add_argument("--request-rates", default="1,4,inf", help="comma-separated rates (req/s); inf = all at once")
     p.add_argument("--burstiness", type=float, default=1.0)
     p.add_argument("--max-concurrency", type=int, default=None)
@@ -454,7 +460,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global MODEL
     args = parse_args(argv)
+    MODEL = args.model
     out = args.out or Path("results") / f"compare-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     peers, skipped = make_peers(args, out)
