@@ -44,7 +44,7 @@ def tokenmill_perplexity(model: str, text: str, ctx: int, chunks: int, threads: 
     """llama-perplexity's computation through tokenmill: prompt logprobs of each chunk, its second half scored."""
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM(model, num_threads=threads, max_model_len=max(ctx, 512), kv_cache_memory=256 << 20)
+    llm = LLM(model, num_threads=threads, max_model_len=ctx + 1, kv_cache_memory=256 << 20)  # + the one sampled
     tok = llm.get_tokenizer()
     ids = tok.encode(text)  # as llama.cpp: BOS first where the model adds one
     bos = ids[0] if tok.bos_token_id is not None and ids[:1] == [tok.bos_token_id] else None
