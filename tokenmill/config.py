@@ -8,17 +8,19 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.errors import ConfigError
-from tokenmill.family_config import hf_max_positions, hf_nope_layers, hf_rope_scaling
+from tokenmill.family_config import (GEMMA3, gemma3_hf_fields, hf_gemma3_fields, hf_max_positions, hf_nope_layers,
+                                     hf_rope_scaling)
 from tokenmill.json_flag import json_flag
 
 if TYPE_CHECKING:
     import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "SmolLM3ForCausalLM")
+                           "Phi3ForCausalLM", "SmolLM3ForCausalLM", GEMMA3)
 # config.json `model_type` -> architecture, for configs without `architectures` (and back, for to_hf_dict)
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+               "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+               "gemma3_text": GEMMA3}
 
 
 @dataclass
@@ -42,6 +44,12 @@ class ModelConfig:
     qk_norm: bool = False  # per-head RMSNorm of q and k before rotary (Qwen3's q_norm/k_norm)
     partial_rotary_factor: float = 1.0  # the share of head_dim that rotary turns (Phi-4-mini: 0.75)
     nope_layers: list[int] = field(default_factory=list)  # layers without rotary (SmolLM3's NoPE layers)
+    # Gemma 3: in `sliding_layers` a token sees its last `sliding_window` keys (itself included), rotated with base
+    # `rope_local_theta` (the other layers: rope_theta and rope_scaling); scores scaled by query_pre_attn_scalar**-0.5
+    sliding_window: int | None = None
+    sliding_layers: list[int] = field(default_factory=list)
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None  # None: head_dim
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -80,7 +88,8 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-        return cls(
+        family = hf_gemma3_fields(cfg) if arch == GEMMA3 else {"rope_scaling": hf_rope_scaling(cfg)}
+        return cls(**{**dict(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -91,17 +100,16 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            rope_scaling=hf_rope_scaling(cfg),
             max_position_embeddings=hf_max_positions(arch, cfg),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", GEMMA3),
             partial_rotary_factor=float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor")
                                         or 1.0),
             nope_layers=hf_nope_layers(cfg) if arch == "SmolLM3ForCausalLM" else [],
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-        )
+        ), **family})
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A Hugging Face config.json dictionary that from_hf_dict reads back as this config (for writing a model
@@ -113,7 +121,10 @@ class ModelConfig:
             family["partial_rotary_factor"] = self.partial_rotary_factor
         if self.architecture == "SmolLM3ForCausalLM":
             family["no_rope_layers"] = [int(i not in self.nope_layers) for i in range(self.num_layers)]
-        return {**family, "architectures": [self.architecture], "model_type": model_type,
+        if self.architecture == GEMMA3:
+            family = gemma3_hf_fields(self.sliding_window, self.sliding_layers, self.num_layers,
+                                      self.rope_local_theta, self.query_pre_attn_scalar)
+        return {"architectures": [self.architecture], "model_type": model_type,
                 "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
                 "intermediate_size": self.intermediate_size,
                 "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
@@ -122,7 +133,7 @@ class ModelConfig:
                 "max_position_embeddings": self.max_position_embeddings,
                 "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.attention_bias,
                 "hidden_act": "silu", "bos_token_id": self.bos_token_id,
-                "eos_token_id": eos[0] if len(eos) == 1 else (list(eos) or None)}
+                "eos_token_id": eos[0] if len(eos) == 1 else (list(eos) or None), **family}
 
     @property
     def kv_bytes_per_token_per_element(self) -> int:

@@ -1,5 +1,6 @@
 """What a config.json says about the model families' variations, read into ModelConfig's fields (config.py) and
-shared with the GGUF reader: rope scaling (llama3, Phi-3's long-rope), SmolLM3's NoPE layers, sliding windows.
+shared with the GGUF reader: rope scaling (llama3, Phi-3's long-rope), SmolLM3's NoPE layers, sliding windows
+(Gemma 3's local layers; refused or cut to the window elsewhere).
 Plain Python: the API process reads configs without the model stack."""
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from tokenmill.errors import ConfigError
 
 
 def hf_max_positions(arch: str, cfg: dict[str, Any]) -> int:
-    """max_position_embeddings, within what tokenmill serves exactly: it has no sliding-window attention, so a
-    Phi-3 with a window (Phi-3-mini-4k: 2047) serves lengths the window never cuts, and a Qwen3 or SmolLM3 that
-    turns its windows on is refused."""
+    """max_position_embeddings, within what tokenmill serves exactly: its sliding windows are Gemma 3's (their
+    layers and their rotary bases), so a Phi-3 with a window (Phi-3-mini-4k: 2047) serves lengths the window never
+    cuts, and a Qwen3 or SmolLM3 that turns its windows on is refused."""
     max_positions = cfg.get("max_position_embeddings", 2048)
     if arch == "Phi3ForCausalLM" and cfg.get("sliding_window"):
         return min(max_positions, cfg["sliding_window"])
@@ -61,3 +62,57 @@ def hf_nope_layers(cfg: dict[str, Any]) -> list[int]:
         every = cfg.get("no_rope_layer_interval", 4)
         flags = [int((i + 1) % every != 0) for i in range(cfg["num_hidden_layers"])]
     return [i for i, f in enumerate(flags) if not f]
+
+
+GEMMA3 = "Gemma3ForCausalLM"
+GEMMA3_DEFAULT_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}  # Gemma3TextConfig's
+
+
+def hf_gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's ModelConfig fields from its config.json, in either form: the original keys (`rope_theta`,
+    `rope_local_base_freq`, `rope_scaling`, `sliding_window_pattern`) or transformers 5's (`rope_parameters` per
+    layer type, `layer_types`). Rope scaling (linear only) applies to the global layers, as transformers applies it.
+    What tokenmill does not compute (logit softcapping, bidirectional attention, another activation) is refused."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ConfigError(f"Gemma 3 with {key} is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise ConfigError("Gemma 3 with use_bidirectional_attention is not supported (causal attention only)")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ConfigError(f"Gemma 3 with hidden_activation {act!r} is not supported (gelu_pytorch_tanh only)")
+    params = cfg.get("rope_parameters") or {}
+    rope = {"full_attention": {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta")},
+            "sliding_attention": {"rope_theta": cfg.get("rope_local_base_freq")}}
+    rope = {kind: params.get(kind) or rope[kind] for kind in rope}
+    theta = {kind: float(rope[kind].get("rope_theta") or GEMMA3_DEFAULT_THETA[kind]) for kind in rope}
+    kinds = {kind: rope[kind].get("rope_type") or rope[kind].get("type") or "default" for kind in rope}
+    if kinds["sliding_attention"] != "default" or kinds["full_attention"] not in ("default", "linear"):
+        raise ConfigError(f"Gemma 3 rope scaling {kinds} is not supported (linear on the global layers only)")
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:  # every `sliding_window_pattern`-th layer global, the others local
+        pattern = cfg.get("sliding_window_pattern", 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    window = cfg.get("sliding_window")
+    return {
+        "rope_theta": theta["full_attention"],
+        "rope_scaling": ({"rope_type": "linear", "factor": float(rope["full_attention"]["factor"])}
+                         if kinds["full_attention"] == "linear" else None),
+        "rope_local_theta": theta["sliding_attention"],
+        "sliding_window": int(window) if window else None,
+        "sliding_layers": [i for i, t in enumerate(types) if t == "sliding_attention"] if window else [],
+        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
+        "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6),
+        "tie_word_embeddings": cfg.get("tie_word_embeddings", True),
+        "max_position_embeddings": cfg.get("max_position_embeddings", 131_072),
+    }
+
+
+def gemma3_hf_fields(sliding_window: int | None, sliding_layers: list[int], num_layers: int,
+                     rope_local_theta: float | None, query_pre_attn_scalar: float | None) -> dict[str, Any]:
+    """The config.json keys hf_gemma3_fields reads back (ModelConfig.to_hf_dict)."""
+    return {"model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh", "sliding_window": sliding_window,
+            "layer_types": ["sliding_attention" if i in sliding_layers else "full_attention"
+                            for i in range(num_layers)],
+            "rope_local_base_freq": rope_local_theta, "query_pre_attn_scalar": query_pre_attn_scalar}

@@ -28,7 +28,8 @@ def smollm2_tokenizer() -> Any:
 
 
 def _hf_config(arch: str, **kw: Any) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config, SmolLM3Config
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
+                              SmolLM3Config)
 
     if arch == "qwen3":
         return Qwen3Config(use_sliding_window=False, **kw)  # per-head q/k RMSNorm, head_dim as given
@@ -36,13 +37,17 @@ def _hf_config(arch: str, **kw: Any) -> Any:
         return Phi3Config(sliding_window=None, **kw)  # fused qkv_proj / gate_up_proj in the checkpoint
     if arch == "smollm3":
         return SmolLM3Config(use_sliding_window=False, **kw)  # every 4th layer NoPE unless no_rope_layers says
+    if arch == "gemma3":  # rotary per layer type: the global layers' (scaling included), the local ones' own base
+        local = {"rope_type": "default", "rope_theta": kw.pop("rope_local_base_freq", 10000.0)}
+        return Gemma3TextConfig(rope_parameters={"full_attention": kw.pop("rope_parameters"),
+                                                 "sliding_attention": local}, **kw)
     if arch == "llama":
         return LlamaConfig(**kw)
     if arch == "mistral":
         return MistralConfig(sliding_window=None, **kw)  # plain causal attention, like the engine
     if arch == "qwen2":
         return Qwen2Config(use_sliding_window=False, **kw)  # q/k/v always carry a bias
-    raise ValueError(f"unknown tiny arch {arch!r}; use llama, qwen2, mistral, qwen3, phi3 or smollm3")
+    raise ValueError(f"unknown tiny arch {arch!r}; use llama, qwen2, mistral, qwen3, phi3, smollm3 or gemma3")
 
 
 @torch.no_grad()
@@ -100,7 +105,8 @@ def make_tiny_model(
     smaller vocab_size keeps the same tokenizer, so feed such a model token ids below vocab_size.
     rope_scaling is a HF dict such as {"rope_type": "llama3", "factor": 8.0, ...}. head_dim None is
     hidden_size // num_heads. `family` goes to the config class as it is (e.g. Phi-3's partial_rotary_factor and
-    original_max_position_embeddings, SmolLM3's no_rope_layers).
+    original_max_position_embeddings, SmolLM3's no_rope_layers, Gemma 3's sliding_window and layer_types;
+    its rope_local_base_freq becomes the local layers' rotary).
     """
     from transformers import AutoModelForCausalLM
 
@@ -126,6 +132,11 @@ def make_tiny_model(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed)
+    if arch == "gemma3":  # its norms scale by 1 + w: the same spread around 1 as the others'
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.sub_(1.0)
     out = _next_free_dir(Path(tmp_path), arch)
     model.save_pretrained(out, safe_serialization=True)
     smollm2_tokenizer().save_pretrained(out)

@@ -36,6 +36,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
+        if config.architecture == "Gemma3ForCausalLM":  # sandwich norms: after attention, around the MLP
+            shapes.update({p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)})
         if config.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (config.head_dim,),
                            p + "self_attn.k_norm.weight": (config.head_dim,)})

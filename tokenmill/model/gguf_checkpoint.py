@@ -17,7 +17,7 @@ from tokenmill.quant.gguf import GGUFFile
 from tokenmill.quant.gguf_blocks import GGMLBlocks, kept_gguf_type
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+                      "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 # llama.cpp's converter reorders q/k rows for ggml's rope of these (LlamaModel and its subclasses), not the others
 PERMUTED_QK = ("llama", "smollm3")
 # tensors llama.cpp writes that the config reads (Phi-3's long-rope factors), not model weights
@@ -68,29 +68,52 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
         embd = gguf.tensors.get("token_embd.weight")
         vocab = embd.shape[0] if embd else need("vocab_size")
     eos = [gguf.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    if arch == "gemma3" and tokens and "<end_of_turn>" in tokens:  # a chat turn's end, as llama.cpp finds it
+        eos.append(tokens.index("<end_of_turn>"))
+    layers = int(need("block_count"))
+    family = (_gguf_gemma3_fields(gguf, layers, int(head_dim or hidden // num_heads), hidden // num_heads)
+              if arch == "gemma3" else {"rope_scaling": _gguf_rope_scaling(gguf, arch, context)})
     return ModelConfig(
         architecture=hf_arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
+        num_layers=layers,
         num_heads=num_heads,
         num_kv_heads=int(num_kv),
         head_dim=int(head_dim or hidden // num_heads),
         rms_norm_eps=float(gguf.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(gguf.get(f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=_gguf_rope_scaling(gguf, arch, context),
         # no sliding-window attention here: serve only lengths Phi-3's window never cuts (0: none)
         max_position_embeddings=min(context, int(window)) if window else context,
         tie_word_embeddings="output.weight" not in gguf.tensors,
         attention_bias=hf_arch == "Qwen2ForCausalLM" or "blk.0.attn_q.bias" in gguf.tensors,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
         partial_rotary_factor=partial,
         # llama.cpp has no key for SmolLM3's NoPE layers: it fixes every 4th (src/models/smollm3.cpp), as here
-        nope_layers=[i for i in range(int(need("block_count"))) if (i + 1) % 4 == 0] if arch == "smollm3" else [],
+        nope_layers=[i for i in range(layers) if (i + 1) % 4 == 0] if arch == "smollm3" else [],
         bos_token_id=gguf.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=list(dict.fromkeys(int(i) for i in eos if i is not None)),
+        **family,
     )
+
+
+def _gguf_gemma3_fields(gguf: GGUFFile, layers: int, head_dim: int, head_width: int) -> dict[str, Any]:
+    """Gemma 3 as llama.cpp runs it (src/llama-model.cpp), which the file's keys do not all say: every 6th layer
+    global and the others local (unless the file lists them), the local ones with base 10000 and the file's window;
+    scores scaled by head_dim ** -0.5 (the 27B, 62 layers: (hidden / heads) ** -0.5); linear rope scaling on the
+    global layers where the file asks for it."""
+    window = gguf.get("gemma3.attention.sliding_window")
+    pattern = gguf.get("gemma3.attention.sliding_window_pattern", 6)
+    local = ([i for i, f in enumerate(pattern) if f] if isinstance(pattern, list)
+             else [i for i in range(layers) if (i + 1) % int(pattern)])
+    kind, factor = gguf.get("gemma3.rope.scaling.type"), gguf.get("gemma3.rope.scaling.factor")
+    if kind not in (None, "none", "linear"):
+        raise ConfigError(f"GGUF file {gguf.path} uses rope scaling {kind!r}; Gemma 3 takes linear only")
+    return {"sliding_window": int(window) if window else None, "sliding_layers": local if window else [],
+            "rope_local_theta": 10000.0, "query_pre_attn_scalar": float(head_width if layers == 62 else head_dim),
+            "rope_scaling": ({"rope_type": "linear", "factor": float(factor)}
+                             if kind == "linear" and factor and factor != 1.0 else None)}
 
 
 def _gguf_rope_scaling(gguf: GGUFFile, arch: str, context: int) -> dict[str, Any] | None:
@@ -129,6 +152,9 @@ _GGUF_LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3's sandwich norms: llama.cpp's ffn_norm is the norm before the MLP, not after attention
+_GEMMA3_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                       "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -140,7 +166,8 @@ def hf_name_for_gguf(name: str, arch: str = "llama") -> str | None:
         return None
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
     if m:
-        leaf = "mlp.gate_up_proj" if arch == "phi3" and m.group(2) == "ffn_up" else _GGUF_LAYER_NAMES.get(m.group(2))
+        names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
+        leaf = "mlp.gate_up_proj" if arch == "phi3" and m.group(2) == "ffn_up" else names.get(m.group(2))
         return f"model.layers.{m.group(1)}.{leaf}.{suffix}" if leaf else None
     leaf = _GGUF_GLOBAL_NAMES.get(base)
     return f"{leaf}.{suffix}" if leaf else None
@@ -160,7 +187,8 @@ def unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 class GGUFCheckpoint(Checkpoint):
     """A llama.cpp GGUF file: each read dequantizes one tensor (a chunk of rows at a time when `dtype` is not
-    float32, quant/gguf_blocks.py) and undoes llama.cpp's rotary row order for llama q/k."""
+    float32, quant/gguf_blocks.py) and undoes llama.cpp's rotary row order for llama q/k, and the + 1 its converter
+    adds to Gemma 3's norm weights (the file holds 1 + w; transformers' checkpoints and ours, w)."""
 
     def __init__(self, path: Path, config: ModelConfig, dtype: torch.dtype):
         self._gguf = gguf = GGUFFile.open(path)
@@ -168,6 +196,7 @@ class GGUFCheckpoint(Checkpoint):
         expected = expected_shapes(config)
         self._names: dict[str, str] = {}  # HF name -> GGUF name
         self._rope_heads: dict[str, int] = {}  # HF name -> heads, for the rows llama.cpp permuted
+        self._shifted: set[str] = set()  # HF names of Gemma 3's norm weights, stored + 1
         for name in gguf.tensors:
             if name in _CONFIG_TENSORS:
                 continue
@@ -179,11 +208,15 @@ class GGUFCheckpoint(Checkpoint):
             if hf_name == "lm_head.weight" and config.tie_word_embeddings:
                 continue
             self._names[hf_name] = name
+            if arch == "gemma3" and name.endswith("norm.weight"):
+                self._shifted.add(hf_name)
             if arch in PERMUTED_QK and (".attn_q." in name or ".attn_k." in name):
                 self._rope_heads[hf_name] = config.num_heads if ".attn_q." in name else config.num_kv_heads
         super().__init__(path, config, dtype, {n: gguf.tensors[g].shape for n, g in self._names.items()})
 
     def _read(self, name: str) -> torch.Tensor:
+        if name in self._shifted:  # 1 + w in float32 (exactly w where w + 1 was exact), then the model's dtype
+            return (self._gguf.read_tensor(self._names[name], torch.float32) - 1.0).to(self.dtype)
         w = self._gguf.read_tensor(self._names[name], self.dtype)
         heads = self._rope_heads.get(name)
         return w if heads is None else unpermute_rope_rows(w, heads)

@@ -59,6 +59,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None or scaling.get("rope_type") == "longrope":  # longrope: per position, rope_angles
         return inv_freq
+    if scaling.get("rope_type") == "linear":  # positions divided by `factor` (Gemma 3's global layers)
+        return inv_freq / scaling["factor"]
     # llama3: keep high frequencies, divide low ones by `factor`, blend smoothly in between.
     factor = scaling["factor"]
     low_ff, high_ff = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)

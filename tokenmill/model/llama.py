@@ -35,6 +35,8 @@ WeightTarget = tuple[nn.Module, nn.Parameter, int | None]  # the parameter's own
 
 class Attention(nn.Module):
     rope = True  # False: a layer without rotary (smollm3.py's NoPE layers)
+    scale: float | None = None  # the scores' scale (None: head_dim ** -0.5; gemma3.py sets its own)
+    window: int | None = None  # keys a token sees, itself included (gemma3.py's sliding-window layers); None: all
 
     def __init__(self, cfg: ModelConfig, backend: Backend, dtype: torch.dtype | None = None,
                  method: LinearMethod | None = None, reduce: Reduce | None = None, layer_idx: int = 0):
@@ -54,7 +56,10 @@ class Attention(nn.Module):
         q, k, v = self.backend.rotary_and_write_kv(self.project(x), self.num_heads, self.num_kv_heads, cos, sin,
                                                    k_cache, v_cache, meta.slot_mapping)
         if meta.context is None:
-            out = self.backend.paged_attention(q, k, v, k_cache, v_cache, meta)
+            out = self.backend.paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window)
+        elif self.scale is not None or self.window is not None:
+            raise NotImplementedError("context parallelism attends with head_dim ** -0.5 over every key: not for "
+                                      "a layer with its own scale or a sliding window (Gemma 3)")
         else:  # context parallelism: this rank's share of the step attends with the other ranks (parallel/context.py)
             out = meta.context.attend(q, k, v, k_cache, v_cache, meta.num_paged_tokens)
         out = self.o_proj(out.reshape(x.shape[0], self.q_size))

@@ -6,6 +6,7 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
+from tokenmill.model.gemma3 import Gemma3ForCausalLM
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.phi3 import Phi3ForCausalLM
 from tokenmill.model.qwen3 import Qwen3ForCausalLM
@@ -18,6 +19,7 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 

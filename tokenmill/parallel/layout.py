@@ -155,7 +155,8 @@ class PPStage:
 
     def shard_config(self, cfg: ModelConfig) -> ModelConfig:
         return replace(cfg, num_layers=self.end - self.start,
-                       nope_layers=[i - self.start for i in cfg.nope_layers if self.start <= i < self.end])
+                       nope_layers=[i - self.start for i in cfg.nope_layers if self.start <= i < self.end],
+                       sliding_layers=[i - self.start for i in cfg.sliding_layers if self.start <= i < self.end])
 
     @staticmethod
     def describe(cfg: ModelConfig, count: int, micro_batches: int) -> str:

@@ -69,10 +69,26 @@ class Backend(ABC):
 
     @abstractmethod
     def paged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                        v_cache: torch.Tensor, meta: AttentionMetadata, scale: float | None = None,
+                        window: int | None = None) -> torch.Tensor:
         """q [T, H, D]; k, v [T, KVH, D] for the new tokens, already in the caches [blocks, block_size, KVH, D].
         Paged tokens read their context through block tables, fresh prefills attend over their own k, v.
-        Returns [T, H, D]."""
+        Scores are scaled by `scale` (None: D ** -0.5). `window` (a sliding-window layer, Gemma 3's local ones): a
+        token sees only its last `window` keys, itself included. Returns [T, H, D]."""
+
+    def rms_norm_float_scale(self, x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+        """x / rms(x) times a float32 scale [D], in float32, rounded once to x's dtype: Gemma's (1 + w) norms, as
+        transformers computes them (Llama's rms_norm rounds to x's dtype before the weight). In float32 that is
+        rms_norm, so a backend's norm kernel serves it."""
+        if x.dtype == scale.dtype:
+            return self.rms_norm(x, scale, eps)
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * scale).to(x.dtype)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] (gate and up projections side by side) -> gelu_tanh(gate) * up [T, I]: Gemma's gated MLP."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
     @abstractmethod
     def linear(self, x: torch.Tensor, layer: LinearWeights) -> torch.Tensor:

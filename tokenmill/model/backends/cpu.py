@@ -136,13 +136,17 @@ class CpuBackend(TorchBackend):
                                            slot_mapping)
 
     # ---- attention ---------------------------------------------------------------------------------------
-    def attend_paged(self, q, k_cache, v_cache, meta, scale):
-        if (q.device.type == "cpu" and k_cache.dtype == v_cache.dtype in (q.dtype, torch.float8_e4m3fn)
+    def attend_paged(self, q, k_cache, v_cache, meta, scale, window=None):
+        # a sliding-window layer: the vector kernel, each token from the first key of its window (the reference
+        # where the build has no such op)
+        kernel = self.ops.paged_attention if window is None else getattr(self.ops, "paged_attention_window", None)
+        if (kernel is not None and q.device.type == "cpu"
+                and k_cache.dtype == v_cache.dtype in (q.dtype, torch.float8_e4m3fn)
                 and k_cache.is_contiguous() and v_cache.is_contiguous()):
             idx = (meta.block_tables, meta.q_rows, meta.kv_lens)
             if all(i.dtype == torch.long and i.is_contiguous() for i in idx):
-                return self.ops.paged_attention(q.contiguous(), k_cache, v_cache, *idx, scale)
-        return super().attend_paged(q, k_cache, v_cache, meta, scale)
+                return kernel(q.contiguous(), k_cache, v_cache, *idx, scale, *(() if window is None else (window,)))
+        return super().attend_paged(q, k_cache, v_cache, meta, scale, window)
 
     # ---- matmuls -----------------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, layer: LinearWeights) -> torch.Tensor:

@@ -74,10 +74,11 @@ def query_layout(num_requests: int, q_rows: torch.Tensor) -> tuple[torch.Tensor,
 
 def paged_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, q_rows: torch.Tensor, kv_lens: torch.Tensor, scale: float,
-                         layout: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+                         layout: tuple[torch.Tensor, int] | None = None, window: int | None = None) -> torch.Tensor:
     """q [P, H, D] -> [P, H, D]. Each request's K/V is gathered once through its block table ([R, L, KVH, D]),
     its queries are padded to the longest request's, and one SDPA call runs with a mask per query: key j is
-    visible to a token iff j < its kv_len (causal within a chunk, nothing past the context, no padding blocks).
+    visible to a token iff j < its kv_len (causal within a chunk, nothing past the context, no padding blocks)
+    and, with a `window`, j >= kv_len - window (a sliding-window layer).
     Gathering per request rather than per token keeps memory and traffic at R x L, not P x L."""
     r, heads, hd, kvh = block_tables.shape[0], q.shape[1], q.shape[2], k_cache.shape[2]
     rank, max_q = layout if layout is not None else query_layout(r, q_rows)
@@ -88,17 +89,29 @@ def paged_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     # padding queries see one key (never none: an all-masked row is NaN); their outputs are dropped
     lens = torch.ones(r, max_q, dtype=kv_lens.dtype, device=q.device)
     lens[q_rows, rank] = kv_lens
-    mask = torch.arange(keys.shape[2], device=q.device) < lens.unsqueeze(-1)  # [R, Q, L]
+    key_pos = torch.arange(keys.shape[2], device=q.device)
+    mask = key_pos < lens.unsqueeze(-1)  # [R, Q, L]
+    if window is not None:
+        mask &= key_pos >= lens.unsqueeze(-1) - window
     out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values, attn_mask=mask.unsqueeze(1),
                                          scale=scale, enable_gqa=True)  # [R, H, Q, D]
     return out.transpose(1, 2)[q_rows, rank]
 
 
-def fresh_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of a first prompt chunk over its own k, v: q [n, H, D] -> [n, H, D]."""
+def fresh_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                       window: int | None = None) -> torch.Tensor:
+    """Causal attention of a first prompt chunk over its own k, v: q [n, H, D] -> [n, H, D]; with a `window`,
+    token i sees keys i - window < j <= i only."""
     # 4-D [1, heads, tokens, dim]: with 3-D inputs torch takes its unfused math path on CPU (3x slower)
     qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-    return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+    n = q.shape[0]
+    if window is None or window >= n:  # the window cuts nothing here
+        return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                              enable_gqa=True)[0].transpose(0, 1)
+    pos = torch.arange(n, device=q.device)
+    back = pos.unsqueeze(1) - pos  # [query, key]: how far back the key is
+    mask = (back >= 0) & (back < window)
+    return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
                                           enable_gqa=True)[0].transpose(0, 1)
 
 
@@ -126,27 +139,28 @@ class TorchBackend(Backend):
         return q, k, v
 
     def paged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                        v_cache: torch.Tensor, meta: AttentionMetadata, scale: float | None = None,
+                        window: int | None = None) -> torch.Tensor:
         # Paged tokens come first in the batch (model/attention.py), then the fresh prefill spans.
-        scale, p = q.shape[-1] ** -0.5, meta.num_paged_tokens
-        paged_out = self.attend_paged(q[:p], k_cache, v_cache, meta, scale) if p else None
+        scale, p = q.shape[-1] ** -0.5 if scale is None else scale, meta.num_paged_tokens
+        paged_out = self.attend_paged(q[:p], k_cache, v_cache, meta, scale, window) if p else None
         if not meta.fresh_spans:
             return paged_out if paged_out is not None else torch.empty_like(q)
         out = torch.empty_like(q)
         if paged_out is not None:
             out[:p] = paged_out
         for start, end in meta.fresh_spans:
-            out[start:end] = fresh_prefill_sdpa(q[start:end], k[start:end], v[start:end], scale)
+            out[start:end] = fresh_prefill_sdpa(q[start:end], k[start:end], v[start:end], scale, window)
         return out
 
     def attend_paged(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                     meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         """The paged rows q [P, H, D] of the batch; the per-request query layout is shared by every layer."""
         layout = meta.derived.get("query_layout")
         if layout is None:
             layout = meta.derived["query_layout"] = query_layout(meta.block_tables.shape[0], meta.q_rows)
         return paged_attention_sdpa(q, k_cache, v_cache, meta.block_tables, meta.q_rows, meta.kv_lens, scale,
-                                    layout)
+                                    layout, window)
 
     def linear(self, x: torch.Tensor, layer: LinearWeights) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)

@@ -394,13 +394,16 @@ inline void softmax_block(float* scores, const float* const* v_rows, float* acc,
 // only formed where the 2G-head kernels take the same path as the G-head ones), so decode and prefill, alone or
 // batched, agree bit for bit. Blocks sit anywhere in the pool, so the next block's rows are prefetched while this
 // one is computed (a hardware prefetcher cannot guess the jump).
+// window > 0 (a sliding-window layer, Gemma 3's local ones): a token sees only its last `window` keys, itself
+// included; its walk starts at the block holding the first of them, whose earlier keys it skips. Such tokens go
+// one per tile (their windows start at different keys).
 template <typename T, typename C = T>  // C: the cache element (T, or uint8_t for FP8 e4m3 codes)
 void attend(const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables, const int64_t* q_rows,
             const int64_t* kv_lens, T* out, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
-            int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale) {
+            int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window = 0) {
   const int64_t group = num_heads / num_kv_heads, D = head_dim, bs = block_size;
   const int64_t row_stride = num_kv_heads * D;  // elements between consecutive tokens' rows of one head
-  const bool pairs = 2 * group <= 6;  // block_scores_avx512 reduces four keys at once up to 6 heads
+  const bool pairs = window <= 0 && 2 * group <= 6;  // block_scores_avx512 reduces four keys at once up to 6 heads
   std::vector<int64_t> tiles;  // first token of each tile; a tile is 1 or 2 tokens
   for (int64_t t = 0; t < num_tokens;) {
     tiles.push_back(t);
@@ -429,10 +432,13 @@ void attend(const T* q, const C* k_cache, const C* v_cache, const int64_t* block
       std::fill(m.begin(), m.begin() + heads, -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.begin() + heads, 0.f);
       std::fill(acc.begin(), acc.begin() + heads * D, 0.f);
-      for (int64_t start = 0; start < len; start += bs) {
-        const int64_t n = std::min(bs, len - start);
-        const C* k_blk = k_cache + (table[start / bs] * bs * num_kv_heads + h) * D;
-        const C* v_blk = v_cache + (table[start / bs] * bs * num_kv_heads + h) * D;
+      // the first key seen (a window's tile is one token)
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      for (int64_t start = first - first % bs; start < len; start += bs) {
+        const int64_t skip = std::max<int64_t>(0, first - start);  // keys of this block before the window
+        const int64_t n = std::min(bs, len - start) - skip;
+        const C* k_blk = k_cache + ((table[start / bs] * bs + skip) * num_kv_heads + h) * D;
+        const C* v_blk = v_cache + ((table[start / bs] * bs + skip) * num_kv_heads + h) * D;
         if (start + bs < len) {  // the next block into L2 (as tile_attention.cpp does; into L1 it stalls loads)
           const int64_t next = table[start / bs + 1] * bs * num_kv_heads + h;
           const int64_t next_n = std::min(bs, len - start - bs);
@@ -482,9 +488,9 @@ bool tile_attention_applies(int64_t block_size, int64_t head_dim, int64_t num_he
 // q [T, H, D]; k_cache, v_cache [blocks, block_size, KVH, D]; block_tables [R, max_blocks] int64;
 // q_rows [T] int64 (row of block_tables per query token); kv_lens [T] int64; returns [T, H, D].
 // tiles: a bfloat16 cache goes to the bf16 dot-product kernel (AMX or AVX512-BF16) where it applies (false:
-// always the vector kernel below).
+// always the vector kernel below). window > 0: each token sees its last `window` keys only (the vector kernel).
 at::Tensor attention_on(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                           at::Tensor q_rows, at::Tensor kv_lens, double scale, bool tiles) {
+                           at::Tensor q_rows, at::Tensor kv_lens, double scale, bool tiles, int64_t window = 0) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(block_tables.is_contiguous() && q_rows.is_contiguous() && kv_lens.is_contiguous());
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && q_rows.scalar_type() == at::kLong &&
@@ -499,7 +505,7 @@ at::Tensor attention_on(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at
   if (fp8) {  // bf16 products over rows widened to bfloat16 where they apply, else the vector kernel
     const uint8_t* kc = reinterpret_cast<const uint8_t*>(k_cache.data_ptr());
     const uint8_t* vc = reinterpret_cast<const uint8_t*>(v_cache.data_ptr());
-    if (tiles && q.scalar_type() == at::kBFloat16 &&
+    if (tiles && window <= 0 && q.scalar_type() == at::kBFloat16 &&
         tile_attention(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), kc, vc,
                       block_tables.data_ptr<int64_t>(), q_rows.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(),
                       reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), T, H, KVH, D, BS, MB,
@@ -508,11 +514,11 @@ at::Tensor attention_on(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_fp8", [&] {
       attend<scalar_t, uint8_t>(q.data_ptr<scalar_t>(), kc, vc, block_tables.data_ptr<int64_t>(),
                                 q_rows.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
-                                T, H, KVH, D, BS, MB, static_cast<float>(scale));
+                                T, H, KVH, D, BS, MB, static_cast<float>(scale), window);
     });
     return out;
   }
-  if (tiles && q.scalar_type() == at::kBFloat16 &&
+  if (tiles && window <= 0 && q.scalar_type() == at::kBFloat16 &&
       tile_attention(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
                     reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
                     reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()),
@@ -523,7 +529,7 @@ at::Tensor attention_on(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     attend<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                      block_tables.data_ptr<int64_t>(), q_rows.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(),
-                     out.data_ptr<scalar_t>(), T, H, KVH, D, BS, MB, static_cast<float>(scale));
+                     out.data_ptr<scalar_t>(), T, H, KVH, D, BS, MB, static_cast<float>(scale), window);
   });
   return out;
 }
@@ -532,6 +538,13 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                               at::Tensor block_tables, at::Tensor q_rows, at::Tensor kv_lens,
                               double scale) {
   return attention_on(q, k_cache, v_cache, block_tables, q_rows, kv_lens, scale, true);
+}
+
+// A sliding-window layer's paged attention: each token sees its last `window` keys (itself included).
+at::Tensor paged_attention_window(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                                  at::Tensor q_rows, at::Tensor kv_lens, double scale, int64_t window) {
+  TORCH_CHECK(window > 0, "a window of at least one key");
+  return attention_on(q, k_cache, v_cache, block_tables, q_rows, kv_lens, scale, true, window);
 }
 
 // The vector kernel whatever the dtype (benchmarks and tests compare it with the bf16 dot-product one).
@@ -1234,6 +1247,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_pack", &f32_pack, "a [N, K] float32 weight in 16-feature panels [N/16, K, 16]");
   m.def("f32_linear", &f32_linear, "x @ w.T (+ b), w from f32_pack; batch-invariant");
   m.def("paged_attention_vectors", &paged_attention_vectors, "paged_attention on the float32 vector kernel only");
+  m.def("paged_attention_window", &paged_attention_window,
+        "paged_attention where each token sees its last `window` keys (a sliding-window layer)");
   m.def("amx_attention_applies", &amx_attention_applies,
         "whether paged_attention runs on AMX tiles for a bf16 cache of this block size, head_dim and heads");
   m.def("tile_attention_applies", &tile_attention_applies,
