@@ -11,7 +11,7 @@ Peers (each is skipped, saying why, when it is not installed):
 - tokenmill: `python -m tokenmill.cli serve` (this checkout), extra flags through `--tokenmill-flags`.
 - llama.cpp (`llamacpp`): llama.cpp's own C++ `llama-server` (`--llama-server PATH`, default
   /work/peers/llama.cpp/bin/llama-server; build it once with `bash benchmarks/build_llama_server.sh`, from the llama.cpp
-  vendored in the llama-cpp-python sdist), serving the same SmolLM2 GGUF natively (Q4_1 kernels) with continuous
+  vendored in the llama-cpp-python sdist), serving the same GGUF natively (its own kernels for every block format) with continuous
   batching over `--llamacpp-parallel` slots (default: `--max-concurrency`, else 16) of `--llamacpp-n-ctx` tokens each.
   It honours `ignore_eos` in the request body, as vLLM and tokenmill do.
 - llama-cpp-python (`llamacpp-python`, not run by default): `python -m llama_cpp.server` from
@@ -240,7 +240,7 @@ def make_peers(args: argparse.Namespace, out: Path) -> tuple[list[Peer], list[st
                 [binary, "--model", str(gguf_path()), "--host", "127.0.0.1", "--port", "{port}",
                  "-t", threads, "-tb", threads, "-c", str(slots * per_slot), "-np", str(slots), "-cb",
                  "--alias", SERVED_NAME, *shlex.split(args.llamacpp_flags)],
-                notes=f"llama-server ({version or 'version unknown'}), same GGUF run natively (Q4_1), "
+                notes=f"llama-server ({version or 'version unknown'}), same GGUF run natively ({gguf_path().name}), "
                       f"continuous batching over {slots} slots of {per_slot} tokens; ignore_eos honoured"
                       f"{'; ' + args.llamacpp_flags if args.llamacpp_flags else ''}",
                 ready_path="/health"))
@@ -256,7 +256,7 @@ def make_peers(args: argparse.Namespace, out: Path) -> tuple[list[Peer], list[st
                  "--n_threads_batch", threads, "--model_alias", SERVED_NAME, "--verbose", "False",
                  "--interrupt_requests", "False"],  # by default a new request cuts the running one short
                 extra_body={"logit_bias": {str(t): -100.0 for t in eos_token_ids()}},
-                notes=f"llama-cpp-python server, same GGUF run natively (Q4_1), n_ctx {args.llamacpp_n_ctx}, "
+                notes=f"llama-cpp-python server, same GGUF run natively ({gguf_path().name}), n_ctx {args.llamacpp_n_ctx}, "
                       "one request at a time; EOS banned by logit_bias"))
         else:
             skipped.append(f"llama-cpp-python: not installed for {args.llamacpp_python} "

@@ -31,11 +31,17 @@ def scrape(base_url: str, api_key: str | None = None) -> dict[str, Any] | None:
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        text = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=10).text
+        response = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=10)
     except httpx.HTTPError:
         return None
+    if response.status_code != 200:  # no metrics there (llama-server without --metrics answers 501)
+        return None
+    try:
+        families = list(text_string_to_metric_families(response.text))
+    except ValueError:  # not Prometheus text
+        return None
     found: dict[str, Any] = {"per_pos": {}}
-    for family in text_string_to_metric_families(text):
+    for family in families:
         for sample in family.samples:
             name = sample.name.replace("vllm:", "vllm_")
             for prefix in ("tokenmill_spec_decode_", "vllm_spec_decode_"):
