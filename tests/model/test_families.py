@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.greedy import assert_matches_reference, hf_greedy
+from tests.models.gguf_writer import llama_like_writer, write
 from tests.models.tiny import SMOLLM2_VOCAB, make_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ModelConfig
@@ -259,8 +260,7 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
     w = GGUFWriter(str(gguf), "gemma")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
-    for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
-        step()
+    write(w)
     with pytest.raises(ModelLoadError, match=r"unsupported architecture 'gemma'; supported: .*phi3.*smollm3"):
         load_model_config(gguf)
 
@@ -277,23 +277,14 @@ def write_llama_cpp_gguf(model_dir: Path, out: Path, arch: str, qtype=None) -> P
     metadata keys, tensor names from gguf-py's own name map, q/k rows permuted where the converter permutes them
     (SmolLM3, a LlamaModel; not Qwen3 or Phi-3), Phi-3's fused tensors kept fused (`attn_qkv`, and `ffn_up`
     holding gate and up) and its long-rope factors as two tensors. 2-D weights in `qtype` (None: F32)."""
-    from gguf import MODEL_ARCH, GGUFWriter, get_tensor_name_map, quants
+    from gguf import MODEL_ARCH, get_tensor_name_map, quants
 
     cfg = json.loads((model_dir / "config.json").read_text())
     weights = load_file(model_dir / "model.safetensors")
     hidden, heads, layers = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
     kv_heads, head_dim = cfg["num_key_value_heads"], cfg.get("head_dim") or hidden // heads
     rope = cfg.get("rope_parameters") or {}
-    w = GGUFWriter(str(out), arch)
-    w.add_name(f"tiny {arch}")
-    w.add_block_count(layers)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    w = llama_like_writer(out, arch, cfg, f"tiny {arch}")
     w.add_vocab_size(cfg["vocab_size"])
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
@@ -328,10 +319,7 @@ def write_llama_cpp_gguf(model_dir: Path, out: Path, arch: str, qtype=None) -> P
             w.add_tensor(name, data)
     for name, data in extra.items():
         w.add_tensor(name, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write(w)
     return out
 
 

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from tests.greedy import assert_matches_reference, hf_greedy
 from tests.model.test_families import BACKENDS, Case, check_greedy, needs_kernels
+from tests.models.gguf_writer import llama_like_writer, write
 from tests.models.tiny import make_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ModelConfig
@@ -201,24 +202,15 @@ def write_gemma3_gguf(model_dir: Path, out: Path) -> Path:
     """The HF directory's model as convert_hf_to_gguf.py's Gemma3Model writes it: its metadata keys (no local base,
     layer pattern or query_pre_attn_scalar: llama.cpp fixes those), gguf-py's tensor names, q/k rows as they are,
     every norm weight stored as 1 + w (Gemma3RMSNorm's scale), F32 throughout."""
-    from gguf import MODEL_ARCH, GGUFWriter, RopeScalingType, get_tensor_name_map
+    from gguf import MODEL_ARCH, RopeScalingType, get_tensor_name_map
 
     cfg = json.loads((model_dir / "config.json").read_text())
     weights = load_file(model_dir / "model.safetensors")
     rope = cfg["rope_parameters"]["full_attention"]
-    w = GGUFWriter(str(out), "gemma3")
-    w.add_name("tiny gemma3")
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w = llama_like_writer(out, "gemma3", cfg, "tiny gemma3", rope_theta=rope["rope_theta"])
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
-    w.add_rope_freq_base(rope["rope_theta"])
     w.add_sliding_window(cfg["sliding_window"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
@@ -232,8 +224,7 @@ def write_gemma3_gguf(model_dir: Path, out: Path) -> Path:
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf_name
         w.add_tensor(name, data)
-    for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
-        step()
+    write(w)
     return out
 
 
