@@ -170,3 +170,22 @@ def test_smollm3_nope_layers_keep_their_place_across_stages(tmp_path):
     model = make_tiny_model(tmp_path, **{**VARIANTS["smollm3"], "vocab_size": 256})
     requests = {f"r{i}": (p, GREEDY) for i, p in enumerate(prompts(3, lengths=(5, 37, 45)))}
     same_as_one_process(model, 2, requests, micro=2, chunk=16)
+
+
+def test_gemma3_layer_types_keep_their_place_across_stages(tmp_path):
+    """Gemma 3 with three local layers, then three global ones, on two stages of three layers: the second stage's
+    layers are global (no window, the global rotary base), not the first three of the model's list. The prompt
+    tokens' logprobs are compared: a tiny Gemma's greedy tokens hardly depend on its layers."""
+    from tests.model.test_gemma3 import VARIANTS
+    from tests.parallel.test_tensor_parallel import prompt_logprobs
+
+    spec = {**VARIANTS["gemma3-layers"], "layer_types": ["sliding_attention"] * 3 + ["full_attention"] * 3}
+    model = make_tiny_model(tmp_path, arch="gemma3", num_layers=6, rope_theta=1e6, vocab_size=256, **spec)
+    batch = prompts(3, lengths=(5, 37, 45))
+    ref = prompt_logprobs(core(model, 1, chunk=16), batch)
+    engine = core(model, 2, micro=2, chunk=16)
+    try:
+        for ours, theirs in zip(prompt_logprobs(engine, batch), ref):
+            assert ours == pytest.approx(theirs, abs=1e-5)
+    finally:
+        engine.close()

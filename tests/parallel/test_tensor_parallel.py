@@ -114,6 +114,38 @@ def test_the_model_families_shard_to_one_process_output(tmp_path, family):
     same_as_one_process(model, 2, requests, chunk=16)
 
 
+def prompt_logprobs(engine: EngineCore, prompts_: list[list[int]]) -> list[list[float]]:
+    """Each prompt token's logprob (after the first) as the engine scores it: a comparison finer than greedy tokens,
+    for tiny models whose greedy output hardly depends on their layers (a tiny Gemma repeats its last token)."""
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    for i, p in enumerate(prompts_):
+        engine.add_request(AddRequest(f"p{i}", p, params, 1, frozenset(), time.monotonic()))
+    got: dict[str, list[float]] = {}
+    while engine.has_unfinished:
+        for o in engine.step().outputs:
+            for lp in o.new_prompt_logprobs or []:
+                got.setdefault(o.request_id, []).append(next(iter(lp.values())))  # the prompt token's own, first
+    engine.check_idle_invariants()
+    return [got[f"p{i}"] for i in range(len(prompts_))]
+
+
+def test_gemma3_sliding_windows_shard_to_one_process_output(tmp_path):
+    """Gemma 3's local layers (an 8-key window, prompts far longer) and its global layer, split over two ranks:
+    the prompt tokens' logprobs as one process computes them (to float32 rounding of the split sums)."""
+    from tests.model.test_gemma3 import VARIANTS
+
+    model = make_tiny_model(tmp_path, arch="gemma3", num_layers=6, rope_theta=1e6, vocab_size=256,
+                            **VARIANTS["gemma3"])
+    batch = prompts(3, lengths=(5, 37, 45))
+    ref = prompt_logprobs(core(model, 1, chunk=16), batch)
+    engine = core(model, 2, chunk=16)
+    try:
+        for ours, theirs in zip(prompt_logprobs(engine, batch), ref):
+            assert ours == pytest.approx(theirs, abs=1e-4)
+    finally:
+        engine.close()
+
+
 def test_int8_weights_quantize_each_rank_shard(gqa):
     same_as_one_process(gqa, 2, {f"r{i}": (p, GREEDY) for i, p in enumerate(prompts(2))}, quantization="int8")
 

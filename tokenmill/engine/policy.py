@@ -205,8 +205,8 @@ def step_budget(running: list[Request], tokens: int, policy: FcfsPolicy, prefill
     prompts counting those waiting (`num_waiting`) and those under way: the stretch is paid once by each decode, the
     hold-back by each prompt, so a steady stream of arrivals keeps `slowdown` while a wave of them (a burst, or
     many requests ending at once and their successors arriving) is prefilled in long steps. With a fixed 3x, 64
-    ShareGPT streams on Zen 4 waited 10-13 s for a first token (TTFT p50) against 1.6-2.1 s (BENCHMARKS.md,
-    seventeenth session)."""
+    ShareGPT streams on Zen 4 waited 10-13 s for a first token (TTFT p50) against 1.6-2.1 s (BENCHMARKS.md, the
+    --max-decode-slowdown measurements)."""
     decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
     if not decoding:
         return StepBudget(tokens)
