@@ -97,3 +97,14 @@ def test_an_error_of_another_type_crosses_as_text():
     assert info.to_exception() is None and info.text == "Unknown: deep trouble"
     assert ErrorInfo.of("the engine exited").text == "the engine exited"
     assert core_through_a_pipe(EngineFailed(info)).error.text == "Unknown: deep trouble"
+
+
+class Odd(Exception):
+    def __init__(self, message):
+        super().__init__(message)
+        self.param, self.retry_after = 3, True  # fields of other types than tokenmill's errors give them
+
+
+def test_an_error_whose_fields_are_off_the_schema_still_crosses():
+    got = core_through_a_pipe(EngineOutputs(rejected={"r": ErrorInfo.of(Odd("strange"))})).rejected["r"]
+    assert got == ErrorInfo("Odd", "strange") and got.text == "Odd: strange"

@@ -51,3 +51,28 @@ def test_outputs_reach_the_callback_and_a_death_is_reported_once(tmp_path):
         assert exits.empty() and not client.alive
     finally:
         client.shutdown()
+
+
+def test_a_message_off_its_schema_stops_the_reader_with_the_reason():
+    """The step's outputs in it are lost: the client must say so (and the server fail what is in flight) rather
+    than read on as if nothing happened."""
+    import multiprocessing as mp
+    import threading
+    from types import SimpleNamespace
+
+    from tokenmill.engine.messages import EngineCoreOutput, encode_output
+
+    client = EngineProcessClient(EngineConfig())
+    recv, send = mp.Pipe(duplex=False)
+    client._out_recv = recv
+    client.proc = SimpleNamespace(is_alive=lambda: True, join=lambda timeout=None: None, exitcode=None)
+    got: queue.Queue[EngineOutputs] = queue.Queue()
+    exits: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=client._read_loop, args=(got.put, exits.put), daemon=True)
+    reader.start()
+    send.send_bytes(encode_output(EngineOutputs([EngineCoreOutput("r", [7])])))
+    assert got.get(timeout=10).outputs[0].new_token_ids == [7]
+    send.send_bytes(b"\x92\xa7unknown\x01")  # a tag no message has
+    assert "could not be read" in exits.get(timeout=10)
+    reader.join(10)
+    assert not reader.is_alive() and got.empty()

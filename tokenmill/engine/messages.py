@@ -7,7 +7,8 @@ engine/engine_process.py); no torch, so the API process never loads the model st
                     msgspec Structs encoded as MessagePack (`encode_output` / `decode_output`)
 
 The core's messages go every step, so they are Structs of plain fields with a fixed schema: a 16-sequence step
-encodes and decodes in ~4 us, against ~42 us pickled (benchmarks/boundary_codec.py; BENCHMARKS.md). The client's
+encodes and decodes in ~6 us, against ~26 us pickled (~42 us for the dataclasses sent before; BENCHMARKS.md,
+benchmarks/boundary_codec.py). The client's
 go once per request and carry SamplingParams, whose validated fields (a dict or a params object, a string or a
 list) no fixed schema states; they stay pickled.
 """
@@ -71,7 +72,11 @@ class ErrorInfo(msgspec.Struct, array_like=True, omit_defaults=True):
     def of(cls, e: BaseException | str) -> ErrorInfo:
         if isinstance(e, str):
             return cls("", e)
-        return cls(type(e).__name__, str(e), getattr(e, "param", None), getattr(e, "retry_after", None))
+        # only fields of the types the schema states: another exception's `param` may be anything, and a message
+        # the client cannot decode would cost it the whole step's outputs
+        param, retry = getattr(e, "param", None), getattr(e, "retry_after", None)
+        return cls(type(e).__name__, str(e), param if isinstance(param, str) else None,
+                   retry if isinstance(retry, int) and not isinstance(retry, bool) else None)
 
     def to_exception(self) -> Exception | None:
         """The same exception type with the same message, for tokenmill's errors and Python's built-in ones; None

@@ -12,6 +12,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine_process import run_engine_core
 from tokenmill.engine.messages import EngineFailed, EngineOutputs, EngineReady, ErrorInfo, Shutdown, decode_output
@@ -129,6 +131,7 @@ class EngineProcessClient:
                 return
 
     def _read_loop(self, on_outputs: Callable[[EngineOutputs], None], on_exit: Callable[[str], None]) -> None:
+        reason = None
         while True:
             try:
                 if not self._out_recv.poll(1.0):
@@ -139,10 +142,14 @@ class EngineProcessClient:
             except (EOFError, OSError):
                 self.proc.join(2)
                 break
+            except msgspec.DecodeError as e:  # a message off its schema (a bug): its outputs are lost, so stop
+                log.exception("a message from the engine could not be read")
+                reason = f"a message from the engine could not be read ({e}); stopping"
+                break
             if isinstance(msg, EngineOutputs):
                 try:
                     on_outputs(msg)
                 except Exception:  # a bug there must not kill the reader silently
                     log.exception("error while processing engine outputs")
         if not self.stopping:
-            on_exit(f"the engine process exited (code {self.proc.exitcode})")
+            on_exit(reason or f"the engine process exited (code {self.proc.exitcode})")
