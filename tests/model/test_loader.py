@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFWriter, quants
+from gguf import quants
 from safetensors.torch import load_file, save_file
 
+from tests.models.gguf_writer import llama_like_writer, write
 from tests.models.tiny import make_tiny_model
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ConfigError, ModelLoadError
@@ -237,16 +238,7 @@ def _write_gguf(path: Path, arch: str, cfg: dict, weights: dict[str, torch.Tenso
                 name: str = "tiny", permute: bool = True, extra: dict | None = None,
                 extra_tensors: dict[str, np.ndarray] | None = None) -> None:
     """A GGUF the way llama.cpp's converter lays it out (2-D weights in `qtype`, norms/biases in F32)."""
-    w = GGUFWriter(str(path), arch)
-    w.add_name(name)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    w = llama_like_writer(path, arch, cfg, name)
     w.add_vocab_size(cfg["vocab_size"])
     w.add_eos_token_id(2)
     w.add_bos_token_id(1)
@@ -264,10 +256,7 @@ def _write_gguf(path: Path, arch: str, cfg: dict, weights: dict[str, torch.Tenso
             w.add_tensor(_gguf_name(hf_name), data)
     for gguf_name, data in (extra_tensors or {}).items():
         w.add_tensor(gguf_name, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write(w)
 
 
 def _tiny_gguf(tmp_path: Path, arch: str, qtype: T = T.F32, **kwargs) -> tuple[Path, dict, dict]:
