@@ -262,3 +262,15 @@ def test_gemma3_270m_q4_k_m_greedy_matches_transformers(gemma3_270m):
         assert out.prompt_token_ids[0] == 2  # <bos>
         ref, logits = hf_greedy(hf, list(out.prompt_token_ids), REAL_TOKENS)
         assert_matches_reference(list(out.outputs[0].token_ids), ref, logits)
+
+
+def test_context_parallelism_is_refused_at_start_up(tmp_path):
+    """Its ring attention has no window or scale of Gemma's: refused before any rank starts, naming the flags."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.model_spec import ModelSpec
+
+    path = make_tiny_model(tmp_path, arch="gemma3", num_layers=6, rope_theta=1e6, vocab_size=256,
+                           **VARIANTS["gemma3"])
+    with pytest.raises(ConfigError, match="--context-parallel-size does not serve Gemma 3.*--tensor-parallel-size"):
+        ModelSpec.resolve(EngineConfig(model=str(path), context_parallel_size=2))
+    assert ModelSpec.resolve(EngineConfig(model=str(path))).config.architecture == "Gemma3ForCausalLM"

@@ -15,6 +15,7 @@ import torch
 from tokenmill.config import EngineConfig, ModelConfig, default_kv_cache_memory
 from tokenmill.engine.runner import DTYPES, ModelRunner, kv_bytes_per_token
 from tokenmill.errors import ConfigError
+from tokenmill.family_config import GEMMA3
 from tokenmill.model.backends import auto_dtype
 from tokenmill.model.loader import load_model_config, load_weights, resolve_model_path
 from tokenmill.parallel.context import ContextParallel
@@ -66,6 +67,10 @@ class ModelSpec:
             check_tensor_parallel(mc, config.tensor_parallel_size)
         if config.pipeline_parallel_size > 1:
             check_pipeline_parallel(mc, config.pipeline_parallel_size)
+        if config.context_parallel_size > 1 and mc.architecture == GEMMA3:  # refused here, not at its first step
+            raise ConfigError("--context-parallel-size does not serve Gemma 3 yet: its ring attention has neither a "
+                              "sliding window nor a query_pre_attn_scalar scale; use --tensor-parallel-size or "
+                              "--pipeline-parallel-size")
         # context parallelism keeps the whole model on every rank: any weight format
         if config.tensor_parallel_size * config.pipeline_parallel_size > 1 and quantization in ("gguf", "awq", "int4"):
             if config.quantization is not None or stored is not None:
