@@ -157,6 +157,8 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: auto = the model's dtype; fp8 = e4m3, half of bfloat16's bytes
     num_blocks: int | None = None  # set by the engine once the pool is sized
     enable_prefix_caching: bool = True  # share KV blocks of common prefixes (engine/prefix_cache.py)
+    # True: sliding-window layers keep every block, as full-attention ones do (engine/kv_layout.py's uniform layout)
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:

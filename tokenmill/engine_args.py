@@ -85,6 +85,9 @@ class EngineArgs:
     enable_prefix_caching: bool = _opt(True, "share the KV blocks of common prompt prefixes between requests "
                                              "(--no-prefix-caching turns it off)", flag="--prefix-caching",
                                        config="cache")
+    disable_hybrid_kv_cache_manager: bool = _opt(
+        False, "keep every KV block of a sliding-window layer (Gemma 3's local layers) for the whole sequence, as "
+               "for a full-attention layer, instead of giving back the blocks that left the window", config="cache")
     max_num_seqs: int = _opt(128, "most requests running at once", type=int, config="scheduler")
     max_num_batched_tokens: int = _opt(512, "token budget of one step", type=int, config="scheduler")
     long_prefill_token_threshold: int | None = _opt(

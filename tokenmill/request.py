@@ -41,6 +41,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # a hybrid KV layout's window pages per block (engine/window_pages.py): None once released, as are the first
+    # `num_window_released` blocks'
+    window_pages: list[list[int] | None] = field(default_factory=list)
+    num_window_released: int = 0
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     stop_reason: int | str | None = None

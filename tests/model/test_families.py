@@ -108,7 +108,7 @@ def make_llm(model: Path, backend: str, monkeypatch, **kwargs) -> LLM:
             m.setattr(runner_module, "select_backend",
                       lambda device, use_kernels=True, batch_invariant=False: select_backend(device, False,
                                                                                             batch_invariant))
-        llm = LLM(str(model), dtype="float32", kv_cache_memory=KV, **kwargs)
+        llm = LLM(str(model), dtype="float32", **{"kv_cache_memory": KV, **kwargs})
     want = TorchBackend if backend == "reference" else CpuBackend
     assert type(llm.engine.core.runner.backend) is want
     return llm

@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from tokenmill.engine.kv_layout import KVLayout
 from tokenmill.engine.prefix_cache import PrefixMatch, RadixCache
+from tokenmill.engine.window_pages import WindowPages
 from tokenmill.request import Request
 
 
@@ -106,12 +108,20 @@ class KVCacheManager:
     it joins the tree only under the request's cache salt, shared with that tenant alone. A request that loads KV
     without a salt keeps all its blocks private (`_private`): it still takes cached blocks, but none of its own join
     the tree, so pushed KV never answers another request's prefix lookup.
+
+    With a hybrid layout (engine/kv_layout.py) the pool's unit is a page: a block takes one for its full-attention
+    layers and `num_window_tables` more for its window layers while it is inside the window (`window`,
+    engine/window_pages.py). Counts of free blocks are then counts of pages.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 layout: KVLayout | None = None):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.tree = RadixCache(block_size) if enable_prefix_caching else None
+        self.layout = layout if layout is not None else KVLayout.uniform(1, block_size)
+        self.window = WindowPages(self.pool, self.layout) if self.layout.hybrid else None
+        self.pages_per_block = self.layout.pages_per_block
         self.prefix_stats = PrefixCacheStats()
         self._private: set[str] = set()  # requests holding loaded KV without a cache salt: none of theirs is cached
 
@@ -121,8 +131,9 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks a new allocation can get: free ones plus cached ones no request holds (evictable)."""
-        return self.pool.num_free_blocks + (self.tree.evictable_blocks if self.tree else 0)
+        """Blocks (pages) a new allocation can get: free ones plus cached ones no request holds (evictable)."""
+        return (self.pool.num_free_blocks + (self.tree.evictable_blocks if self.tree else 0)
+                + (self.window.num_idle_pages if self.window else 0))
 
     @property
     def usage(self) -> float:
@@ -135,6 +146,24 @@ class KVCacheManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def pages_needed(self, num_tokens: int) -> int:
+        """Pages a request with no blocks yet takes for its first `num_tokens` tokens (all written in one step)."""
+        return self.blocks_needed(num_tokens) * self.pages_per_block
+
+    def pages_to_grow(self, request: Request, num_new_tokens: int) -> int:
+        """Pages `request` takes to compute `num_new_tokens` more tokens."""
+        new_blocks = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
+        return max(0, new_blocks) * self.pages_per_block
+
+    def growth_cost(self, num_computed: int, num_tokens: int) -> int:
+        """Token slots of the pool that a request at `num_computed` tokens uses up to grow `num_tokens` more, for
+        headroom estimates: a token each, plus, for a hybrid layout, its window pages' share while the window
+        still grows (a long request's window pages are recycled, not added)."""
+        if self.window is None:
+            return num_tokens
+        cap = self.layout.window + self.block_size
+        return num_tokens + self.window.per_block * max(0, min(num_computed + num_tokens, cap) - min(num_computed, cap))
 
     # ---- prefix hits ---------------------------------------------------------------------------------------
     def _matchable(self, request: Request) -> list[int]:
@@ -154,7 +183,13 @@ class KVCacheManager:
         would have no logits), though its own blocks still join the cache."""
         if self.tree is None or request.num_computed_tokens or request.wants_prompt_logprobs:
             return None
-        return self.tree.match(self._matchable(request), request.cache_namespace)
+        tokens = self._matchable(request)
+        match = self.tree.match(tokens, request.cache_namespace)
+        if self.window is not None and match.blocks:  # a hit needs its last window's window pages too
+            n = self.window.hit_blocks(match.blocks)
+            if n < len(match.blocks):
+                match = self.tree.match(tokens[:n * self.block_size], request.cache_namespace)
+        return match
 
     def admit(self, request: Request, match: PrefixMatch | None, num_new_tokens: int, lookahead: int = 0) -> bool:
         """Give a waiting request its cached prefix and room for `num_new_tokens` (+ `lookahead` slots a draft
@@ -163,7 +198,9 @@ class KVCacheManager:
         num_new_tokens += lookahead
         loaded = self.num_loaded(request, match)
         need = self.blocks_needed(len(hit) * self.block_size + loaded + num_new_tokens) - len(hit)
-        if need > self.num_free_blocks - (match.num_evictable if match else 0):
+        need *= self.pages_per_block
+        taken = (match.num_evictable + (self.window.idle_in_hit(hit) if self.window else 0)) if match else 0
+        if need > self.num_free_blocks - taken:
             return False
         if self.tree is not None:
             self.prefix_stats.queries += request.num_tokens
@@ -172,6 +209,8 @@ class KVCacheManager:
             self.tree.lock(match.node)
             self.pool.share(hit)
             request.block_ids = list(hit)
+            if self.window is not None:
+                self.window.take_hit(request, hit)
             request.cache_node, request.num_cached_blocks = match.node, len(hit)
             request.num_computed_tokens = len(hit) * self.block_size
         if request.num_cached_tokens is None:
@@ -198,18 +237,39 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Make room for `num_new_tokens` more computed tokens; False (and nothing changed) if the pool is short.
         Evicts idle cached blocks when the free list alone is short."""
-        need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
+        need = self.pages_to_grow(request, num_new_tokens)
         if need <= 0:
             return True
         if need > self.num_free_blocks:
             return False
-        short = need - self.pool.num_free_blocks
+        self._reclaim(need - self.pool.num_free_blocks)
+        pages = self.pool.allocate(need)
+        new_blocks = need // self.pages_per_block
+        request.block_ids.extend(pages[:new_blocks])
+        if self.window is not None:
+            self.window.extend(request, pages[new_blocks:])
+        return True
+
+    def _reclaim(self, short: int) -> None:
+        """Free `short` more pages from the cache: idle window pages first (a block's window pages matter to a
+        hit ending within the window only), then blocks from the radix tree's unlocked leaves."""
+        if short <= 0:
+            return
+        if self.window is not None:
+            freed = self.window.reclaim(short)
+            self.prefix_stats.evicted_blocks += freed
+            short -= freed
         if short > 0:
             evicted = self.tree.evict(short)
             self.pool.uncache(evicted)
             self.prefix_stats.evicted_blocks += len(evicted)
-        request.block_ids.extend(self.pool.allocate(need))
-        return True
+            if self.window is not None:
+                self.prefix_stats.evicted_blocks += self.window.forget(evicted)
+
+    def slide_window(self, request: Request) -> None:
+        """After a step: the window pages of blocks no later token reads go back (hybrid layout only)."""
+        if self.window is not None:
+            self.window.slide(request)
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Give back the blocks past the first `num_tokens` tokens' (rejected draft tokens' slots): they hold no
@@ -219,6 +279,8 @@ class KVCacheManager:
             extra = request.block_ids[keep:]
             del request.block_ids[keep:]
             self.pool.release(extra)
+            if self.window is not None:
+                self.window.trim(request, keep)
 
     def cache_blocks(self, request: Request) -> None:
         """Put the request's newly filled (computed) blocks in the tree. Where another request cached the same
@@ -241,6 +303,8 @@ class KVCacheManager:
                 self.pool.share([tree_block])
                 self.pool.release([own])
                 request.block_ids[start + i] = tree_block
+            if self.window is not None:
+                self.window.cache(request, start + i, tree_block)
         request.cache_node, request.num_cached_blocks = node, full
 
     def free(self, request: Request) -> None:
@@ -251,6 +315,8 @@ class KVCacheManager:
         if request.cache_node is not None:
             self.tree.unlock(request.cache_node)
         request.cache_node, request.num_cached_blocks = None, 0
+        if self.window is not None:
+            self.window.release_all(request)
         blocks, request.block_ids = request.block_ids, []
         if blocks:
             self.pool.release(blocks)
@@ -263,4 +329,7 @@ class KVCacheManager:
         if self.tree is not None:
             self.tree.check()
             assert self.tree.evictable_blocks == self.tree.cached_blocks, "a lock outlived its request"
-            assert sorted(self.tree.block_ids()) == [b for b in range(self.pool.num_blocks) if self.pool.cached[b]]
+            cached = self.tree.block_ids()
+            if self.window is not None:
+                cached += self.window.check_idle(set(cached))
+            assert sorted(cached) == [b for b in range(self.pool.num_blocks) if self.pool.cached[b]]

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.config import EngineConfig, ModelConfig, default_kv_cache_memory
+from tokenmill.engine.kv_layout import KVLayout
 from tokenmill.engine.runner import DTYPES, ModelRunner, kv_bytes_per_token
 from tokenmill.errors import ConfigError
 from tokenmill.family_config import GEMMA3
@@ -32,17 +33,30 @@ class CacheInfo:
     dtype: str
     prefix_caching: bool = False
     reserved_tokens: int = 0  # slots a draft model writes past a request's tokens (spec/draft_model.py lookahead)
+    # how pages map onto layers (engine/kv_layout.py); with a hybrid one, `num_blocks` counts pages
+    layout: KVLayout | None = None
+    max_chunk: int = 0  # most tokens a request computes in one step (the scheduler's token budget)
 
     @property
     def token_capacity(self) -> int:
         """Tokens one request may reach: the pool, less the slots written ahead of it."""
+        if self.layout is not None and self.layout.hybrid:
+            return self.layout.token_capacity(self.num_blocks, self.max_chunk) - self.reserved_tokens
         return self.num_blocks * self.block_size - self.reserved_tokens
 
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page (a block of every layer, or of a hybrid layout's `num_slots` layers)."""
+        layout, whole = self.layout, self.kv_bytes_per_token * self.block_size
+        return whole if layout is None or not layout.hybrid else whole * layout.num_slots // layout.num_layers
+
     def describe(self) -> str:
-        return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.token_capacity} tokens, "
-                f"{self.kv_bytes_per_token} bytes per token ({self.dtype}), "
-                f"{self.num_blocks * self.block_size * self.kv_bytes_per_token / 2**20:.0f} MiB; prefix caching "
-                f"{'on' if self.prefix_caching else 'off (--no-prefix-caching)'}")
+        hybrid = self.layout is not None and self.layout.hybrid
+        return (f"KV cache: {self.num_blocks} {'pages' if hybrid else 'blocks'} x {self.block_size} tokens, up to "
+                f"{self.token_capacity} tokens a request, {self.kv_bytes_per_token} bytes per token ({self.dtype}), "
+                f"{self.num_blocks * self.page_bytes / 2**20:.0f} MiB; "
+                + (f"{self.layout.describe()}; " if hybrid else "")
+                + f"prefix caching {'on' if self.prefix_caching else 'off (--no-prefix-caching)'}")
 
 
 @dataclass
@@ -87,7 +101,21 @@ class ModelSpec:
                   else config.device)
         return ModelRunner(self.config, weights, self.dtype, device, num_blocks, config.kv_block_size,
                            config.seed, batch_invariant=config.batch_invariant, quantization=self.quantization,
-                           kv_dtype=self.kv_dtype, tp=tp, pp=pp, cp=cp)
+                           kv_dtype=self.kv_dtype, tp=tp, pp=pp, cp=cp, kv_layout=self.kv_layout(config))
+
+    def kv_layout(self, config: EngineConfig) -> KVLayout:
+        """Hybrid (sliding-window layers give back the blocks that left their window) where the model has such
+        layers and every reader of the KV cache reads it through the layers' own tables; uniform where something
+        reads or writes a request's KV as whole layers of blocks: a pipeline stage's share of the layers, context
+        parallelism's split blocks, a KV transfer (disaggregated prefill), a draft model's cache at the same block
+        ids; or with --disable-hybrid-kv-cache-manager."""
+        mc = self.config
+        if (config.cache.disable_hybrid_kv_cache_manager or config.pipeline_parallel_size > 1
+                or config.context_parallel_size > 1 or config.kv_transfer is not None
+                or (config.speculative is not None and config.speculative.method == "draft_model")):
+            return KVLayout.uniform(mc.num_layers, config.kv_block_size)
+        return KVLayout.for_model(mc.num_layers, mc.sliding_layers, mc.sliding_window, config.kv_block_size,
+                                  config.scheduler.max_model_len or mc.max_position_embeddings)
 
 
 def threads_per_rank(config: EngineConfig) -> int | None:
@@ -112,10 +140,12 @@ def size_kv_cache(config: EngineConfig, spec: ModelSpec) -> CacheInfo:
     if config.speculative is not None and config.speculative.method == "draft_model":
         draft_per_token = kv_bytes_per_token(load_model_config(resolve_model_path(config.speculative.model)),
                                              spec.kv_dtype)
+    layout = spec.kv_layout(config)
+    per_page_token = per_token * layout.num_slots // layout.num_layers  # a hybrid page holds num_slots layers
     budget = cc.kv_cache_memory or default_kv_cache_memory()
-    num_blocks = cc.num_blocks or budget // ((per_token + draft_per_token) * cc.block_size)
+    num_blocks = cc.num_blocks or budget // ((per_page_token + draft_per_token) * cc.block_size)
     if num_blocks < 1:
         raise ConfigError(f"--kv-cache-memory {budget} bytes holds no block of {cc.block_size} tokens "
-                          f"({per_token * cc.block_size} bytes); raise it")
+                          f"({per_page_token * cc.block_size} bytes); raise it")
     return CacheInfo(num_blocks, config.kv_block_size, per_token, str(spec.kv_dtype).removeprefix("torch."),
-                     cc.enable_prefix_caching)
+                     cc.enable_prefix_caching, layout=layout, max_chunk=config.scheduler.max_num_batched_tokens)

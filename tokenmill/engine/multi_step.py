@@ -32,8 +32,7 @@ def run_length(out: SchedulerOutput, kv: KVCacheManager, max_steps: int, lookahe
         steps = min(steps, req.max_tokens - len(req.output_token_ids))
     if steps <= 1:
         return 1
-    need = sum(max(0, kv.blocks_needed(s.request.num_computed_tokens + steps) - len(s.request.block_ids))
-               for s in out.scheduled)
+    need = sum(kv.pages_to_grow(s.request, steps) for s in out.scheduled)
     if need > kv.num_free_blocks:
         return 1
     for s in out.scheduled:

@@ -27,10 +27,15 @@ class MultiStepRunner:
         scheduled, steps = out.scheduled, out.num_steps
         reqs = [s.request for s in scheduled]
         starts = [r.num_computed_tokens for r in reqs]
-        tables = self._block_tables([r.block_ids for r in reqs], max(starts) + steps)
+        width = max(starts) + steps
+        tables = self._block_tables([r.block_ids for r in reqs], width)
+        # a hybrid KV layout: the window layers' tables too, each row as it stands for the whole run (a window page
+        # goes back only after the run)
+        window_tables = [self._block_tables([self._window_row(r, t) for r in reqs], width)
+                         for t in range(self.kv_layout.num_window_tables)]
         positions = self._long(starts)  # of each row's token this step feeds
         input_ids = self._long([r.tokens_with_spec(p, p + 1)[0] for r, p in zip(reqs, starts)])
-        if all(_plain_greedy(r) for r in reqs):  # the backend may run them all without Python between tokens
+        if all(_plain_greedy(r) for r in reqs) and not window_tables:  # the backend may run them all at once
             stop_ids = [request_stop_ids(r) for r in reqs]
             width = max(1, *map(len, stop_ids))
             tokens = self.model.decode_greedy(input_ids, positions, tables, self.kv_caches, steps,
@@ -44,7 +49,7 @@ class MultiStepRunner:
         failed: dict[str, str] = {}
         ended = [False] * len(reqs)
         for _ in range(steps):
-            logits = self._step_logits(input_ids, positions, tables)
+            logits = self._step_logits(input_ids, positions, tables, window_tables)
             rows = [self._step_row(r, r.output_token_ids + mine) for r, mine in zip(reqs, new)]
             try:
                 results = self.sampler(logits, rows)
@@ -69,16 +74,22 @@ class MultiStepRunner:
                 result.sampled[r.request_id] = SampledTokens(mine, lps)
         return result
 
-    def _step_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        """Logits of one decode step of one token per row at `positions`, their slots in `tables`: the model's
-        whole-model path where its backend has one, else forward and compute_logits."""
-        logits = self.model.decode_logits(input_ids, positions, tables, self.kv_caches)
-        if logits is not None:
-            return logits
-        bs = self.block_size
-        slots = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
-        meta = AttentionMetadata(slot_mapping=slots, num_paged_tokens=len(input_ids), block_tables=tables,
-                                 q_rows=torch.arange(len(input_ids), device=self.device), kv_lens=positions + 1)
+    def _step_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
+                     window_tables: list[torch.Tensor]) -> torch.Tensor:
+        """Logits of one decode step of one token per row at `positions`, their slots in `tables` (and a hybrid
+        KV layout's window layers' in `window_tables`): the model's whole-model path where its backend has one,
+        else forward and compute_logits."""
+        if not window_tables:
+            logits = self.model.decode_logits(input_ids, positions, tables, self.kv_caches)
+            if logits is not None:
+                return logits
+        bs, rows = self.block_size, torch.arange(len(input_ids), device=self.device)
+        metas = [AttentionMetadata(slot_mapping=t.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs
+                                   + positions % bs, num_paged_tokens=len(input_ids), block_tables=t, q_rows=rows,
+                                   kv_lens=positions + 1) for t in [tables, *window_tables]]
+        meta = metas[0]
+        if window_tables:
+            meta.layer_meta = [metas[t] for t in self.kv_layout.layer_tables]
         return self.model.compute_logits(self.model(input_ids, positions, meta, self.kv_caches))
 
 

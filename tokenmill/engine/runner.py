@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill.config import ModelConfig
+from tokenmill.engine.kv_layout import KVLayout
 from tokenmill.engine.multi_step_runner import MultiStepRunner, request_stop_ids
 from tokenmill.engine.sampler import Sampler, SamplingRow, top_logprobs
 from tokenmill.engine.step_inputs import StepInputs, micro_batches
@@ -77,7 +78,8 @@ class ModelRunner(StepInputs, MultiStepRunner):
                  num_blocks: int, block_size: int, seed: int = 0, use_kernel: bool = True,
                  batch_invariant: bool = False, quantization: str | None = None,
                  kv_dtype: torch.dtype | None = None, tp: TensorParallel | None = None,
-                 pp: PipelineParallel | None = None, cp: ContextParallel | None = None):
+                 pp: PipelineParallel | None = None, cp: ContextParallel | None = None,
+                 kv_layout: KVLayout | None = None):
         self.use_kernel = use_kernel
         # multi-step decode (execute with num_steps > 1) runs the model here, in one process, whole
         self.multi_step = tp is None and pp is None and cp is None
@@ -115,8 +117,14 @@ class ModelRunner(StepInputs, MultiStepRunner):
         # Zeroed, not empty: masked-out slots are still multiplied by 0 and must not hold NaN bit patterns.
         # kv_dtype: the model's dtype by default, or FP8 e4m3 (--kv-cache-dtype fp8; written clamped to +-448)
         kv_dtype = kv_dtype or dtype
-        self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=self.device),
-                           torch.zeros(shape, dtype=kv_dtype, device=self.device)) for _ in range(cfg.num_layers)]
+        # one cache tensor pair per page slot; a hybrid layout (engine/kv_layout.py) gives several layers one slot,
+        # each reading it through its own table
+        self.kv_layout = (kv_layout if kv_layout is not None and kv_layout.hybrid
+                          else KVLayout.uniform(cfg.num_layers, block_size))
+        assert self.kv_layout.num_layers == cfg.num_layers, "the KV layout is of another model"
+        slots = [(torch.zeros(shape, dtype=kv_dtype, device=self.device),
+                  torch.zeros(shape, dtype=kv_dtype, device=self.device)) for _ in range(self.kv_layout.num_slots)]
+        self.kv_caches = [slots[s] for s in self.kv_layout.layer_slots]
         self.sampler = Sampler(self.backend)
         self.base_seeds: dict[str, int] = {}  # unseeded requests: a base seed drawn from the engine's seed
         self.structured: StructuredOutputs | None = None  # constrained requests' masks (engine/core.py sets it)

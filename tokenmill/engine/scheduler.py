@@ -169,7 +169,7 @@ class Scheduler:
         lacks a seat (max_num_seqs) or the blocks of its first chunk."""
         policy = self.policy
         best = self.waiting[policy.admission_order(self.waiting, now, None, None)[0][0]]
-        need = self.kv.blocks_needed(min(best.num_tokens, first_chunk) + self.lookahead)
+        need = self.kv.pages_needed(min(best.num_tokens, first_chunk) + self.lookahead)
         while self.running:
             if len(self.running) < self.config.max_num_seqs and self.kv.num_free_blocks >= need:
                 return
@@ -180,10 +180,11 @@ class Scheduler:
             out.preempted.append(worst)
 
     def _expected_growth(self, request: Request) -> int:
-        """KV tokens a request is expected to still need: its prompt's rest, and new_token_ratio of the output
-        tokens it may still write."""
-        return (max(request.num_prompt_tokens - request.num_computed_tokens, 0)
-                + int(self.new_token_ratio * (request.max_tokens - request.num_output_tokens)))
+        """KV token slots a request is expected to still need (KVCacheManager.growth_cost): for its prompt's rest
+        and new_token_ratio of the output tokens it may still write."""
+        tokens = (max(request.num_prompt_tokens - request.num_computed_tokens, 0)
+                  + int(self.new_token_ratio * (request.max_tokens - request.num_output_tokens)))
+        return self.kv.growth_cost(request.num_computed_tokens, tokens)
 
     def _has_headroom(self, request: Request, todo: int, now: float, growth: list[tuple[int, int]]) -> bool:
         """Whether admitting `request` (`todo` tokens to compute) leaves the pool room for the expected growth of
@@ -194,7 +195,8 @@ class Scheduler:
             return True
         level = self.policy.level(request, now)
         kept = sum(g for lv, g in growth if lv <= level)
-        own = todo + int(self.new_token_ratio * (request.max_tokens - request.num_output_tokens))
+        own = self.kv.growth_cost(request.num_tokens - todo,
+                                  todo + int(self.new_token_ratio * (request.max_tokens - request.num_output_tokens)))
         return self.kv.num_free_blocks * self.kv.block_size - kept >= own
 
     def _admit_waiting(self, out: SchedulerOutput, budget: StepBudget, now: float, threshold: int | None,
@@ -347,6 +349,7 @@ class Scheduler:
                     break
             else:  # accepted drafts are computed but only committed now: cache after appending
                 self.kv.cache_blocks(req)
+                self.kv.slide_window(req)
         return finished
 
     def finish_request(self, request_id: str, status: RequestStatus, stop_reason: str | None = None) -> None:

@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from tokenmill.engine.step_types import ScheduledRequest
 from tokenmill.model.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from tokenmill.request import Request
 
 Span = tuple[ScheduledRequest, int, int]  # a scheduled chunk, or part of it: (scheduled, offset, tokens)
 MIN_MICRO_BATCH_TOKENS = 32  # smaller micro-batches cost more in per-call overhead than the overlap gains
@@ -34,7 +39,8 @@ def micro_batches(ordered: list[ScheduledRequest], n: int, split_chunks: bool) -
 
 
 class StepInputs:
-    """ModelRunner's input building: tensors on `self.device`, KV slots in blocks of `self.block_size`."""
+    """ModelRunner's input building: tensors on `self.device`, KV slots in blocks of `self.block_size`, the pages
+    of each layer as `self.kv_layout` lays them out."""
 
     def _inputs(self, spans: list[Span], num_paged: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Token ids, positions and attention metadata of these spans' tokens, the first `num_paged` spans read
@@ -56,7 +62,34 @@ class StepInputs:
         for _, _, n in fresh:
             meta.fresh_spans.append((row, row + n))
             row += n
+        if self.kv_layout.hybrid:
+            self._window_metadata(meta, [(s.request, s.request.num_computed_tokens + offset, n)
+                                         for s, offset, n in spans], len(paged))
         return self._long(input_ids), self._long(positions), meta
+
+    def _window_metadata(self, meta: AttentionMetadata, spans: list[tuple[Request, int, int]],
+                         num_paged: int) -> None:
+        """A hybrid KV layout (engine/kv_layout.py): the metadata of each window table (its slots and block
+        tables; the rest as table 0's), and `meta.layer_meta`, each layer's. A span: a request, its first new
+        position, how many new tokens."""
+        bs, metas = self.block_size, [meta]
+        for t in range(self.kv_layout.num_window_tables):
+            rows = [self._window_row(req, t) for req, _, _ in spans]
+            slots = [row[p // bs] * bs + p % bs for row, (_, start, n) in zip(rows, spans)
+                     for p in range(start, start + n)]
+            m = AttentionMetadata(slot_mapping=self._long(slots), num_paged_tokens=meta.num_paged_tokens,
+                                  q_rows=meta.q_rows, kv_lens=meta.kv_lens, fresh_spans=meta.fresh_spans)
+            if num_paged:
+                m.block_tables = self._block_tables(rows[:num_paged], meta.block_tables.shape[1] * bs)
+            metas.append(m)
+        meta.layer_meta = [metas[t] for t in self.kv_layout.layer_tables]
+
+    @staticmethod
+    def _window_row(req: Request, table: int) -> list[int]:
+        """A request's pages of one window table, block by block, 0 for the blocks released (never read: they
+        are outside every window from here on)."""
+        first = req.num_window_released
+        return [0] * first + [pages[table] for pages in req.window_pages[first:]]
 
     def _long(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

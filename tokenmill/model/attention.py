@@ -29,3 +29,9 @@ class AttentionMetadata:
     fresh_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) rows of fresh prefills
     derived: dict[str, Any] = field(default_factory=dict)  # what a backend derives once per step for all layers
     context: Any = None  # context parallelism: how the step is split over the ranks (parallel/context.py)
+    # a hybrid KV layout (engine/kv_layout.py): each layer's metadata (its table's slots and block tables); None:
+    # every layer reads through this one
+    layer_meta: list[AttentionMetadata] | None = None
+
+    def per_layer(self, num_layers: int) -> list[AttentionMetadata]:
+        return self.layer_meta if self.layer_meta is not None else [self] * num_layers

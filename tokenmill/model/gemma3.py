@@ -8,8 +8,9 @@
 - interleaved local / global layers: a local layer (ModelConfig.sliding_layers) sees each token's last
   `sliding_window` keys and rotates with its own base (rope_local_theta); a global layer sees every key and rotates
   with rope_theta and the rope scaling.
-The KV cache keeps every block of a local layer (the window only masks); the backends' whole-layer kernels compute
-the Llama layer, so they are off here.
+A local layer's blocks leave the KV cache once they leave the window (engine/kv_layout.py's hybrid layout: each
+layer reads through its own table, `AttentionMetadata.layer_meta`); the backends' whole-layer kernels compute the
+Llama layer, so they are off here.
 """
 
 from __future__ import annotations
@@ -124,9 +125,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         x = self.embed(input_ids) if hidden_in is None else hidden_in
         global_tables = self.rotary.tables(positions, x.dtype)
         local_tables = self.local_rotary.tables(positions, x.dtype) if self.config.sliding_layers else None
-        for layer, kv in zip(self.layers, kv_caches):
+        for layer, kv, layer_meta in zip(self.layers, kv_caches, meta.per_layer(len(self.layers))):
             cos, sin = local_tables if layer.self_attn.window is not None else global_tables
-            x = layer(x, cos, sin, meta, kv)
+            x = layer(x, cos, sin, layer_meta, kv)
         return self.norm(x) if self.last else x
 
     @torch.no_grad()

@@ -140,11 +140,12 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.tables(positions, x.dtype)
         # the backend's whole-layer kernel has no place for the all-reduces or the context-parallel collectives:
         # such layers run op by op
-        split = self.tp is not None or meta.context is not None
+        # (nor for layers reading through tables of their own: a hybrid KV layout)
+        split = self.tp is not None or meta.context is not None or meta.layer_meta is not None
         fast = None if split else self.backend.decode_layers(self, x, cos, sin, meta, kv_caches)
         if fast is None:
-            for layer, kv in zip(self.layers, kv_caches):
-                x = layer(x, cos, sin, meta, kv)
+            for layer, kv, layer_meta in zip(self.layers, kv_caches, meta.per_layer(len(self.layers))):
+                x = layer(x, cos, sin, layer_meta, kv)
         else:
             x = fast
         return self.norm(x) if self.last else x
