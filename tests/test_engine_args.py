@@ -14,7 +14,7 @@ from tokenmill.errors import ConfigError
 CHANGED = {"model": ("m.gguf", "m.gguf"), "tokenizer": ("tok", "tok"), "dtype": ("bfloat16", "bfloat16"),
            "device": ("meta", "meta"), "seed": ("7", 7), "num_threads": ("3", 3),
            "kv_cache_memory": ("1GiB", 1 << 30), "block_size": ("32", 32), "enable_prefix_caching": (None, False),
-           "kv_cache_dtype": ("fp8", "fp8"),
+           "kv_cache_dtype": ("fp8", "fp8"), "disable_hybrid_kv_cache_manager": (True, True),
            "max_num_seqs": ("9", 9), "max_num_batched_tokens": ("1024", 1024),
            "long_prefill_token_threshold": ("100", 100), "max_model_len": ("4096", 4096),
            "scheduling_policy": ("static", "static"), "batch_invariant": (None, False),

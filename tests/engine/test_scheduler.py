@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 
 from tokenmill.config import SchedulerConfig
-from tokenmill.engine.kv_cache import BlockPool, KVCacheManager
+from tokenmill.engine.block_pool import BlockPool
+from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.step_cost import DECODE_STEP_FLOOR_S, StepCost
 from tokenmill.engine.step_types import SampledTokens

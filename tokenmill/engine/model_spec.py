@@ -52,8 +52,9 @@ class CacheInfo:
 
     def describe(self) -> str:
         hybrid = self.layout is not None and self.layout.hybrid
-        return (f"KV cache: {self.num_blocks} {'pages' if hybrid else 'blocks'} x {self.block_size} tokens, up to "
-                f"{self.token_capacity} tokens a request, {self.kv_bytes_per_token} bytes per token ({self.dtype}), "
+        size = (f"{self.num_blocks} pages x {self.block_size} tokens, up to {self.token_capacity} tokens a request"
+                if hybrid else f"{self.num_blocks} blocks x {self.block_size} tokens = {self.token_capacity} tokens")
+        return (f"KV cache: {size}, {self.kv_bytes_per_token} bytes per token ({self.dtype}), "
                 f"{self.num_blocks * self.page_bytes / 2**20:.0f} MiB; "
                 + (f"{self.layout.describe()}; " if hybrid else "")
                 + f"prefix caching {'on' if self.prefix_caching else 'off (--no-prefix-caching)'}")

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tokenmill.engine.kv_cache import BlockPool
+    from tokenmill.engine.block_pool import BlockPool
     from tokenmill.engine.kv_layout import KVLayout
     from tokenmill.request import Request
 
