@@ -40,11 +40,14 @@ def llama_perplexity(binary: Path, model: Path, text_file: Path, ctx: int, chunk
             "seconds": time.perf_counter() - start, "chunks": int(over.group(1)) if over else None}
 
 
-def tokenmill_perplexity(model: str, text: str, ctx: int, chunks: int, threads: int) -> dict:
-    """llama-perplexity's computation through tokenmill: prompt logprobs of each chunk, its second half scored."""
+def tokenmill_perplexity(model: str, text: str, ctx: int, chunks: int, threads: int,
+                         quantization: str | None = None) -> dict:
+    """llama-perplexity's computation through tokenmill: prompt logprobs of each chunk, its second half scored
+    (`quantization`: the weight format, as --quantization; None: the default)."""
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM(model, num_threads=threads, max_model_len=ctx + 1, kv_cache_memory=256 << 20)  # + the one sampled
+    llm = LLM(model, num_threads=threads, max_model_len=ctx + 1, kv_cache_memory=256 << 20,  # + the one sampled
+              quantization=quantization)
     tok = llm.get_tokenizer()
     ids = tok.encode(text)  # as llama.cpp: BOS first where the model adds one
     bos = ids[0] if tok.bos_token_id is not None and ids[:1] == [tok.bos_token_id] else None

@@ -138,7 +138,12 @@ class ModelRunner(StepInputs, MultiStepRunner):
 
     def weight_summary(self) -> str:
         """The matmul weight format and the bytes the model's weights hold, as the start-up log says them."""
-        return f"weights: {self.weight_format()}, {weight_bytes(self.model) / 2**20:.0f} MiB"
+        line = f"weights: {self.weight_format()}, {weight_bytes(self.model) / 2**20:.0f} MiB"
+        if any(getattr(m, "gguf_type", None) is not None for m in self.model.linear_layers()):
+            from tokenmill.quant.gguf_linear import kept_summary
+
+            line += f" (matmuls: {kept_summary(self.model.linear_layers())})"
+        return line
 
     # ---- per-request state -----------------------------------------------------------------------------
     def position_generator(self, request_id: str, seed: int | None, position: int, salt: int = 0) -> torch.Generator:

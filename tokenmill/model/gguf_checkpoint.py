@@ -15,6 +15,7 @@ from tokenmill.family_config import longrope_scaling
 from tokenmill.model.checkpoint import Checkpoint, expected_shapes, fused_parts
 from tokenmill.quant.gguf import GGUFFile
 from tokenmill.quant.gguf_blocks import GGMLBlocks, kept_gguf_type
+from tokenmill.quant.kquants import TRANSCODED
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
@@ -222,11 +223,11 @@ class GGUFCheckpoint(Checkpoint):
         return w if heads is None else unpermute_rope_rows(w, heads)
 
     def blocks(self, name: str) -> torch.Tensor | GGMLBlocks:
-        """A 2-D tensor of a type kept at run time (quant/gguf_linear.py) as its raw blocks, rows in HF order;
-        any other tensor dequantized, as `self[name]`."""
+        """A 2-D tensor of a type kept at run time (quant/gguf_linear.py), or re-cut to be (quant/kquants.py), as
+        its raw blocks, rows in HF order; any other tensor dequantized, as `self[name]`."""
         part = self._parts.get(name)  # a block of a fused tensor's rows (Phi-3's q/k/v, gate/up)
         info = self._gguf.tensors[self._names[part[0] if part else name]]
-        if len(info.shape) != 2 or not kept_gguf_type(info.ggml_type):
+        if len(info.shape) != 2 or not (kept_gguf_type(info.ggml_type) or int(info.ggml_type) in TRANSCODED):
             return self[name]
         rows = self._gguf.read_raw(info.name).view(info.shape[0], -1)
         if part is not None:

@@ -27,6 +27,15 @@ if TYPE_CHECKING:
 # s, z, then 16 bytes of nibbles ordered as Q4_0's.
 Q4_Z = 256
 Q4_Z_BLOCK_BYTES = 19
+# A K-quant's 256-weight super-block re-cut into blocks of 32 (quant/kquants.py), never in a file either: the file's
+# quants and scales, so each block dequantizes to exactly the values of llama.cpp's dequantizer, whatever 32-wide
+# block kernel reads it.
+#   Q4_KS (from Q4_K): 24 bytes: float32 d * sc and -(dmin * m) (the super-block's float16 scales times the
+#          sub-block's 6-bit ones: exact in float32), 16 bytes of nibbles ordered as Q4_0's; w = (d * sc) * q - dmin * m.
+#   Q6_KS (from Q6_K): 36 bytes: float16 d, int8 scales of the two 16-weight halves, 32 bytes q in 0..63;
+#          w = (d * scale) * (q - 32).
+Q4_KS, Q6_KS = 257, 258
+INTERNAL_TYPES = {Q4_Z: ("Q4_Z", Q4_Z_BLOCK_BYTES), Q4_KS: ("Q4_KS", 24), Q6_KS: ("Q6_KS", 36)}
 
 # The types whose blocks a model can keep at run time (quant/gguf_linear.py, csrc/gguf_linear.cpp).
 KEPT_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, Q4_Z)
@@ -60,8 +69,8 @@ def tensor_nbytes(ggml_type: int, shape: Sequence[int]) -> int:
 
 
 def _block_layout(ggml_type: int) -> tuple[int, int]:
-    if int(ggml_type) == Q4_Z:
-        return 32, Q4_Z_BLOCK_BYTES
+    if int(ggml_type) in INTERNAL_TYPES:
+        return 32, INTERNAL_TYPES[int(ggml_type)][1]
     try:
         return GGML_QUANT_SIZES[GGMLQuantizationType(int(ggml_type))]
     except (ValueError, KeyError):
@@ -70,8 +79,8 @@ def _block_layout(ggml_type: int) -> tuple[int, int]:
 
 
 def _type_name(ggml_type: int) -> str:
-    if int(ggml_type) == Q4_Z:
-        return "Q4_Z"
+    if int(ggml_type) in INTERNAL_TYPES:
+        return INTERNAL_TYPES[int(ggml_type)][0]
     try:
         return GGMLQuantizationType(int(ggml_type)).name
     except ValueError:
@@ -143,6 +152,31 @@ def _deq_q4_z(raw: torch.Tensor) -> torch.Tensor:
     return _unpack_nibbles(blocks[:, 3:]).sub_(zero).mul_(_half(blocks, 0))  # exact: a small integer times a half
 
 
+def _deq_q4_ks(raw: torch.Tensor) -> torch.Tensor:
+    import torch
+    blocks = raw.view(-1, 24)
+    scales = blocks[:, :8].contiguous().view(torch.float32)  # d * sc, -(dmin * m)
+    return _unpack_nibbles(blocks[:, 8:]).mul_(scales[:, :1]).add_(scales[:, 1:])  # as llama.cpp: (d sc) q - dmin m
+
+
+def _deq_q5_0(raw: torch.Tensor) -> torch.Tensor:
+    import torch
+    blocks = raw.view(-1, 22)
+    high = blocks[:, 2:6].contiguous().view(torch.int32)  # bit j: weight j's fifth bit
+    bits = ((high >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.float32)
+    return _unpack_nibbles(blocks[:, 6:]).add_(bits.mul_(16.0)).sub_(16.0).mul_(_half(blocks, 0))
+
+
+def _deq_q6_ks(raw: torch.Tensor) -> torch.Tensor:
+    import torch
+    blocks = raw.view(-1, 36)
+    d = _half(blocks, 0)
+    out = blocks[:, 4:].to(torch.float32).sub_(32.0)
+    out[:, :16].mul_(d * blocks[:, 2:3].view(torch.int8).to(torch.float32))
+    out[:, 16:].mul_(d * blocks[:, 3:4].view(torch.int8).to(torch.float32))
+    return out
+
+
 _DEQUANTIZERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
     GGMLQuantizationType.F32: _deq_f32,
     GGMLQuantizationType.F16: _deq_f16,
@@ -150,9 +184,10 @@ _DEQUANTIZERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
     GGMLQuantizationType.Q8_0: _deq_q8_0,
     GGMLQuantizationType.Q4_0: _deq_q4_0,
     GGMLQuantizationType.Q4_1: _deq_q4_1,
+    GGMLQuantizationType.Q5_0: _deq_q5_0,
 }
 SUPPORTED_TYPE_NAMES = tuple(GGMLQuantizationType(t).name for t in _DEQUANTIZERS)
-_DEQUANTIZERS[Q4_Z] = _deq_q4_z
+_DEQUANTIZERS.update({Q4_Z: _deq_q4_z, Q4_KS: _deq_q4_ks, Q6_KS: _deq_q6_ks})
 
 
 DEQUANTIZE_CHUNK = 1 << 20  # elements decoded at a time into a narrower dtype: 4 MiB of float32 in flight

@@ -1,6 +1,8 @@
 """A GGUF model's matmul weights kept in llama.cpp's blocks at run time (`--quantization gguf`), as llama.cpp
 serves them, instead of dequantized at load: Q4_0, Q4_1 and Q8_0 (SmolLM2's file: Q4_1 layers, a Q8_0 embedding
-that is also its LM head). Other types, and shapes the tiles do not fit, are dequantized as before.
+that is also its LM head); Q4_K, Q6_K and Q5_0 re-cut into blocks of 32 (quant/kquants.py) where the backend
+multiplies those (the VNNI kernel, or the reference). Other types, and shapes the tiles do not fit, are dequantized
+as before.
 
 Two kernels, one per CPU kind (ops.gguf_kernel(), the layout CpuBackend.prepack packs for): on AMX,
 csrc/gguf_linear.cpp widens each block to the very bfloat16 values the dequantize-at-load path loads and multiplies
@@ -18,7 +20,8 @@ from torch import nn
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.linear import DenseLinearMethod, Linear, copy_checked
 from tokenmill.quant.gguf_blocks import GGMLBlocks, decode_rows
-from tokenmill.quant.gguf_blocks import kept_gguf_type as kept
+from tokenmill.quant.gguf_blocks import kept_gguf_type
+from tokenmill.quant.kquants import Q5_0, TRANSCODED, transcode
 
 
 def embedding_rows(blocks: GGMLBlocks, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -32,6 +35,42 @@ def embedding_rows(blocks: GGMLBlocks, dtype: torch.dtype) -> Callable[[torch.Te
         return decode_rows(picked, blocks.ggml_type, cols, dtype).to(ids.device).view(*ids.shape, cols)
 
     return rows
+
+
+def kept_form(blocks: GGMLBlocks, backend: object, beside_q8_0: bool = False) -> GGMLBlocks | None:
+    """The blocks as this backend keeps them: as they are (Q4_0, Q4_1, Q8_0; Q5_0 where `backend.keeps_gguf_type`
+    takes it and not `beside_q8_0`), re-cut (a TRANSCODED type, where the backend takes the result), or None
+    (dequantized). `beside_q8_0`: part of a fused layer with other types, where Q5_0 becomes Q8_0, exactly."""
+    t = int(blocks.ggml_type)
+    if kept_gguf_type(t) or (t == Q5_0 and not beside_q8_0 and backend.keeps_gguf_type(t)):
+        return blocks
+    target = TRANSCODED.get(t)
+    if target is None or not backend.keeps_gguf_type(target):
+        return None
+    ggml_type, data = transcode(blocks.data, blocks.ggml_type)
+    return GGMLBlocks(ggml_type, data, blocks.shape)
+
+
+def kept_summary(layers: list[nn.Module]) -> str:
+    """Each format the matmuls are served in, with its count and bytes, for the start-up log: "Q8_0 x10 171 MiB,
+    Q4_KS (Q4_K) x27 17 MiB, dense x1 1 MiB"."""
+    from tokenmill.quant.gguf_blocks import _type_name
+
+    kinds: dict[str, list[int]] = {}
+    for m in layers:
+        t = getattr(m, "gguf_type", None)
+        if t is None:
+            name, tensors = "dense", [getattr(m, "packed_weight", None), m.weight]
+        else:
+            files = [_type_name(f) for f in getattr(m, "gguf_file_types", []) if f != t]
+            name = _type_name(t) + (f" ({'+'.join(files)})" if files else "")
+            tensors = [getattr(m, "packed_weight", None), getattr(m, "gguf_blocks", None)]
+        size = next((x.numel() * x.element_size() for x in tensors
+                     if isinstance(x, torch.Tensor) and not x.is_meta and not x.is_mkldnn), 0)
+        entry = kinds.setdefault(name, [0, 0])
+        entry[0] += 1
+        entry[1] += size
+    return ", ".join(f"{name} x{n} {size / 2**20:.0f} MiB" for name, (n, size) in kinds.items())
 
 
 class GGUFLinearMethod(DenseLinearMethod):
@@ -59,15 +98,22 @@ class GGUFLinearMethod(DenseLinearMethod):
         source = getattr(layer, "source_name", None)  # the tied LM head: the embedding's blocks
         if source is not None:
             blocks = checkpoint.blocks(source) if hasattr(checkpoint, "blocks") else None
-            if isinstance(blocks, GGMLBlocks) and kept(blocks.ggml_type):
+            blocks = kept_form(blocks, layer.backend) if isinstance(blocks, GGMLBlocks) else None
+            if blocks is not None:
                 layer.gguf_type, layer.gguf_blocks = blocks.ggml_type, blocks.data
                 layer.embedding.keep_rows(embedding_rows(blocks, layer.embedding.weight.dtype))
             return
         shards = layer.__dict__.pop("_gguf_shards", {})
         if not shards:
             return
-        types = {b.ggml_type for b in shards.values()}
-        if len(shards) == len(layer.output_sizes) and len(types) == 1 and kept(next(iter(types))):
+        layer.gguf_file_types = sorted({int(b.ggml_type) for b in shards.values()})
+        kept = {i: kept_form(b, layer.backend) for i, b in shards.items()}
+        types = {b.ggml_type if b is not None else None for b in kept.values()}
+        if len(types) > 1:  # Gemma 3's q, k (Q5_0) and v (Q8_0): one type, Q8_0
+            kept = {i: kept_form(b, layer.backend, beside_q8_0=True) for i, b in shards.items()}
+            types = {b.ggml_type if b is not None else None for b in kept.values()}
+        if len(shards) == len(layer.output_sizes) and len(types) == 1 and None not in types:
+            shards = kept
             layer.gguf_type = next(iter(types))
             layer.gguf_blocks = torch.cat([shards[i].data for i in range(len(shards))])
             layer.weight = nn.Parameter(layer.weight.to("meta"), requires_grad=False)

@@ -8,14 +8,18 @@ from collections.abc import Callable
 
 import torch
 
-from tokenmill.quant.gguf_blocks import KEPT_TYPES, Q4_Z, GGMLQuantizationType
+from tokenmill.quant.gguf_blocks import KEPT_TYPES, Q4_KS, Q4_Z, Q6_KS, GGMLQuantizationType
 
-Q4_0, Q4_1, Q8_0 = (int(GGMLQuantizationType.Q4_0), int(GGMLQuantizationType.Q4_1),
-                    int(GGMLQuantizationType.Q8_0))
+Q4_0, Q4_1, Q8_0, Q5_0 = (int(GGMLQuantizationType.Q4_0), int(GGMLQuantizationType.Q4_1),
+                          int(GGMLQuantizationType.Q8_0), int(GGMLQuantizationType.Q5_0))
 # type -> (bytes per block, offset of the quants in a block, the widths in bytes of the per-block fields before
-# them: float16 scales and mins, Q4_Z's uint8 zero point)
-BLOCK_LAYOUT = {Q4_0: (18, 2, (2,)), Q4_1: (20, 4, (2, 2)), Q8_0: (34, 2, (2,)), Q4_Z: (19, 3, (2, 1))}
-assert set(BLOCK_LAYOUT) == set(KEPT_TYPES)
+# them: float16 scales and mins, Q4_Z's uint8 zero point, the K-quants' super-block scales and 6-bit or int8 ones)
+BLOCK_LAYOUT = {Q4_0: (18, 2, (2,)), Q4_1: (20, 4, (2, 2)), Q8_0: (34, 2, (2,)), Q4_Z: (19, 3, (2, 1)),
+                Q4_KS: (24, 8, (4, 4)), Q6_KS: (36, 4, (2, 1, 1)), Q5_0: (22, 6, (2, 4))}
+# the K-quants' blocks (quant/kquants.py) and Q5_0 (its fifth bits a 32-bit field per block): csrc/gguf_vnni.cpp's
+# alone, no AMX tiles
+QUADS_ONLY = (Q4_KS, Q6_KS, Q5_0)
+assert set(BLOCK_LAYOUT) == set(KEPT_TYPES) | set(QUADS_ONLY)
 
 
 def gguf_pack(data: torch.Tensor, ggml_type: int, pairs: bool = False, layout: str = "tiles") -> torch.Tensor:
@@ -39,6 +43,8 @@ def gguf_pack(data: torch.Tensor, ggml_type: int, pairs: bool = False, layout: s
             quants = (quants.view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
         ordered = quants.reshape(n // 16, 16, kb, -1, 4).permute(0, 2, 3, 1, 4)
     elif layout == "tiles":
+        if ggml_type in QUADS_ONLY:
+            raise ValueError(f"type {ggml_type} blocks have no AMX tile layout (quads only)")
         ordered = _tile_order(quants, ggml_type)
     else:
         raise ValueError(f"unknown layout {layout!r}: tiles or quads")

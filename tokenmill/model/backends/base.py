@@ -117,6 +117,11 @@ class Backend(ABC):
         w = dequantize(layer.gguf_blocks, layer.gguf_type, (layer.gguf_blocks.shape[0], x.shape[-1]), x.dtype)
         return torch.nn.functional.linear(x, w, layer.bias)
 
+    def keeps_gguf_type(self, ggml_type: int) -> bool:
+        """Whether a weight may be kept in blocks of this type (quant/gguf_linear.py): this reference dequantizes
+        any of them per call."""
+        return True
+
     def gate_up_silu(self, x: torch.Tensor, gate_up: nn.Module) -> torch.Tensor:
         """silu(gate) * up of a fused gate/up projection of x: the layer, then silu_mul. A backend may fuse them."""
         return self.silu_mul(gate_up(x))

@@ -30,7 +30,7 @@ from tokenmill.model.backends.cpu_rows import gguf_tile_rows, int8_tile_rows, ti
 from tokenmill.model.backends.huge_pages import move_to_huge_pages
 from tokenmill.model.backends.reference import TorchBackend, split_qkv
 from tokenmill.model.cpu_kernels import cpu_isa, cpu_tag
-from tokenmill.quant.gguf_tiles import gguf_pack
+from tokenmill.quant.gguf_tiles import QUADS_ONLY, gguf_pack
 
 if TYPE_CHECKING:
     from tokenmill.model.attention import AttentionMetadata
@@ -238,6 +238,11 @@ class CpuBackend(TorchBackend):
         if weight.dtype == torch.float32 and self.f32_panels and n % 16 == 0:
             return self.ops.f32_pack(weight)
         return prepack_weight(weight)
+
+    def keeps_gguf_type(self, ggml_type: int) -> bool:
+        """The re-cut K-quant blocks (quant/kquants.py) have a kernel on VNNI only: on AMX they are dequantized at
+        load instead (the tiles kernel widens the file's own types)."""
+        return self.gguf_kernel != "amx" or int(ggml_type) not in QUADS_ONLY
 
     def prepack(self, model: nn.Module) -> bool:
         """Packed copies of every matmul weight; returns whether any was packed. A oneDNN copy sits beside the

@@ -26,6 +26,7 @@ namespace {
 
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // GGMLQuantizationType
 constexpr int64_t kQ4_Z = 256;  // tokenmill's own: 4-bit with an integer zero point (quant/gguf.py Q4_Z)
+constexpr int64_t kQ4_KS = 257, kQ6_KS = 258;  // K-quant blocks of 32 (quant/kquants.py): the VNNI kernel's only
 
 constexpr int64_t kTileBytesQ4_0 = 256 + 32, kTileBytesQ4_1 = 256 + 64, kTileBytesQ8_0 = 512 + 32,
                   kTileBytesQ4_Z = 256 + 32 + 16;
@@ -40,6 +41,9 @@ int64_t gguf_tile_bytes(int64_t type) {
     case kQ4_1: return kTileBytesQ4_1;
     case kQ8_0: return kTileBytesQ8_0;
     case kQ4_Z: return kTileBytesQ4_Z;
+    case 6: return 256 + 96;  // Q5_0, Q4_KS and Q6_KS: in the quads layout (gguf_vnni.cpp) only, no AMX tiles
+    case kQ4_KS: return 256 + 128;
+    case kQ6_KS: return 512 + 64;
     default: return 0;
   }
 }

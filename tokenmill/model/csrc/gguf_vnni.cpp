@@ -7,6 +7,10 @@
 //   Q8_0  q * d             ->  d dx (sum (q + 128) qx - 128 sum qx)   (the bytes hold q + 128: VPDPBUSD's
 //                                                                         first operand is unsigned)
 //   Q4_Z  (q - z) * s       ->  s dx (sum q qx - z sum qx)             (AWQ's groups, quant/awq_format.py)
+//   Q5_0  (q - 16) * d      ->  d dx (sum q qx - 16 sum qx)            (q's fifth bit ORed in as the quads load)
+//   Q4_KS (d sc) q - dmin m ->  d sc dx sum q qx - dmin m dx sum qx    (a Q4_K sub-block, quant/kquants.py)
+//   Q6_KS (d s) (q - 32)    ->  d dx (s_lo (sum_lo q qx - 32 sum_lo qx) + s_hi (... over K 16..31))
+//                                                                       (a Q6_K block of 32: two scales of 16)
 // Widening every weight to bfloat16 (csrc/gguf_linear.cpp, bit for bit the dequantized model) costs ~16 vector ops
 // per 32 weights and made a one-row step slower than bfloat16's; this costs ~2, so a decode step is bound by
 // the bytes of the blocks (a third of bfloat16's). The price is x's rounding to 8 bits (measured in BENCHMARKS.md,
@@ -16,11 +20,14 @@
 // Packed at load (quant/gguf_tiles.py, layout "quads") per 16 features x 32 K, with gguf_pack's fields:
 //   Q4: 4 x 64 bytes: vector t, dword lane j, byte i = feature j's quant byte 4t + i (its low nibble is K 4t + i,
 //       its high nibble K 16 + 4t + i), so one AND or one shift gives the unsigned bytes of four K quads.
-//   Q8_0: 8 x 64 bytes: vector t, lane j, byte i = feature j's q[4t + i] + 128.
-//   then the fields as in the tiles: 16 float16 d (s), Q4_1's 16 float16 m, Q4_Z's 16 uint8 z.
+//   Q8_0: 8 x 64 bytes: vector t, lane j, byte i = feature j's q[4t + i] + 128; Q6_KS's the same, q as it is.
+//   then the fields as in the tiles: 16 float16 d (s), Q4_1's 16 float16 m, Q4_Z's 16 uint8 z; Q5_0: 16 float16 d,
+//   16 uint32 of fifth bits (bit k: K k's); Q4_KS: 16 float32 d sc, 16 float32 -(dmin m); Q6_KS: 16 float16 d,
+//   16 int8 scales of K 0..15, 16 of K 16..31.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -28,7 +35,8 @@
 
 #ifdef TOKENMILL_VNNI
 namespace {
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_Z = 256;  // as gguf_linear.cpp
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_Z = 256;  // as gguf_linear.cpp
+constexpr int64_t kQ4_KS = 257, kQ6_KS = 258;  // quant/gguf_blocks.py: K-quant blocks re-cut to 32 weights
 }
 #endif
 
@@ -48,6 +56,7 @@ struct QuantizedRows {
   std::vector<int8_t> q;  // 32 a block
   std::vector<float> scale;
   std::vector<int32_t> sum;
+  std::vector<int32_t> sum_lo;  // of the block's first 16 quants (Q6_KS's halves)
   std::vector<float> scaled_sum;
   // the index of row m's block kb (times 32 for its quants)
   int64_t block(int64_t m, int64_t kb) const { return ((m / panel) * KB + kb) * panel + m % panel; }
@@ -63,7 +72,7 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>());
   const int64_t panel = std::min(M, kPanelRows), blocks = (M + panel - 1) / panel * panel * KB;  // tail unused
   QuantizedRows out{KB, panel, std::vector<int8_t>(blocks * 32), std::vector<float>(blocks),
-                    std::vector<int32_t>(blocks), std::vector<float>(blocks)};
+                    std::vector<int32_t>(blocks), std::vector<int32_t>(blocks), std::vector<float>(blocks)};
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     const __m512 sign = _mm512_set1_ps(-0.f);
     for (int64_t m = begin; m < end; ++m) {
@@ -80,8 +89,10 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(lo));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(hi));
         out.scale[at] = d;
-        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi));
+        const int32_t sum_lo = _mm512_reduce_add_epi32(lo);
+        const int32_t sum = sum_lo + _mm512_reduce_add_epi32(hi);
         out.sum[at] = sum;
+        out.sum_lo[at] = sum_lo;
         out.scaled_sum[at] = d * static_cast<float>(sum);
       }
     }
@@ -126,10 +137,58 @@ inline void tile_dots(const __m512i (&w)[8], const int8_t* qx, __m512i (&s)[Rows
   }
 }
 
+// tile_dots with each row's sum in two: over K 0..15 (vectors 0-3) and K 16..31 (4-7), for Q6_KS's two scales.
+// Each half's 4 VPDPBUSD alternate between two chains.
+template <int Rows>
+inline void tile_dots_halves(const __m512i (&w)[8], const int8_t* qx, __m512i (&lo)[Rows], __m512i (&hi)[Rows]) {
+  __m512i part[4][Rows];
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r)
+    for (int p = 0; p < 4; ++p) part[p][r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+  for (int t = 0; t < 8; ++t) {
+#pragma GCC unroll 8
+    for (int r = 0; r < Rows; ++r) dpbusd_broadcast(part[(t / 4) * 2 + t % 2][r], w[t], qx + 32 * r + 4 * t);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r) {
+    lo[r] = _mm512_add_epi32(part[0][r], part[1][r]);
+    hi[r] = _mm512_add_epi32(part[2][r], part[3][r]);
+  }
+}
+
+// Q5_0: + 16 on each byte of w[t] whose K has its fifth bit set; `bits` holds each lane's (feature's) 32 fifth
+// bits, vector t's bytes being K 4t .. 4t + 3 for t < 4 and K 16 + 4(t - 4) .. for t >= 4. With AVX512-BITALG one
+// bit shuffle picks each byte's bit (byte i of lane j: bit (j % 2) * 32 + first K + i of its qword); without it,
+// the lane's 4 bits are spread to its 4 bytes by a multiply.
+inline void add_fifth_bits(__m512i (&w)[8], const __m512i bits) {
+  const __m512i sixteen = _mm512_set1_epi8(16);
+#ifdef __AVX512BITALG__
+  alignas(64) static const auto control = [] {
+    std::array<std::array<uint8_t, 64>, 8> c{};
+    for (int t = 0; t < 8; ++t)
+      for (int b = 0; b < 64; ++b) c[t][b] = static_cast<uint8_t>((b / 4) % 2 * 32 + (t < 4 ? 4 * t : 16 + 4 * (t - 4)) + b % 4);
+    return c;
+  }();
+  for (int t = 0; t < 8; ++t) {
+    const __mmask64 set = _mm512_bitshuffle_epi64_mask(bits, _mm512_loadu_si512(control[t].data()));
+    w[t] = _mm512_mask_add_epi8(w[t], set, w[t], sixteen);
+  }
+#else
+  for (int t = 0; t < 8; ++t) {
+    const int first = t < 4 ? 4 * t : 16 + 4 * (t - 4);
+    const __m512i four = _mm512_and_si512(_mm512_srli_epi32(bits, first), _mm512_set1_epi32(0xF));
+    const __m512i spread = _mm512_and_si512(_mm512_mullo_epi32(four, _mm512_set1_epi32(0x00204081)),
+                                            _mm512_set1_epi32(0x01010101));  // bit i -> byte i's bit 0
+    w[t] = _mm512_or_si512(w[t], _mm512_slli_epi32(spread, 4));
+  }
+#endif
+}
+
 // A tile's quants as 8 vectors of unsigned bytes, vector t holding K quad t (K 4t .. 4t + 3) of each feature.
 template <int64_t Type>
 inline void load_quads(const uint8_t* tile, __m512i (&w)[8]) {
-  if constexpr (Type == kQ8_0) {
+  if constexpr (Type == kQ8_0 || Type == kQ6_KS) {
     for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(tile + 64 * t);
   } else {
     const __m512i low = _mm512_set1_epi8(0x0F);
@@ -138,11 +197,21 @@ inline void load_quads(const uint8_t* tile, __m512i (&w)[8]) {
       w[t] = _mm512_and_si512(v, low);
       w[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     }
+    if constexpr (Type == kQ5_0) add_fifth_bits(w, _mm512_loadu_si512(tile + 256 + 32));
   }
 }
 
 template <int64_t Type>
-constexpr int64_t quant_bytes() { return Type == kQ8_0 ? 512 : 256; }
+constexpr int64_t quant_bytes() { return Type == kQ8_0 || Type == kQ6_KS ? 512 : 256; }
+
+inline __m512 bytes_ps(const uint8_t* p, bool is_signed) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+}
+
+inline __m512 halves_ps(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 
 // Rows [m0, m0 + Rows) times column blocks nb (and nb + 1 if Cols == 2): float32 results into c [Rows x 32].
 // With `prefetch_until` (the weight's end; null for none) each tile's counterpart two column blocks on (the next
@@ -163,6 +232,7 @@ void vnni_block(const QuantizedRows& xq, int64_t m0, const uint8_t* w0, int64_t 
   const int8_t* qx_panel = xq.q.data() + first * 32;
   const float* scale = xq.scale.data() + first;
   const int32_t* sum = xq.sum.data() + first;
+  const int32_t* sum_lo = xq.sum_lo.data() + first;
   const float* scaled_sum = xq.scaled_sum.data() + first;
   const int64_t panel = xq.panel;
   for (int64_t kb = 0; kb < KB; ++kb) {
@@ -174,9 +244,28 @@ void vnni_block(const QuantizedRows& xq, int64_t m0, const uint8_t* w0, int64_t 
         prefetch_rows<false>(tile + 2 * KB * tile_bytes, 0, 1, tile_bytes);
       __m512i w[8];
       load_quads<Type>(tile, w);
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(fields)));
+      if constexpr (Type == kQ6_KS) {  // two 16-wide halves, each with its scale and the zero point 32
+        const __m512 d = halves_ps(fields);
+        const __m512 d_lo = _mm512_mul_ps(d, bytes_ps(fields + 32, true));
+        const __m512 d_hi = _mm512_mul_ps(d, bytes_ps(fields + 48, true));
+        __m512i lo[Rows], hi[Rows];
+        tile_dots_halves<Rows>(w, qx_panel + kb * panel * 32, lo, hi);
+#pragma GCC unroll 8
+        for (int r = 0; r < Rows; ++r) {
+          const int64_t row = kb * panel + r;
+          const __m512 dx = _mm512_set1_ps(scale[row]);
+          const __m512i s_lo = _mm512_sub_epi32(lo[r], _mm512_set1_epi32(32 * sum_lo[row]));
+          const __m512i s_hi = _mm512_sub_epi32(hi[r], _mm512_set1_epi32(32 * (sum[row] - sum_lo[row])));
+          acc[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(d_lo, dx), _mm512_cvtepi32_ps(s_lo), acc[r][j]);
+          acc[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(d_hi, dx), _mm512_cvtepi32_ps(s_hi), acc[r][j]);
+        }
+        continue;
+      }
+      // Q4_KS: float32 d sc and -(dmin m)
+      const __m512 d = Type == kQ4_KS ? _mm512_loadu_ps(fields) : halves_ps(fields);
       __m512 mins = _mm512_setzero_ps();
-      __m512i zero_points = _mm512_set1_epi32(Type == kQ4_0 ? 8 : Type == kQ8_0 ? 128 : 0);
+      if constexpr (Type == kQ4_KS) mins = _mm512_loadu_ps(fields + 64);
+      __m512i zero_points = _mm512_set1_epi32(Type == kQ4_0 ? 8 : Type == kQ5_0 ? 16 : Type == kQ8_0 ? 128 : 0);
       if constexpr (Type == kQ4_1)
         mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(fields + 32)));
       if constexpr (Type == kQ4_Z)
@@ -187,10 +276,11 @@ void vnni_block(const QuantizedRows& xq, int64_t m0, const uint8_t* w0, int64_t 
       for (int r = 0; r < Rows; ++r) {
         const int64_t row = kb * panel + r;
         __m512i sr = s[r];
-        if constexpr (Type != kQ4_1)
+        if constexpr (Type != kQ4_1 && Type != kQ4_KS)
           sr = _mm512_sub_epi32(sr, _mm512_mullo_epi32(zero_points, _mm512_set1_epi32(sum[row])));
         acc[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(scale[row])), _mm512_cvtepi32_ps(sr), acc[r][j]);
-        if constexpr (Type == kQ4_1) acc[r][j] = _mm512_fmadd_ps(mins, _mm512_set1_ps(scaled_sum[row]), acc[r][j]);
+        if constexpr (Type == kQ4_1 || Type == kQ4_KS)
+          acc[r][j] = _mm512_fmadd_ps(mins, _mm512_set1_ps(scaled_sum[row]), acc[r][j]);
       }
     }
   }
@@ -273,7 +363,11 @@ void vnni_any(const at::Tensor& x, const at::Tensor& packed, const Epilogue& epi
     case 256 + 64: vnni_tiles<kQ4_1>(x, packed, epilogue); break;
     case 512 + 32: vnni_tiles<kQ8_0>(x, packed, epilogue); break;
     case 256 + 48: vnni_tiles<kQ4_Z>(x, packed, epilogue); break;
-    default: TORCH_CHECK(false, "not a packed Q4_0, Q4_1, Q8_0 or Q4_Z weight (tiles of ", packed.size(2), " bytes)");
+    case 256 + 96: vnni_tiles<kQ5_0>(x, packed, epilogue); break;
+    case 256 + 128: vnni_tiles<kQ4_KS>(x, packed, epilogue); break;
+    case 512 + 64: vnni_tiles<kQ6_KS>(x, packed, epilogue); break;
+    default: TORCH_CHECK(false, "not a packed Q4_0, Q4_1, Q5_0, Q8_0, Q4_Z, Q4_KS or Q6_KS weight (tiles of ", packed.size(2),
+                         " bytes)");
   }
 }
 

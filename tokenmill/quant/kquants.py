@@ -1,0 +1,83 @@
+"""GGUF types re-cut at load into blocks of 32 that a kept-block kernel reads (csrc/gguf_vnni.cpp), each weight
+exactly the value llama.cpp's dequantizer gives it:
+
+- Q4_K  -> Q4_KS: each 32-weight sub-block with its scale d * sc and its min dmin * m in float32 (24 bytes per 32
+                   weights against the file's 18: 1.33x);
+- Q6_K  -> Q6_KS: each 32 weights with the super-block's d and the two 16-weight halves' int8 scales, the 6-bit
+                   quants one a byte (36 bytes per 32 against 26.25: 1.37x);
+- Q5_0  -> Q8_0:  q - 16 is a signed byte, under the same float16 d (34 bytes against 22: 1.55x), only where a
+                   fused layer's other parts are Q8_0 (Gemma 3's q and k beside a Q8_0 v); elsewhere Q5_0 is kept
+                   as it is (Q4_K_M files hold it where a row is not a multiple of 256 long).
+
+The blocks of 256 themselves would take an integer dot product per 256 weights (llama.cpp's Q8_K activations); the
+kernels here round x per 32 (one scale per block of 32, as for Q4_0/Q8_0), so a block carries its own scales. The
+cost is bytes: measured against the file's size in BENCHMARKS.md ("K-quants kept").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.quant.gguf_blocks import Q4_KS, Q6_KS, GGMLQuantizationType
+
+Q4_K, Q6_K, Q5_0, Q8_0 = (int(GGMLQuantizationType.Q4_K), int(GGMLQuantizationType.Q6_K),
+                          int(GGMLQuantizationType.Q5_0), int(GGMLQuantizationType.Q8_0))
+TRANSCODED = {Q4_K: Q4_KS, Q6_K: Q6_KS, Q5_0: Q8_0}  # file type -> the type its blocks are kept as
+
+
+def transcode(data: torch.Tensor, ggml_type: int) -> tuple[int, torch.Tensor]:
+    """Raw blocks [N, row bytes] of a TRANSCODED type -> (the kept type, its raw blocks [N, K/32 * bytes])."""
+    fn = {Q4_K: _q4_k, Q6_K: _q6_k, Q5_0: _q5_0}[int(ggml_type)]
+    n = data.shape[0]
+    return TRANSCODED[int(ggml_type)], fn(data.reshape(-1)).reshape(n, -1).contiguous()
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[..., 32] values in 0..15 -> [..., 16] bytes ordered as Q4_0's: byte i = q[i] | q[i + 16] << 4."""
+    return q[..., :16] | (q[..., 16:] << 4)
+
+
+def _q4_k(raw: torch.Tensor) -> torch.Tensor:
+    blocks = raw.view(-1, 144)  # d, dmin (float16), 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
+    s = blocks[:, 4:16]
+    sc = torch.empty(blocks.shape[0], 8, dtype=torch.uint8)
+    mn = torch.empty_like(sc)
+    sc[:, :4], mn[:, :4] = s[:, 0:4] & 63, s[:, 4:8] & 63
+    sc[:, 4:] = (s[:, 8:12] & 0x0F) | ((s[:, 0:4] >> 6) << 4)
+    mn[:, 4:] = (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)
+    qs = blocks[:, 16:].view(-1, 4, 32)  # 4 chunks of 64 weights: sub-block 2c in the low nibbles, 2c + 1 high
+    q = torch.stack([qs & 0x0F, qs >> 4], dim=2).view(-1, 8, 32)
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float()
+    dmin = blocks[:, 2:4].contiguous().view(torch.float16).float()
+    scales = torch.stack([d * sc.float(), -(dmin * mn.float())], dim=-1)  # [n, 8, 2] float32, exact products
+    out = torch.empty(blocks.shape[0], 8, 24, dtype=torch.uint8)
+    out[:, :, 0:8] = scales.view(torch.uint8).view(-1, 8, 8)
+    out[:, :, 8:] = _nibbles(q)
+    return out
+
+
+def _q6_k(raw: torch.Tensor) -> torch.Tensor:
+    blocks = raw.view(-1, 210)  # 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scales, d (float16)
+    ql, qh = blocks[:, :128].view(-1, 2, 64), blocks[:, 128:192].view(-1, 2, 32)
+    q = torch.empty(blocks.shape[0], 2, 4, 32, dtype=torch.uint8)  # per half of 128: four runs of 32
+    q[:, :, 0] = (ql[:, :, :32] & 0x0F) | ((qh & 3) << 4)
+    q[:, :, 1] = (ql[:, :, 32:] & 0x0F) | (((qh >> 2) & 3) << 4)
+    q[:, :, 2] = (ql[:, :, :32] >> 4) | (((qh >> 4) & 3) << 4)
+    q[:, :, 3] = (ql[:, :, 32:] >> 4) | (((qh >> 6) & 3) << 4)
+    out = torch.empty(blocks.shape[0], 8, 36, dtype=torch.uint8)
+    out[:, :, 0:2] = blocks[:, None, 208:210]
+    out[:, :, 2:4] = blocks[:, 192:208].view(-1, 8, 2)  # the scales of each 32's two halves of 16
+    out[:, :, 4:] = q.view(-1, 8, 32)
+    return out
+
+
+def _q5_0(raw: torch.Tensor) -> torch.Tensor:
+    blocks = raw.view(-1, 22)  # d (float16), 32 high bits, 16 bytes of nibbles (Q4_0's order)
+    high = blocks[:, 2:6].contiguous().view(torch.int32)  # bit j: weight j's fifth bit
+    bits = (high >> torch.arange(32, dtype=torch.int32)) & 1
+    low = torch.cat([blocks[:, 6:] & 0x0F, blocks[:, 6:] >> 4], dim=1).to(torch.int32)
+    q = (low | (bits << 4)) - 16
+    out = torch.empty(blocks.shape[0], 34, dtype=torch.uint8)
+    out[:, :2] = blocks[:, :2]
+    out[:, 2:] = q.to(torch.int8).view(torch.uint8)
+    return out
