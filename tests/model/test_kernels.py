@@ -109,6 +109,25 @@ def test_rms_norm_and_fused_residual_add(dtype, rows):
     torch.testing.assert_close(got, want, **tol(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_rms_norm_with_a_float32_scale_rounds_once(dtype, rows):
+    """Gemma's (1 + w) norms: x / rms(x) * scale in float32, one rounding to x's dtype (Backend's torch form), rows
+    read with a stride (the q/k heads of a fused projection)."""
+    from tokenmill.model.backends.base import Backend
+
+    g = torch.Generator().manual_seed(rows)
+    scale = 1 + torch.randn(96, generator=g)
+    wide = torch.randn(rows, 128, generator=g).to(dtype)
+    x = wide[:, 16:112]  # strided rows
+    want = Backend.rms_norm_float_scale(None, x, scale, 1e-6)  # the torch ops (x's dtype is not scale's)
+    got = ops.rms_norm_f32_scale(x, scale, 1e-6)
+    # only the float32 sum's order differs: a value off by one step of x's dtype at most, few of them
+    step = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    assert ((got.float() - want.float()).abs() <= step * want.float().abs()).all()
+    assert (got != want).float().mean() < 0.02
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_write_kv_matches_apply_rotary_and_write_kv(dtype):
     g = torch.Generator().manual_seed(3)

@@ -53,14 +53,17 @@ def kept_form(blocks: GGMLBlocks, backend: object, beside_q8_0: bool = False) ->
 
 def kept_summary(layers: list[nn.Module]) -> str:
     """Each format the matmuls are served in, with its count and bytes, for the start-up log: "Q8_0 x10 171 MiB,
-    Q4_KS (Q4_K) x27 17 MiB, dense x1 1 MiB"."""
+    Q4_KS (Q4_K) x27 17 MiB, dense (from Q3_K) x2 9 MiB": a kept type, with the file's type it was re-cut from, or
+    dense, with the file types dequantized at load."""
     from tokenmill.quant.gguf_blocks import _type_name
 
     kinds: dict[str, list[int]] = {}
     for m in layers:
         t = getattr(m, "gguf_type", None)
-        if t is None:
-            name, tensors = "dense", [getattr(m, "packed_weight", None), m.weight]
+        if t is None:  # dequantized at load: from which file types (Q2_K, Q3_K, IQ..., or mixed in one layer)
+            files = [_type_name(f) for f in getattr(m, "gguf_file_types", [])]
+            name = "dense" + (f" (from {'+'.join(files)})" if files else "")
+            tensors = [getattr(m, "packed_weight", None), m.weight]
         else:
             files = [_type_name(f) for f in getattr(m, "gguf_file_types", []) if f != t]
             name = _type_name(t) + (f" ({'+'.join(files)})" if files else "")

@@ -110,6 +110,12 @@ class CpuBackend(TorchBackend):
             return self.ops.rms_norm(x, weight, eps)
         return super().rms_norm(x, weight, eps)
 
+    def rms_norm_float_scale(self, x, scale, eps):
+        if (_rows(x) and x.dtype != scale.dtype and scale.dtype == torch.float32 and scale.is_contiguous()
+                and hasattr(self.ops, "rms_norm_f32_scale")):
+            return self.ops.rms_norm_f32_scale(x, scale, eps)
+        return super().rms_norm_float_scale(x, scale, eps)
+
     def add_rms_norm(self, x, residual, weight, eps):
         if (_rows(x) and residual.is_contiguous() and x.shape == residual.shape and
                 x.dtype == residual.dtype == weight.dtype and weight.is_contiguous()):

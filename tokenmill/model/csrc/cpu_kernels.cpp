@@ -683,6 +683,24 @@ void rms_norm_rows(const T* x, int64_t x_stride, const T* w, T* out, int64_t row
   });
 }
 
+// rms_norm_f32_scale's rows: x / rms(x) * scale in float32, rounded once.
+template <typename T>
+void rms_norm_scaled_rows(const T* x, int64_t x_stride, const float* scale, T* out, int64_t rows, int64_t dim,
+                          float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(dim);
+    for (int64_t r = begin; r < end; ++r) {
+      float ss = 0.f;
+      for (int64_t d = 0; d < dim; ++d) buf[d] = to_float(x[r * x_stride + d]);
+#pragma omp simd reduction(+ : ss)
+      for (int64_t d = 0; d < dim; ++d) ss += buf[d] * buf[d];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
+      T* o = out + r * dim;
+      for (int64_t d = 0; d < dim; ++d) o[d] = round_to<T>(buf[d] * inv * scale[d]);
+    }
+  });
+}
+
 template <typename T>
 void rotate_heads(T* x, int64_t heads, int64_t head_dim, const T* c, const T* s) {
   // HF layout: out[:half] = x1*cos - x2*sin, out[half:] = x2*cos + x1*sin (each product rounded to T).
@@ -709,6 +727,20 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
                             x.size(0), x.size(1), static_cast<float>(eps), nullptr);
+  });
+  return out;
+}
+
+// x [T, D] bfloat16/half/float32 rows (may be strided), scale [D] float32: x / rms(x) * scale in float32, rounded
+// once to x's dtype: Gemma's (1 + w) norms as transformers computes them (Backend.rms_norm_float_scale). Per row the
+// same operations whatever the batch.
+at::Tensor rms_norm_f32_scale(at::Tensor x, at::Tensor scale, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && scale.is_contiguous() && scale.scalar_type() == at::kFloat &&
+              scale.numel() == x.size(1), "x [T, D] with unit stride along D, scale [D] float32");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_f32_scale", [&] {
+    rms_norm_scaled_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), scale.data_ptr<float>(),
+                                   out.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
   });
   return out;
 }
@@ -1213,6 +1245,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "x @ w.T (+ b) for few rows, output features split over threads");
   m.def("rms_norm", &rms_norm, "RMSNorm of [T, D] rows");
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMSNorm of residual");
+  m.def("rms_norm_f32_scale", &rms_norm_f32_scale, "x / rms(x) * scale in float32, rounded once (Gemma's norms)");
   m.def("rotary_write_kv", &rotary_write_kv, "rotary on q and k in place, then k and v into the paged caches");
   m.def("first_argmax", &first_argmax, "per row of float32 logits, the first index of the maximum (NaN first)");
   m.def("sampling_weights", &sampling_weights, "the sampler's exp((x - max) / t), 0 below `lowest`, into out; -> max");
