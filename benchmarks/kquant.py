@@ -13,6 +13,9 @@ on one GGUF file (default: Gemma 3 270M Q4_K_M), side by side in one run.
   `llama-bench -p 0 -n 128` / `-p 512 -n 0` on the same file, all with `--threads` threads; rounds take each in
   turn, medians over `--runs` rounds.
 - ppl: perplexity on held-out ShareGPT as benchmarks/ppl_vs_llama.py computes it, kept against dequantized.
+- greedy: 64 greedy tokens for 4 prompts, kept against dequantized: how many tokens agree, and where they part,
+  how far the kept model's token was below the dequantized model's best there (a near-tie is a gap of a few
+  tenths of a nat).
 """
 
 from __future__ import annotations
@@ -117,10 +120,34 @@ def perplexity(model: str, texts: int, ctx: int, chunks: int, threads: int) -> d
     return out
 
 
+GREEDY_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Owls are birds that",
+                  "Write a short poem about the sea."]
+
+
+def greedy(model: str) -> dict:
+    from tokenmill import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=5)
+    outs = {}
+    for name, q in FORMATS.items():
+        llm = LLM(model, quantization=q, kv_cache_memory=64 << 20)
+        outs[name] = [o.outputs[0] for o in llm.generate(GREEDY_PROMPTS, params, use_tqdm=False)]
+        llm.shutdown()
+    result = []
+    for kept, dense in zip(outs["kept"], outs["dequantized"]):
+        same = next((i for i, (a, b) in enumerate(zip(kept.token_ids, dense.token_ids)) if a != b), None)
+        entry = {"agree": len(kept.token_ids) if same is None else same}
+        if same is not None:
+            chosen = dense.logprobs[same].get(kept.token_ids[same])
+            entry["gap_nats"] = None if chosen is None else max(dense.logprobs[same].values()) - chosen
+        result.append(entry)
+    return {"prompts": result}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gemma3-270m")
-    ap.add_argument("--parts", default="memory,speed,ppl")
+    ap.add_argument("--parts", default="memory,speed,ppl", help="any of memory, speed, ppl, greedy")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--texts", type=int, default=200)
@@ -140,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     if "ppl" in parts:
         result["ppl"] = perplexity(args.model, args.texts, args.ctx, args.chunks, args.threads)
         print({k: (v["perplexity"] if isinstance(v, dict) else v) for k, v in result["ppl"].items()}, flush=True)
+    if "greedy" in parts:
+        result["greedy"] = greedy(args.model)
+        print(result["greedy"], flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"CPU: {result['cpu']}")

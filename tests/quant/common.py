@@ -28,11 +28,11 @@ CLOSE_LOGPROB = 0.3
 SWAP_GAP = 0.5
 
 
-def assert_kept_tracks_dense(dense: list, kept: list, exact: bool) -> None:
+def assert_kept_tracks_dense(dense: list, kept: list, exact: bool, close: float = CLOSE_LOGPROB) -> None:
     """Kept blocks against the dequantized model, request by request (outputs with logprobs >= 2). `exact` (the
     AMX tiles widen to the very bfloat16 weights): the same tokens and logprobs. Else the same tokens up to a
     step where the kept model chose a token the dense model rated within SWAP_GAP of its best (among its top
-    logprobs), and every logprob up to there within CLOSE_LOGPROB: a wrong block decode moves logits by nats."""
+    logprobs), and every logprob up to there within `close`: a wrong block decode moves logits by nats."""
     for a, b in zip(dense, kept, strict=True):
         a, b = a.outputs[0], b.outputs[0]
         if exact:
@@ -42,7 +42,7 @@ def assert_kept_tracks_dense(dense: list, kept: list, exact: bool) -> None:
         upto = len(a.token_ids) if i is None else i
         for j in range(upto):
             token = a.token_ids[j]
-            assert abs(a.logprobs[j][token] - b.logprobs[j][token]) < CLOSE_LOGPROB, f"step {j}"
+            assert abs(a.logprobs[j][token] - b.logprobs[j][token]) < close, f"step {j}"
         if i is not None:  # the kept model's choice was a near-tie in the dense model too
             chosen = a.logprobs[i].get(b.token_ids[i])
             assert chosen is not None, f"step {i}: the kept model chose a token outside the dense model's top logprobs"
