@@ -156,13 +156,13 @@ def test_a_hit_whose_window_pages_were_reclaimed_is_shortened():
     sched.add_request(request("a", prompt, max_tokens=2))
     run_all(sched)
     kv = sched.kv
-    # reclaim the window pages of the blocks ending at 24 tokens (blocks 4 and 5): a hit there cannot take them
+    # reclaim the window pages of blocks 1, 4 and 5: a hit ending at 24 or 20 tokens cannot take its window
     tree_blocks = kv.tree.match(prompt).blocks
-    for full in tree_blocks[4:6]:
+    for full in (tree_blocks[5], tree_blocks[4], tree_blocks[1]):
         kv.window._idle.move_to_end(full, last=False)
-    assert kv.window.reclaim(4) == 4
+    assert kv.window.reclaim(6) == 6
     b = request("b", prompt[:24] + [1, 2, 3, 4, 5])  # would hit 24 tokens (6 blocks) if the window were there
-    assert kv.cached_prefix_len(b) == 16  # 4 blocks: their window (blocks 2, 3) still cached
+    assert kv.cached_prefix_len(b) == 16  # 4 blocks: the window at their end (blocks 2, 3) still cached
     sched.add_request(b)
     step(sched)
     assert b.num_cached_tokens == 16

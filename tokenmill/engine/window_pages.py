@@ -92,9 +92,12 @@ class WindowPages:
     def hit_blocks(self, blocks: list[int]) -> int:
         """How many of these cached blocks (a radix-tree match) a hit may take: the most whose window's blocks at
         the end all have their window pages cached."""
-        bs = self.layout.block_size
+        bs, runs, run = self.layout.block_size, [], 0
+        for full in blocks:  # runs[i]: how many blocks up to i in a row have their window pages cached
+            run = run + 1 if full in self._cached else 0
+            runs.append(run)
         for n in range(len(blocks), 0, -1):
-            if all(blocks[b] in self._cached for b in range(self.layout.first_window_block(n * bs), n)):
+            if n - self.layout.first_window_block(n * bs) <= runs[n - 1]:
                 return n
         return 0
 
