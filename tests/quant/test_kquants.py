@@ -153,3 +153,29 @@ def test_gemma3_270m_kept_tracks_the_dequantized_model():
     # measured: the same 72 tokens, logprobs of the chosen tokens within 0.1 but one 0.31 (a token at -0.71 whose
     # runner-up sat close); Gemma's 262k-token softmax moves more than SmolLM2's for the same logit error
     assert_kept_tracks_dense(outs["none"], outs["gguf"], exact=False, close=0.5)
+
+
+def test_an_untied_embedding_reads_its_rows_from_the_files_blocks(tmp_path, monkeypatch):
+    """A model whose embedding is not its LM head: the table stays in the file's Q8_0 blocks (the dense one released,
+    its bytes counted) and each step decodes the rows it looks up, so the outputs are bit for bit those of the
+    model that dequantized the table at load."""
+    from tests.model.test_loader import _tiny_gguf
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.engine.runner import weight_bytes
+    from tokenmill.quant.gguf_linear import GGUFLinearMethod
+
+    path, _, _ = _tiny_gguf(tmp_path, "llama", qtype=T.Q8_0, tie_word_embeddings=False)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    prompts = [{"prompt_token_ids": [5, 17, 99, 3, 42, 7]}, {"prompt_token_ids": [200, 1, 64]}]
+    tokenizer = str(tmp_path / "tiny-llama-0")  # the tiny GGUF carries no vocabulary; its source directory does
+    kept = LLM(str(path), tokenizer=tokenizer, dtype="float32", quantization="gguf", kv_cache_memory=16 << 20)
+    model = kept.engine.core.runner.model
+    assert model.embed_tokens.weight.is_meta and model.embed_tokens.kept is not None
+    with monkeypatch.context() as m:
+        m.setattr(GGUFLinearMethod, "keep_embedding", lambda *a: None)
+        dense = LLM(str(path), tokenizer=tokenizer, dtype="float32", quantization="gguf", kv_cache_memory=16 << 20)
+    table = dense.engine.core.runner.model.embed_tokens.weight
+    assert weight_bytes(model) == weight_bytes(dense.engine.core.runner.model) - table.nbytes + model.embed_tokens.kept.nbytes
+    a, b = (llm.generate(prompts, params, use_tqdm=False) for llm in (kept, dense))
+    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in a] == [
+        (o.outputs[0].token_ids, o.outputs[0].logprobs) for o in b]

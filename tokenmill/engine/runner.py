@@ -53,7 +53,7 @@ def position_seed(base: int, position: int) -> int:
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes held by the model's weights: parameters, buffers and the backend's packed or quantized copies, each
     tensor once (a released plain weight, on the meta device, holds none)."""
-    tensors = [*model.parameters(), *model.buffers()]
+    tensors = [*model.parameters(), *model.buffers(), getattr(getattr(model, "embed_tokens", None), "kept", None)]
     for m in model.linear_layers():
         tensors += [getattr(m, a, None) for a in ("weight", "packed_weight", "qweight", "weight_scale", "pair_scale",
                                                   "gguf_blocks")]

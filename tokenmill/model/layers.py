@@ -22,6 +22,7 @@ class VocabEmbedding(nn.Module):
     a step looks up, and the dense table is released."""
 
     rows: Callable[[torch.Tensor], torch.Tensor] | None = None  # token ids -> their dense rows, when kept
+    kept: torch.Tensor | None = None  # what `rows` reads, where only it holds it (weight_bytes counts it)
 
     def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype | None = None):
         super().__init__()
@@ -29,9 +30,10 @@ class VocabEmbedding(nn.Module):
         # finite when built off the meta device; not nn.init.normal_, which on meta imports torch._dynamo (1 s, 36 MB)
         nn.init.uniform_(self.weight, -1.0, 1.0)
 
-    def keep_rows(self, rows: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Look rows up through `rows` from now on (until the weights are loaded again) and release the table."""
-        self.rows = rows
+    def keep_rows(self, rows: Callable[[torch.Tensor], torch.Tensor], kept: torch.Tensor | None = None) -> None:
+        """Look rows up through `rows` from now on (until the weights are loaded again) and release the table;
+        `kept`: the data `rows` reads, where no other module holds it (an untied table's blocks)."""
+        self.rows, self.kept = rows, kept
         self.weight = nn.Parameter(self.weight.to("meta"), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -234,6 +234,9 @@ class LlamaForCausalLM(nn.Module):
                     raise ModelLoadError(f"checkpoint tensor {name!r}: {e}") from None
             for m in self.linear_layers():
                 m.method.process_weights_after_loading(m, weights)  # on-the-fly formats quantize here
+            keep = getattr(getattr(self.lm_head, "method", None), "keep_embedding", None)  # an untied table's blocks
+            if keep is not None and self.embed_tokens is not None and hasattr(weights, "blocks"):
+                keep(self.embed_tokens, weights.blocks("model.embed_tokens.weight"), self.backend)
 
 
 def _recomputed(name: str) -> bool:

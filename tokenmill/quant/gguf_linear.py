@@ -125,6 +125,13 @@ class GGUFLinearMethod(DenseLinearMethod):
             target = layer.weight.narrow(0, layer.shard_offsets[i], layer.output_sizes[i])
             copy_checked(target, blocks.dequantize(layer.weight.dtype))
 
+    def keep_embedding(self, embedding: nn.Module, blocks: torch.Tensor | GGMLBlocks, backend: object) -> None:
+        """An untied embedding table kept in the file's blocks (or re-cut ones, kept_form): each step decodes the
+        rows it looks up, bit for bit the dequantized table's, and the dense table is released."""
+        kept = kept_form(blocks, backend) if isinstance(blocks, GGMLBlocks) else None
+        if kept is not None:
+            embedding.keep_rows(embedding_rows(kept, embedding.weight.dtype), kept.data)
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if getattr(layer, "gguf_type", None) is None:
             return layer.backend.linear(x, layer)
