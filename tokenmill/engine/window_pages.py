@@ -33,10 +33,6 @@ class WindowPages:
     def num_idle_pages(self) -> int:
         return self.per_block * len(self._idle)
 
-    @property
-    def num_cached_pages(self) -> int:
-        return self.per_block * len(self._cached)
-
     # ---- a request's blocks --------------------------------------------------------------------------------
     def extend(self, request: Request, pages: list[int]) -> None:
         """The window pages of the request's new blocks, `per_block` each, in block order."""
@@ -102,7 +98,7 @@ class WindowPages:
         return 0
 
     def idle_in_hit(self, blocks: list[int]) -> int:
-        """Pages of idle window pages a hit on `blocks` takes (no longer reclaimable once it does)."""
+        """How many idle (reclaimable) window pages a hit on `blocks` would take: they stop being reclaimable."""
         first = self.layout.first_window_block(len(blocks) * self.layout.block_size)
         return self.per_block * sum(1 for f in blocks[first:] if f in self._idle)
 
