@@ -495,7 +495,7 @@ void attend_tiles(const uint16_t* q, const C* k_cache, const C* v_cache, const i
         // Blocks sit anywhere in the pool (no hardware prefetcher can guess the next): the next one into L2.
         // Without it DRAM-resident pools run at half speed. Into L1 instead (with the block after into L2, as on
         // Zen 5 before) the prefetches stall the loads in use: on Zen 4, 64 decodes x ~400 keys over pools that
-        // miss L3 take 0.97 ms a layer with L2 alone, 1.23 ms with both (BENCHMARKS.md, nineteenth session).
+        // miss L3 take 0.97 ms a layer with L2 alone, 1.23 ms with both (BENCHMARKS.md, "paged attention's prefetch").
         if (start + kKeys < len) {
           const int64_t next = (table[start / kKeys + 1] * kKeys * num_kv_heads + h) * D;
           prefetch_rows<false>(k_cache + next, stride * sizeof(C), kKeys, D * sizeof(C));

@@ -29,8 +29,8 @@ constexpr int64_t kTileElems = kTileRows * kTileK;  // bfloat16 elements of one 
 // guided chunks: each a share of what is left (half of it over 2 threads), down to one pair. A thread streams long
 // runs of the weight, its prefetch two pairs ahead landing in its own run; fixed chunks of ~1/8 of the pairs began
 // each run cold and prefetched into the other thread's. On Zen 4, 30 Q4_1 layers (66 MB, kernel_ab.py): one row
-// 3.19 -> 2.91 ms, 8 rows 5.72 -> 5.25, 64 rows 30.4 -> 29.0 (BENCHMARKS.md, nineteenth session). body(queue) runs
-// once per thread and loops over the chunks it takes.
+// 3.19 -> 2.91 ms, 8 rows 5.72 -> 5.25, 64 rows 30.4 -> 29.0 (BENCHMARKS.md, "matmul columns in guided chunks").
+// body(queue) runs once per thread and loops over the chunks it takes.
 template <typename F>
 void for_column_pairs(int64_t NB, const F& body) {
   const int64_t pairs = (NB + 1) / 2;
