@@ -10,6 +10,9 @@
 #   JOBS        parallel compile jobs (default 2)
 #   WORK_DIR    where the sdist is downloaded, unpacked and built (default: OUT_DIR/../src, kept for rebuilds)
 #   LLAMA_CPP_PYTHON_VERSION   pin the sdist version (default: the newest on PyPI)
+#   EXTRA_FLAGS extra compiler flags, e.g. "-mno-avx512f" for an AVX2-only stand-in build on an AVX-512 CPU
+#               (give it its own OUT_DIR: it builds in its own directory)
+#   TOOLS       the binaries to build (default: llama-server llama-bench llama-perplexity llama-quantize)
 #
 # The binaries are linked statically against llama/ggml (BUILD_SHARED_LIBS=OFF), so OUT_DIR needs nothing else.
 # Everything that would fetch from the network at build time (prebuilt web UI, HTTPS, curl) is turned off.
@@ -27,7 +30,7 @@ fi
 log() { printf '[build_llama_server %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 die() { printf '[build_llama_server] error: %s\n' "$*" >&2; exit 1; }
 
-TOOLS=(llama-server llama-bench llama-perplexity llama-quantize)
+read -r -a TOOLS <<< "${TOOLS:-llama-server llama-bench llama-perplexity llama-quantize}"
 have_all=1
 for exe in "${TOOLS[@]}"; do [[ -x $OUT_DIR/$exe ]] || have_all=0; done
 if (( have_all )); then
@@ -91,7 +94,11 @@ if grep -q amx_tile /proc/cpuinfo 2>/dev/null; then
     flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     log "this CPU has AMX: building with $flags (GCC 12 miscompiles the AMX tile config)"
 fi
-build=$src/build-server
+if [[ -n ${EXTRA_FLAGS:-} ]]; then
+    flags="$flags $EXTRA_FLAGS"
+    log "extra compiler flags: $EXTRA_FLAGS"
+fi
+build=$src/build-server${EXTRA_FLAGS:+-$(printf '%s' "$EXTRA_FLAGS" | tr -c 'A-Za-z0-9' '_')}
 log "configuring in $build"
 cmake -S "$src" -B "$build" \
     -DCMAKE_BUILD_TYPE=Release \
@@ -112,5 +119,5 @@ for exe in "${TOOLS[@]}"; do
     install -m 0755 "$bin" "$OUT_DIR/$exe"
 done
 log "installed into $OUT_DIR:"
-"$OUT_DIR/llama-server" --version 2>&1 | sed 's/^/    /' || true
+"$OUT_DIR/${TOOLS[0]}" --version 2>&1 | sed 's/^/    /' || true
 log "done"

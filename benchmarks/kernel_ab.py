@@ -79,8 +79,8 @@ def matmul_part(mods: list[ModuleType], rounds: int, allow: bool) -> None:
 
     from tokenmill.quant.gguf_tiles import gguf_pack
 
-    if mods[0].gguf_kernel() != "vnni":
-        print("matmul: skipped (the kept-GGUF kernel here is not the VNNI one)")
+    if mods[0].gguf_kernel() not in ("vnni", "avx2"):
+        print("matmul: skipped (the kept-GGUF kernel here reads AMX tiles, not quads)")
         return
     g = torch.Generator().manual_seed(0)
 
@@ -96,11 +96,11 @@ def matmul_part(mods: list[ModuleType], rounds: int, allow: bool) -> None:
     for rows in (1, 8, 16, 64):
         x = {k: torch.randn(rows, k, generator=g).to(torch.bfloat16) for k in (576, 1536)}
         for s, w in base.items():
-            check_equal(mods[0].gguf_vnni_linear(x[s[1]], w, None), mods[1].gguf_vnni_linear(x[s[1]], w, None),
+            check_equal(mods[0].gguf_linear(x[s[1]], w, None), mods[1].gguf_linear(x[s[1]], w, None),
                         f"matmul {s} x {rows} rows", allow)
-        per_layers = interleaved([lambda m=m, x=x: [m.gguf_vnni_linear(x[s[1]], w, None) for layer in layers
+        per_layers = interleaved([lambda m=m, x=x: [m.gguf_linear(x[s[1]], w, None) for layer in layers
                                                     for s, w in layer.items()] for m in mods], rounds)
-        per_head = interleaved([lambda m=m, x=x: m.gguf_vnni_linear(x[576], head, None) for m in mods], rounds)
+        per_head = interleaved([lambda m=m, x=x: m.gguf_linear(x[576], head, None) for m in mods], rounds)
         print(f"  {rows:3d} rows: layers {per_layers[0] * 1e3:7.3f} -> {per_layers[1] * 1e3:7.3f}   "
               f"head {per_head[0] * 1e3:6.3f} -> {per_head[1] * 1e3:6.3f}")
 

@@ -16,12 +16,19 @@ on one GGUF file (default: Gemma 3 270M Q4_K_M), side by side in one run.
 - greedy: 64 greedy tokens for 4 prompts, kept against dequantized: how many tokens agree, and where they part,
   how far the kept model's token was below the dequantized model's best there (a near-tie is a gap of a few
   tenths of a nat).
+
+`--avx2-stand-in` runs all of it as an AVX2-only CPU would, on an AVX-512 machine: tokenmill's kernels built with
+-march=haswell (the AVX2 kept-block kernel, float32 compute), torch's and oneDNN's own dispatch capped at AVX2
+(ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA), and llama.cpp built with -mno-avx512f (`EXTRA_FLAGS=-mno-avx512f
+TOOLS=llama-bench bash benchmarks/build_llama_server.sh /work/peers/llama.cpp-avx2/bin`). A stand-in: the same
+cores, caches and memory as the AVX-512 runs, only the instructions of an AVX2 CPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -37,6 +44,8 @@ from tokenmill.eval import heldout_texts  # noqa: E402
 from tokenmill.model.paths import resolve_model_path  # noqa: E402
 
 FORMATS = {"kept": "gguf", "dequantized": "none"}
+AVX2_ENV_ALL = (("TOKENMILL_KERNEL_MARCH", "haswell"), ("ATEN_CPU_CAPABILITY", "avx2"), ("ONEDNN_MAX_CPU_ISA", "AVX2"))
+AVX2_ENV = AVX2_ENV_ALL[0]
 
 
 def weight_memory(model: str) -> dict:
@@ -153,11 +162,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--texts", type=int, default=200)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=40)
-    ap.add_argument("--llama-bin", default="/work/peers/llama.cpp/bin")
-    ap.add_argument("--out", default="benchmarks/results/kquant.json")
+    ap.add_argument("--llama-bin", default=None,
+                    help="llama.cpp's binaries (default /work/peers/llama.cpp/bin; -avx2/bin with --avx2-stand-in)")
+    ap.add_argument("--avx2-stand-in", action="store_true", help="run as an AVX2-only CPU would (see above)")
+    ap.add_argument("--out", default=None, help="default benchmarks/results/kquant.json (kquant_avx2.json)")
     args = ap.parse_args(argv)
+    if args.avx2_stand_in and os.environ.get(AVX2_ENV[0]) != AVX2_ENV[1]:  # torch reads its caps at import: again
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **dict(AVX2_ENV_ALL)})
+    args.llama_bin = args.llama_bin or f"/work/peers/llama.cpp{'-avx2' if args.avx2_stand_in else ''}/bin"
+    args.out = args.out or f"benchmarks/results/kquant{'_avx2' if args.avx2_stand_in else ''}.json"
     parts = set(args.parts.split(","))
     result: dict = {"cpu": cpu_line(), "args": vars(args)}
+    if args.avx2_stand_in:
+        import torch
+
+        from tokenmill.model import cpu_kernels
+
+        ops = cpu_kernels._extension()
+        result["stand_in"] = {"kernels": cpu_kernels.build_name(), "gguf_kernel": ops.gguf_kernel(),
+                              "torch_capability": torch.backends.cpu.get_cpu_capability()}
+        assert ops.gguf_kernel() == "avx2" and not ops.bf16_kernel(), result["stand_in"]
+        print(result["stand_in"], flush=True)
     if "memory" in parts:
         result["memory"] = weight_memory(args.model)
         print(json.dumps(result["memory"], indent=1), flush=True)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tokenmill.model.cpu_kernels import _extension, cpu_isa
 from tokenmill.quant.fp8 import quantize_fp8
-from tokenmill.quant.gguf_tiles import gguf_pack
+from tokenmill.quant.gguf_tiles import gguf_pack, kernel_layout
 from tokenmill.quant.int8 import quantize_int8
 
 LAYERS = 30
@@ -69,7 +69,7 @@ def model_matmuls(ops, fmt: str):
                       for n, w in ws.items()}
             layers.append((packed, None))
         elif fmt in ("q4_1", "q8_0"):
-            layout = "quads" if ops.gguf_kernel() == "vnni" else "tiles"  # as CpuBackend.prepack lays them out
+            layout = kernel_layout(ops.gguf_kernel())  # as CpuBackend.prepack lays them out
             packed = {n: gguf_pack(random_blocks(fmt, *w.shape, g), GGML[fmt], pairs=n == "gate_up", layout=layout)
                       for n, w in ws.items()}
             layers.append((packed, fmt))

@@ -1,8 +1,9 @@
 """The kernels as other CPUs build them. model/cpu_kernels.py builds with -march=native, so the machine that runs the
 tests only ever exercises its own instruction-set paths; here the same sources are built for older targets this
 CPU can also run (an AVX2-only CPU, an AVX-512 one without BF16) and checked on this machine: they compile, their
-float32 and bfloat16 paths agree with torch, the float32 matmul stays batch-invariant, and the bfloat16 matmul
-refuses cleanly where its instructions are missing (`--dtype auto` then picks float32)."""
+float32 and bfloat16 paths agree with torch, the float32 matmul stays batch-invariant, the bfloat16 matmul
+refuses cleanly where its instructions are missing (`--dtype auto` then picks float32), and kept GGUF blocks run on
+the AVX2 kernel, bit for bit this machine's build of it."""
 
 from __future__ import annotations
 
@@ -12,8 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gguf import GGMLQuantizationType as T
+
 from tests.model.isa_jobs import FLAGS, TARGETS, amx_syntax_result, build, wait
+from tests.quant.test_gguf_avx2 import weight
 from tokenmill.model.backends.reference import paged_attention_sdpa
+from tokenmill.model.cpu_kernels import _extension
+from tokenmill.quant.gguf_tiles import gguf_pack
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")]
 
@@ -35,6 +41,17 @@ def test_kernels_built_for_an_older_cpu_run_correctly_here(target):
     alone = torch.cat([ops.f32_linear(x[i:i + 1], packed, None) for i in range(70)])
     for m in (2, 3, 4, 5, 8, 9, 33, 70):
         assert torch.equal(ops.f32_linear(x[:m], packed, None), alone[:m]), f"batch of {m}"
+
+    # kept GGUF blocks: the AVX2 kernel (neither target has AVX512-VNNI), float32 and bfloat16 rows, bit for bit the
+    # AVX2 kernel of this machine's own build (and so, for bfloat16, the VNNI kernel's where that runs)
+    assert ops.gguf_kernel() == "avx2"
+    native = _extension()
+    for qtype in (T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0):
+        kept, raw = weight(qtype, 64, 256, seed=1)
+        packed, pairs = gguf_pack(raw, kept, layout="quads"), gguf_pack(raw, kept, pairs=True, layout="quads")
+        for xd in (x[:9, :256].contiguous(), x[:9, :256].bfloat16()):
+            assert torch.equal(ops.gguf_linear(xd, packed, None), native.gguf_avx2_linear(xd, packed, None))
+            assert torch.equal(ops.gguf_linear_silu(xd, pairs), native.gguf_avx2_linear_silu(xd, pairs))
 
     t, heads, kv_heads, dim, bs, length = 8, 9, 3, 64, 16, 75
     blocks = t * -(-length // bs)

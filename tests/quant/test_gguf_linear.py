@@ -1,7 +1,8 @@
 """GGUF blocks kept at run time (quant/gguf_linear.py, quant/gguf_tiles.py, csrc/gguf_linear.cpp,
-csrc/gguf_vnni.cpp): the tile kernel widens blocks to exactly the bfloat16 weights the dequantize-at-load path
-loads, so every output is bit for bit the dequantized model's; the VNNI kernel (no AMX) multiplies them with x
-rounded to int8 blocks, as llama.cpp does, so its outputs track the dequantized model's to that rounding."""
+csrc/gguf_vnni.cpp, csrc/gguf_avx2.cpp): the tile kernel widens blocks to exactly the bfloat16 weights the
+dequantize-at-load path loads, so every output is bit for bit the dequantized model's; the VNNI kernel (no AMX)
+and the AVX2 one multiply them with x rounded to int8 blocks, as llama.cpp does, so their outputs track the
+dequantized model's to that rounding (and agree with each other bit for bit)."""
 
 from __future__ import annotations
 
@@ -17,19 +18,24 @@ from tests.model.test_loader import _tiny_gguf
 from tests.quant.common import assert_kept_tracks_dense
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.backends import CpuBackend, TorchBackend
+from tokenmill.model.backends.cpu_decode import decode_model
 from tokenmill.model.cpu_kernels import _extension
 from tokenmill.quant.awq_format import quantize_groups
 from tokenmill.quant.gguf_blocks import Q4_Z, dequantize
-from tokenmill.quant.gguf_tiles import gguf_pack, gguf_unpack_rows
+from tokenmill.model.cpu_kernels import cpu_isa
+from tokenmill.quant.gguf_tiles import gguf_pack, gguf_unpack_rows, kernel_dtypes, kernel_layout
 
 ops = _extension()
 TILES = ops is not None and ops.bf16_kernel() != ""  # AMX tiles or AVX512-BF16
 needs_tiles = pytest.mark.skipif(not TILES,
                                  reason="the block tile kernel runs on AMX or AVX512-BF16; elsewhere the reference")
-KEPT = ops.gguf_kernel() if ops is not None else ""  # amx, vnni, or "" (the reference)
-LAYOUT = "quads" if KEPT == "vnni" else "tiles"
+KEPT = ops.gguf_kernel() if ops is not None else ""  # amx, vnni, avx2, or "" (the reference)
+LAYOUT = kernel_layout(KEPT, T.Q4_1)  # the layout of the types every kernel reads (Q4_0, Q4_1, Q8_0, Q4_Z)
 needs_kept = pytest.mark.skipif(not KEPT, reason="no kept-block kernel here (AMX or AVX512-VNNI); the reference")
 needs_vnni = pytest.mark.skipif(KEPT != "vnni", reason="the VNNI kernel runs where AVX512-VNNI is and AMX is not")
+# the AVX2 kernel is built wherever AVX2 is (the VNNI machines' float32 rows take it too)
+AVX2 = ops is not None and "avx2" in cpu_isa().split()
+needs_avx2 = pytest.mark.skipif(not AVX2, reason="the AVX2 kernel is built where the CPU has AVX2")
 TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
 TILE_TYPES = [*TYPES, Q4_Z]  # and AWQ's groups (quant/awq_format.py), which no GGUF file holds
 KV = 64 << 20
@@ -83,7 +89,7 @@ def test_kept_gate_up_pairs_give_the_plain_product_and_silu_on_this_cpus_kernel(
     plain = ops.gguf_linear(x, gguf_pack(raw, qtype, layout=LAYOUT), None)
     pairs = gguf_pack(raw, qtype, pairs=True, layout=LAYOUT)
     assert torch.equal(ops.gguf_linear_silu(x, pairs), ops.silu_mul(plain))
-    backend = CpuBackend(ops, ops.bf16_kernel())
+    backend = CpuBackend(ops, ops.bf16_kernel(), gguf_kernel=KEPT)
     assert torch.equal(backend.gguf_linear(x, SimpleNamespace(packed_weight=pairs, bias=None)), plain)
 
 
@@ -220,15 +226,18 @@ def test_gguf_pack_needs_whole_tiles():
 
 @needs_kept
 @pytest.mark.parametrize("qtype", TYPES)
-def test_tiny_gguf_kept_tracks_the_dequantized_model(tmp_path, qtype):
-    """Token for token and logprob for logprob on AMX; to int8 rounding of x on VNNI."""
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=pytest.mark.skipif(
+    torch.float32 not in kernel_dtypes(KEPT), reason="AMX's tiles widen to bfloat16 only"))])
+def test_tiny_gguf_kept_tracks_the_dequantized_model(tmp_path, qtype, dtype):
+    """Token for token and logprob for logprob on AMX; to int8 rounding of x on VNNI and AVX2 (which float32 models
+    take: the whole path, prepack, the C++ decode model, gate/up pairs and the head's row lookups, in float32)."""
     path, _, _ = _tiny_gguf(tmp_path, "llama", qtype, num_heads=4, num_kv_heads=2)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     g = torch.Generator().manual_seed(0)
     batch = [{"prompt_token_ids": torch.randint(3, 256, (n,), generator=g).tolist()} for n in (5, 19, 40)]
     tokenizer = str(tmp_path / "tiny-llama-0")  # the tiny GGUF carries no vocabulary; its source directory does
-    dense = LLM(str(path), tokenizer=tokenizer, dtype="bfloat16", quantization="none", kv_cache_memory=KV)
-    kept = LLM(str(path), tokenizer=tokenizer, dtype="bfloat16", quantization="gguf", kv_cache_memory=KV)
+    dense = LLM(str(path), tokenizer=tokenizer, dtype=dtype, quantization="none", kv_cache_memory=KV)
+    kept = LLM(str(path), tokenizer=tokenizer, dtype=dtype, quantization="gguf", kv_cache_memory=KV)
     layer = kept.engine.core.runner.model.layers[0]
     assert layer.self_attn.qkv_proj.packed_weight.dtype == torch.uint8
     assert layer.mlp.gate_up_proj.packed_weight.dim() == 4  # gate/up pairs with SiLU in the epilogue
@@ -243,6 +252,7 @@ def test_tiny_gguf_kept_tracks_the_dequantized_model(tmp_path, qtype):
     assert torch.equal(model.embed_tokens(ids), dense.engine.core.runner.model.embed_tokens(ids))
     assert_kept_tracks_dense(dense.generate(batch, params, use_tqdm=False),
                              kept.generate(batch, params, use_tqdm=False), exact=KEPT == "amx")
+    assert decode_model(ops, model, torch.tensor([1])) is not None  # whole decode steps in C++, kept head included
     kept.engine.core.check_idle_invariants()
 
 
@@ -280,7 +290,8 @@ def test_gguf_blocks_are_kept_by_default_only_where_their_kernel_runs(tmp_path):
 
     gguf = default_model_path()
     assert resolve_quantization(None, gguf, torch.bfloat16, "cpu") == ("gguf" if KEPT else None)
-    assert resolve_quantization(None, gguf, torch.float32, "cpu") is None  # the kernel computes in bfloat16
+    # float32 rows: the AVX2 kernel (on VNNI machines too); AMX's tiles widen to bfloat16 only
+    assert resolve_quantization(None, gguf, torch.float32, "cpu") == ("gguf" if KEPT in ("vnni", "avx2") else None)
     assert resolve_quantization(None, tmp_path, torch.bfloat16, "cpu") is None  # a Hugging Face directory
     assert resolve_quantization("none", gguf, torch.bfloat16, "cpu") is None
     assert resolve_quantization("int8", gguf, torch.bfloat16, "cpu") == "int8"

@@ -1,8 +1,8 @@
-"""K-quants kept (quant/kquants.py, csrc/gguf_vnni.cpp): Q4_K and Q6_K re-cut into blocks of 32, and Q5_0 as Q8_0,
-dequantize to exactly the gguf package's values (llama.cpp's dequantizers, in numpy), as do Q5_0's own blocks; the
-VNNI kernel multiplies them (Q5_0 in its own blocks) as it does Q4_0/Q8_0, the dequantized weight times x rounded to
-int8 blocks, at odd shapes, in gate/up pairs and whatever the batch; a fused layer of Q5_0 and Q8_0 parts keeps
-Q8_0."""
+"""K-quants kept (quant/kquants.py, csrc/gguf_vnni.cpp): Q4_K, Q5_K and Q6_K re-cut into blocks of 32, and Q5_0
+as Q8_0, dequantize to exactly the gguf package's values (llama.cpp's dequantizers, in numpy), as do Q5_0's own
+blocks; the VNNI kernel multiplies them (Q5_0 in its own blocks) as it does Q4_0/Q8_0, the dequantized weight times
+x rounded to int8 blocks, at odd shapes, in gate/up pairs and whatever the batch; a fused layer of Q5_0 and Q8_0
+parts keeps Q8_0. (tests/quant/test_gguf_avx2.py: the AVX2 kernel on the same blocks.)"""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants
 
 from tests.quant.test_gguf_linear import int8_blocks, needs_vnni, ops
-from tokenmill.quant.gguf_blocks import Q4_KS, Q6_KS, dequantize
-from tokenmill.quant.gguf_tiles import gguf_pack, gguf_unpack_rows
+from tokenmill.quant.gguf_blocks import Q4_KS, Q5_KS, Q6_KS, dequantize
+from tokenmill.quant.gguf_tiles import gguf_pack, gguf_unpack_rows, kernel_layout
 from tokenmill.quant.kquants import transcode
 
-BLOCK_BYTES = {T.Q4_K: 144, T.Q6_K: 210}
+BLOCK_BYTES = {T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}
 
 
 def random_kquant(qtype: T, n: int, k: int, seed: int) -> torch.Tensor:
@@ -28,7 +28,7 @@ def random_kquant(qtype: T, n: int, k: int, seed: int) -> torch.Tensor:
     size = BLOCK_BYTES[qtype]
     raw = torch.randint(0, 256, (n * k // 256, size), generator=g, dtype=torch.uint8)
     halves = (torch.rand(raw.shape[0], 2, generator=g) * 0.02 + 1e-4).to(torch.float16).view(torch.uint8)
-    if qtype == T.Q4_K:
+    if qtype in (T.Q4_K, T.Q5_K):
         raw[:, 0:4] = halves.view(-1, 4)  # d, dmin
     else:
         raw[:, 208:210] = halves[:, :2].reshape(-1, 2)  # d (the last two bytes)
@@ -39,12 +39,13 @@ def reference(raw: torch.Tensor, qtype: T, shape: tuple[int, int]) -> torch.Tens
     return torch.from_numpy(quants.dequantize(raw.numpy(), qtype)).reshape(shape)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K])
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K])
 def test_recut_k_blocks_dequantize_to_the_gguf_packages_values(qtype):
     n, k = 48, 512
     raw = random_kquant(qtype, n, k, seed=int(qtype))
     kept, data = transcode(raw, qtype)
-    assert kept == {T.Q4_K: Q4_KS, T.Q6_K: Q6_KS}[qtype] and data.shape == (n, k // 32 * {T.Q4_K: 24, T.Q6_K: 36}[qtype])
+    assert kept == {T.Q4_K: Q4_KS, T.Q5_K: Q5_KS, T.Q6_K: Q6_KS}[qtype]
+    assert data.shape == (n, k // 32 * {T.Q4_K: 24, T.Q5_K: 28, T.Q6_K: 36}[qtype])
     assert torch.equal(dequantize(data, kept, (n, k)), reference(raw, qtype, (n, k)))
 
 
@@ -68,7 +69,7 @@ def kept_blocks(qtype: T, n: int, k: int, seed: int) -> tuple[int, torch.Tensor]
 
 
 @needs_vnni
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q5_0])
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0])
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 17, 100])
 def test_vnni_kernel_is_the_dequantized_weight_times_int8_blocks_of_x(qtype, m):
     n, k = 80, 512  # 5 tiles of 16 features: a column pair and a lone column
@@ -87,7 +88,7 @@ def test_vnni_kernel_is_the_dequantized_weight_times_int8_blocks_of_x(qtype, m):
 
 
 @needs_vnni
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q5_0])
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0])
 def test_pairs_rows_and_batches(qtype):
     """Gate/up pairs give the plain product's SiLU; a row's result is the same alone or in any batch; a packed
     weight's rows unpack to its blocks (an embedding reading its LM head's copy)."""
@@ -105,9 +106,15 @@ def test_pairs_rows_and_batches(qtype):
 
 
 def test_no_amx_tiles_for_recut_blocks():
+    """The re-cut K-quants and Q5_0 have no AMX tile layout: an AMX CPU packs them as quads (for its VNNI kernel),
+    beside its own types' tiles; the int8 kernels read quads throughout."""
     kept, raw = kept_blocks(T.Q6_K, 16, 256, seed=3)
     with pytest.raises(ValueError, match="quads only"):
         gguf_pack(raw, kept, layout="tiles")
+    for t in (Q4_KS, Q5_KS, Q6_KS, T.Q5_0):
+        assert kernel_layout("amx", t) == kernel_layout("vnni", t) == kernel_layout("avx2", t) == "quads"
+    for t in (T.Q4_0, T.Q4_1, T.Q8_0):
+        assert (kernel_layout("amx", t), kernel_layout("vnni", t), kernel_layout("avx2", t)) == ("tiles", "quads", "quads")
 
 
 def test_a_fused_layer_of_q5_0_and_q8_0_keeps_q8_0():

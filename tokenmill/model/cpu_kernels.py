@@ -14,13 +14,22 @@ from pathlib import Path
 
 log = logging.getLogger("tokenmill")
 
+# in csrc/ (benchmarks/kernel_ab.py builds them too)
 SOURCE_NAMES = ("cpu_kernels.cpp", "bf16_linear.cpp", "int8_linear.cpp", "gguf_linear.cpp", "gguf_vnni.cpp",
-                "f32_linear.cpp", "tile_attention.cpp")  # in csrc/ (benchmarks/kernel_ab.py builds them too)
+                "gguf_avx2.cpp", "f32_linear.cpp", "tile_attention.cpp")
 # fast-math lets the compiler vectorize exp (glibc's libmvec); infinities stay meaningful (masked scores).
 BUILD_FLAGS = ("-O3", "-fopenmp", "-march=native", "-ffast-math", "-fno-finite-math-only")
+# $TOKENMILL_KERNEL_MARCH builds for an older target than this CPU instead (e.g. "haswell": AVX2 only), to run and
+# measure, on an AVX-512 machine, the paths an older CPU takes; the build is named by the target too.
+MARCH_ENV = "TOKENMILL_KERNEL_MARCH"
+
+
+def build_flags() -> list[str]:
+    march = os.environ.get(MARCH_ENV, "native")
+    return [f"-march={march}" if f == "-march=native" else f for f in BUILD_FLAGS]
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in SOURCE_NAMES]
 # part of the build's name too: a change rebuilds
-_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("simd.h", "tile_gemm.h", "work_split.h")]
+_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("simd.h", "tile_gemm.h", "work_split.h", "gguf_quads.h")]
 
 
 def _cpu_info() -> tuple[str, str]:
@@ -50,16 +59,21 @@ _ISA_OF_NOTE = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_
 
 
 def cpu_isa() -> str:
-    """The instruction sets the kernels' speed depends on, present here (for the start-up log)."""
+    """The instruction sets the kernels' speed depends on, present here (for the start-up log), and the build's
+    target where $TOKENMILL_KERNEL_MARCH names one."""
     flags = set(_cpu_info()[1].split())
-    return " ".join(f for f in _ISA_OF_NOTE if f in flags)
+    isa = " ".join(f for f in _ISA_OF_NOTE if f in flags)
+    march = os.environ.get(MARCH_ENV, "native")
+    return isa if march == "native" else f"{isa} (kernels built for -march={march})"
 
 
 def build_name() -> str:
     """The extension's name: keyed by this CPU (cpu_tag) and by the sources, so neither another CPU's build
     nor another checkout's (an old tree benchmarked beside this one) is ever loaded, or rebuilt over, here."""
     sources = hashlib.sha1(b"".join(s.read_bytes() for s in (*_SOURCES, *_HEADERS))).hexdigest()[:8]
-    return f"tokenmill_cpu_kernels_{cpu_tag()}_{sources}"
+    march = os.environ.get(MARCH_ENV, "native")
+    target = "" if march == "native" else "_" + "".join(c if c.isalnum() else "_" for c in march)
+    return f"tokenmill_cpu_kernels_{cpu_tag()}{target}_{sources}"
 
 
 @lru_cache(maxsize=1)
@@ -73,7 +87,7 @@ def _extension():
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name=build_name(), sources=[str(s) for s in _SOURCES], extra_cflags=list(BUILD_FLAGS),
+        return load(name=build_name(), sources=[str(s) for s in _SOURCES], extra_cflags=build_flags(),
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, unsupported platform: stay correct, only slower
         log.warning("fast CPU kernels unavailable (%s); using the PyTorch reference", e)

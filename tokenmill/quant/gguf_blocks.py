@@ -34,8 +34,10 @@ Q4_Z_BLOCK_BYTES = 19
 #          sub-block's 6-bit ones: exact in float32), 16 bytes of nibbles ordered as Q4_0's; w = (d * sc) * q - dmin * m.
 #   Q6_KS (from Q6_K): 36 bytes: float16 d, int8 scales of the two 16-weight halves, 32 bytes q in 0..63;
 #          w = (d * scale) * (q - 32).
-Q4_KS, Q6_KS = 257, 258
-INTERNAL_TYPES = {Q4_Z: ("Q4_Z", Q4_Z_BLOCK_BYTES), Q4_KS: ("Q4_KS", 24), Q6_KS: ("Q6_KS", 36)}
+#   Q5_KS (from Q5_K): 28 bytes: Q4_KS's two float32 scales, 32 fifth bits (bit i: weight i's, as Q5_0's), 16 bytes
+#          of low nibbles; w = (d * sc) * q - dmin * m with q in 0..31.
+Q4_KS, Q6_KS, Q5_KS = 257, 258, 259
+INTERNAL_TYPES = {Q4_Z: ("Q4_Z", Q4_Z_BLOCK_BYTES), Q4_KS: ("Q4_KS", 24), Q6_KS: ("Q6_KS", 36), Q5_KS: ("Q5_KS", 28)}
 
 # The types whose blocks a model can keep at run time (quant/gguf_linear.py, csrc/gguf_linear.cpp).
 KEPT_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, Q4_Z)
@@ -159,6 +161,16 @@ def _deq_q4_ks(raw: torch.Tensor) -> torch.Tensor:
     return _unpack_nibbles(blocks[:, 8:]).mul_(scales[:, :1]).add_(scales[:, 1:])  # as llama.cpp: (d sc) q - dmin m
 
 
+def _deq_q5_ks(raw: torch.Tensor) -> torch.Tensor:
+    import torch
+    blocks = raw.view(-1, 28)
+    scales = blocks[:, :8].contiguous().view(torch.float32)  # d * sc, -(dmin * m)
+    high = blocks[:, 8:12].contiguous().view(torch.int32)  # bit j: weight j's fifth bit
+    bits = ((high >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.float32)
+    q = _unpack_nibbles(blocks[:, 12:]).add_(bits.mul_(16.0))  # 0..31, exact
+    return q.mul_(scales[:, :1]).add_(scales[:, 1:])  # as llama.cpp: (d sc) q - dmin m
+
+
 def _deq_q5_0(raw: torch.Tensor) -> torch.Tensor:
     import torch
     blocks = raw.view(-1, 22)
@@ -187,7 +199,7 @@ _DEQUANTIZERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
     GGMLQuantizationType.Q5_0: _deq_q5_0,
 }
 SUPPORTED_TYPE_NAMES = tuple(GGMLQuantizationType(t).name for t in _DEQUANTIZERS)
-_DEQUANTIZERS.update({Q4_Z: _deq_q4_z, Q4_KS: _deq_q4_ks, Q6_KS: _deq_q6_ks})
+_DEQUANTIZERS.update({Q4_Z: _deq_q4_z, Q4_KS: _deq_q4_ks, Q6_KS: _deq_q6_ks, Q5_KS: _deq_q5_ks})
 
 
 DEQUANTIZE_CHUNK = 1 << 20  # elements decoded at a time into a narrower dtype: 4 MiB of float32 in flight

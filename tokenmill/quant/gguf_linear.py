@@ -1,14 +1,15 @@
 """A GGUF model's matmul weights kept in llama.cpp's blocks at run time (`--quantization gguf`), as llama.cpp
-serves them, instead of dequantized at load: Q4_0, Q4_1 and Q8_0 (SmolLM2's file: Q4_1 layers, a Q8_0 embedding
-that is also its LM head); Q4_K, Q6_K and Q5_0 re-cut into blocks of 32 (quant/kquants.py) where the backend
-multiplies those (the VNNI kernel, or the reference). Other types, and shapes the tiles do not fit, are dequantized
-as before.
+serves them, instead of dequantized at load: Q4_0, Q4_1, Q8_0 and Q5_0 as they are (SmolLM2's file: Q4_1 layers,
+a Q8_0 embedding that is also its LM head); Q4_K, Q5_K and Q6_K re-cut into blocks of 32 (quant/kquants.py).
+Other types, and shapes the tiles do not fit, are dequantized as before.
 
-Two kernels, one per CPU kind (ops.gguf_kernel(), the layout CpuBackend.prepack packs for): on AMX,
-csrc/gguf_linear.cpp widens each block to the very bfloat16 values the dequantize-at-load path loads and multiplies
-them on the same tiles, so a kept model's output is bit for bit the dequantized model's; elsewhere with
-AVX512-VNNI, csrc/gguf_vnni.cpp multiplies the blocks' integers with x rounded to int8 blocks, as llama.cpp does
-(2.1x bfloat16's one-stream decode on Zen4, at a measured perplexity cost: BENCHMARKS.md "Quantized serving")."""
+Three kernels, by CPU (ops.gguf_kernel(); quant/gguf_tiles.py kernel_layout says how CpuBackend.prepack packs each
+type for it): on AMX, csrc/gguf_linear.cpp widens Q4_0/Q4_1/Q8_0 blocks to the very bfloat16 values the
+dequantize-at-load path loads and multiplies them on the same tiles, so those layers' outputs are bit for bit the
+dequantized model's (Q5_0 and the K-quants take the VNNI kernel there); with AVX512-VNNI, csrc/gguf_vnni.cpp
+multiplies the blocks' integers with x rounded to int8 blocks, as llama.cpp does (2.1x bfloat16's one-stream
+decode on Zen4, at a measured perplexity cost: BENCHMARKS.md "Quantized serving"); with AVX2 alone,
+csrc/gguf_avx2.cpp computes the same integer sums with VPMADDUBSW (float32 or bfloat16 rows)."""
 
 from __future__ import annotations
 

@@ -8,18 +8,34 @@ from collections.abc import Callable
 
 import torch
 
-from tokenmill.quant.gguf_blocks import KEPT_TYPES, Q4_KS, Q4_Z, Q6_KS, GGMLQuantizationType
+from tokenmill.quant.gguf_blocks import KEPT_TYPES, Q4_KS, Q4_Z, Q5_KS, Q6_KS, GGMLQuantizationType
 
 Q4_0, Q4_1, Q8_0, Q5_0 = (int(GGMLQuantizationType.Q4_0), int(GGMLQuantizationType.Q4_1),
                           int(GGMLQuantizationType.Q8_0), int(GGMLQuantizationType.Q5_0))
 # type -> (bytes per block, offset of the quants in a block, the widths in bytes of the per-block fields before
 # them: float16 scales and mins, Q4_Z's uint8 zero point, the K-quants' super-block scales and 6-bit or int8 ones)
 BLOCK_LAYOUT = {Q4_0: (18, 2, (2,)), Q4_1: (20, 4, (2, 2)), Q8_0: (34, 2, (2,)), Q4_Z: (19, 3, (2, 1)),
-                Q4_KS: (24, 8, (4, 4)), Q6_KS: (36, 4, (2, 1, 1)), Q5_0: (22, 6, (2, 4))}
-# the K-quants' blocks (quant/kquants.py) and Q5_0 (its fifth bits a 32-bit field per block): csrc/gguf_vnni.cpp's
-# alone, no AMX tiles
-QUADS_ONLY = (Q4_KS, Q6_KS, Q5_0)
+                Q4_KS: (24, 8, (4, 4)), Q6_KS: (36, 4, (2, 1, 1)), Q5_0: (22, 6, (2, 4)), Q5_KS: (28, 12, (4, 4, 4))}
+# the K-quants' blocks (quant/kquants.py) and Q5_0 (its fifth bits a 32-bit field per block): the int8 kernels'
+# alone (csrc/gguf_vnni.cpp, csrc/gguf_avx2.cpp), no AMX tiles (an AMX CPU runs them on the VNNI kernel)
+QUADS_ONLY = (Q4_KS, Q6_KS, Q5_0, Q5_KS)
 assert set(BLOCK_LAYOUT) == set(KEPT_TYPES) | set(QUADS_ONLY)
+
+
+def kernel_layout(kernel: str, ggml_type: int) -> str:
+    """The layout a kept-block kernel (ops.gguf_kernel()) reads a type's blocks in: the int8 kernels' quads (VNNI,
+    AVX2), or AMX's tiles, but for the QUADS_ONLY types, which an AMX CPU multiplies on the VNNI kernel (every AMX
+    CPU has AVX512-VNNI; csrc/gguf_linear.cpp picks it by the tile size)."""
+    return "tiles" if kernel == "amx" and int(ggml_type) not in QUADS_ONLY else "quads"
+
+
+def kernel_dtypes(kernel: str) -> tuple[torch.dtype, ...]:
+    """The activation dtypes a kept-block kernel takes: bfloat16 everywhere, and float32 where the quads are read
+    (an AVX2 CPU computes in float32: model/backends/__init__.py auto_dtype; on a VNNI CPU float32 rows take the
+    AVX2 kernel, csrc/gguf_linear.cpp). AMX's tiles widen to bfloat16 only."""
+    if not kernel:
+        return ()
+    return (torch.bfloat16,) if kernel == "amx" else (torch.bfloat16, torch.float32)
 
 
 def gguf_pack(data: torch.Tensor, ggml_type: int, pairs: bool = False, layout: str = "tiles") -> torch.Tensor:

@@ -1,8 +1,11 @@
-"""GGUF types re-cut at load into blocks of 32 that a kept-block kernel reads (csrc/gguf_vnni.cpp), each weight
+"""GGUF types re-cut at load into blocks of 32 that a kept-block kernel reads (csrc/gguf_vnni.cpp, csrc/gguf_avx2.cpp),
+each weight
 exactly the value llama.cpp's dequantizer gives it:
 
 - Q4_K  -> Q4_KS: each 32-weight sub-block with its scale d * sc and its min dmin * m in float32 (24 bytes per 32
                    weights against the file's 18: 1.33x);
+- Q5_K  -> Q5_KS: Q4_KS's scales, the fifth bits as a 32-bit field and the low nibbles (28 bytes per 32 against
+                   22: 1.27x);
 - Q6_K  -> Q6_KS: each 32 weights with the super-block's d and the two 16-weight halves' int8 scales, the 6-bit
                    quants one a byte (36 bytes per 32 against 26.25: 1.37x);
 - Q5_0  -> Q8_0:  q - 16 is a signed byte, under the same float16 d (34 bytes against 22: 1.55x), only where a
@@ -18,16 +21,17 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.quant.gguf_blocks import Q4_KS, Q6_KS, GGMLQuantizationType
+from tokenmill.quant.gguf_blocks import Q4_KS, Q5_KS, Q6_KS, GGMLQuantizationType
 
-Q4_K, Q6_K, Q5_0, Q8_0 = (int(GGMLQuantizationType.Q4_K), int(GGMLQuantizationType.Q6_K),
-                          int(GGMLQuantizationType.Q5_0), int(GGMLQuantizationType.Q8_0))
-TRANSCODED = {Q4_K: Q4_KS, Q6_K: Q6_KS, Q5_0: Q8_0}  # file type -> the type its blocks are kept as
+Q4_K, Q5_K, Q6_K, Q5_0, Q8_0 = (int(GGMLQuantizationType.Q4_K), int(GGMLQuantizationType.Q5_K),
+                                int(GGMLQuantizationType.Q6_K), int(GGMLQuantizationType.Q5_0),
+                                int(GGMLQuantizationType.Q8_0))
+TRANSCODED = {Q4_K: Q4_KS, Q5_K: Q5_KS, Q6_K: Q6_KS, Q5_0: Q8_0}  # file type -> the type its blocks are kept as
 
 
 def transcode(data: torch.Tensor, ggml_type: int) -> tuple[int, torch.Tensor]:
     """Raw blocks [N, row bytes] of a TRANSCODED type -> (the kept type, its raw blocks [N, K/32 * bytes])."""
-    fn = {Q4_K: _q4_k, Q6_K: _q6_k, Q5_0: _q5_0}[int(ggml_type)]
+    fn = {Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k, Q5_0: _q5_0}[int(ggml_type)]
     n = data.shape[0]
     return TRANSCODED[int(ggml_type)], fn(data.reshape(-1)).reshape(n, -1).contiguous()
 
@@ -37,22 +41,44 @@ def _nibbles(q: torch.Tensor) -> torch.Tensor:
     return q[..., :16] | (q[..., 16:] << 4)
 
 
-def _q4_k(raw: torch.Tensor) -> torch.Tensor:
-    blocks = raw.view(-1, 144)  # d, dmin (float16), 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
+def _sub_block_scales(blocks: torch.Tensor) -> torch.Tensor:
+    """A Q4_K or Q5_K super-block's d, dmin (float16) and 12 bytes of 6-bit scales and mins -> per sub-block of 32
+    (d * sc, -(dmin * m)) in float32 [n, 8, 2]: exact products."""
     s = blocks[:, 4:16]
     sc = torch.empty(blocks.shape[0], 8, dtype=torch.uint8)
     mn = torch.empty_like(sc)
     sc[:, :4], mn[:, :4] = s[:, 0:4] & 63, s[:, 4:8] & 63
     sc[:, 4:] = (s[:, 8:12] & 0x0F) | ((s[:, 0:4] >> 6) << 4)
     mn[:, 4:] = (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)
-    qs = blocks[:, 16:].view(-1, 4, 32)  # 4 chunks of 64 weights: sub-block 2c in the low nibbles, 2c + 1 high
-    q = torch.stack([qs & 0x0F, qs >> 4], dim=2).view(-1, 8, 32)
     d = blocks[:, 0:2].contiguous().view(torch.float16).float()
     dmin = blocks[:, 2:4].contiguous().view(torch.float16).float()
-    scales = torch.stack([d * sc.float(), -(dmin * mn.float())], dim=-1)  # [n, 8, 2] float32, exact products
+    return torch.stack([d * sc.float(), -(dmin * mn.float())], dim=-1)
+
+
+def _low_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """128 bytes of a K-quant's nibbles -> [n, 8, 32] values: 4 chunks of 64 weights, sub-block 2c in the low
+    nibbles, 2c + 1 in the high ones."""
+    qs = qs.reshape(-1, 4, 32)
+    return torch.stack([qs & 0x0F, qs >> 4], dim=2).view(-1, 8, 32)
+
+
+def _q4_k(raw: torch.Tensor) -> torch.Tensor:
+    blocks = raw.view(-1, 144)  # d, dmin (float16), 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
     out = torch.empty(blocks.shape[0], 8, 24, dtype=torch.uint8)
-    out[:, :, 0:8] = scales.view(torch.uint8).view(-1, 8, 8)
-    out[:, :, 8:] = _nibbles(q)
+    out[:, :, 0:8] = _sub_block_scales(blocks).view(torch.uint8).view(-1, 8, 8)
+    out[:, :, 8:] = _nibbles(_low_nibbles(blocks[:, 16:]))
+    return out
+
+
+def _q5_k(raw: torch.Tensor) -> torch.Tensor:
+    blocks = raw.view(-1, 176)  # Q4_K's d, dmin and scales, 32 bytes of fifth bits, 128 bytes of nibbles
+    qh = blocks[:, 16:48].to(torch.int64)  # byte l, bit s: sub-block s's weight l
+    bits = (qh[:, None, :] >> torch.arange(8)[None, :, None]) & 1  # [n, 8 sub-blocks, 32]
+    field = (bits << torch.arange(32)).sum(-1).to(torch.int32)  # bit l: weight l's fifth bit
+    out = torch.empty(blocks.shape[0], 8, 28, dtype=torch.uint8)
+    out[:, :, 0:8] = _sub_block_scales(blocks).view(torch.uint8).view(-1, 8, 8)
+    out[:, :, 8:12] = field.contiguous().view(torch.uint8).view(-1, 8, 4)
+    out[:, :, 12:] = _nibbles(_low_nibbles(blocks[:, 48:]))
     return out
 
 

@@ -30,7 +30,7 @@ from tokenmill.model.backends.cpu_rows import gguf_tile_rows, int8_tile_rows, ti
 from tokenmill.model.backends.huge_pages import move_to_huge_pages
 from tokenmill.model.backends.reference import TorchBackend, split_qkv
 from tokenmill.model.cpu_kernels import cpu_isa, cpu_tag
-from tokenmill.quant.gguf_tiles import QUADS_ONLY, gguf_pack
+from tokenmill.quant.gguf_tiles import gguf_pack, kernel_dtypes, kernel_layout
 
 if TYPE_CHECKING:
     from tokenmill.model.attention import AttentionMetadata
@@ -76,9 +76,10 @@ class CpuBackend(TorchBackend):
     def __init__(self, ops: Any, bf16_kernel: str = "", f32_panels: bool = False, gguf_kernel: str = ""):
         self.ops = ops
         self.bf16_kernel = bf16_kernel  # ops.bf16_kernel(): "amx", "avx512_bf16", or "" (no packed bf16 kernel)
-        # ops.gguf_kernel(), for kept GGUF blocks: "amx" (tiles, bit for bit the dequantized model), "vnni" (int8
-        # activations), or "" (the reference dequantizes them)
+        # ops.gguf_kernel(), for kept GGUF blocks: "amx" (tiles, bit for bit the dequantized model), "vnni" or
+        # "avx2" (int8 activations), or "" (the reference dequantizes them)
         self.gguf_kernel = gguf_kernel
+        self.gguf_dtypes = kernel_dtypes(gguf_kernel)  # activations the kept-block kernel takes
         self.f32_panels = f32_panels  # float32 weights in csrc/f32_linear.cpp's panels (batch-invariant)
 
     def describe(self) -> str:
@@ -88,7 +89,8 @@ class CpuBackend(TorchBackend):
         dots = getattr(self.ops, "tile_attention_applies", None)
         attention = ("AMX tiles for bf16 16-token blocks, else vectors" if amx and amx(16, 64, 2, 1) else
                      "AVX512-BF16 for bf16 16-token blocks, else vectors" if dots and dots(16, 64, 2, 1) else "vectors")
-        gguf = {"amx": "AMX tiles", "vnni": "VNNI, int8 activations"}.get(self.gguf_kernel, "dequantized per call")
+        gguf = {"amx": "AMX tiles", "vnni": "VNNI, int8 activations", "avx2": "AVX2, int8 activations"}.get(
+            self.gguf_kernel, "dequantized per call")
         return (f"cpu (C++ kernels, cpu {cpu_tag()}, isa: {cpu_isa() or 'baseline'}; matmuls: bf16 {bf16}, "
                 f"f32 {f32}, GGUF blocks {gguf}; paged attention: {attention})")
 
@@ -194,7 +196,7 @@ class CpuBackend(TorchBackend):
 
     def gguf_linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
         packed = layer.packed_weight
-        if packed is not None and packed.dtype == torch.uint8 and x.dim() == 2 and x.dtype == torch.bfloat16:
+        if packed is not None and packed.dtype == torch.uint8 and x.dim() == 2 and x.dtype in self.gguf_dtypes:
             if packed.dim() == 4:  # gate/up pairs: the plain product too
                 blocks = packed.shape[0]
                 y = self.ops.gguf_linear(x, packed.view(2 * blocks, *packed.shape[2:]), None)
@@ -204,6 +206,9 @@ class CpuBackend(TorchBackend):
 
     def gate_up_silu(self, x: torch.Tensor, gate_up: nn.Module) -> torch.Tensor:
         packed = getattr(gate_up, "packed_weight", None)
+        if (packed is not None and _rows(x) and x.dtype in self.gguf_dtypes and packed.dim() == 4
+                and packed.dtype == torch.uint8):
+            return self.ops.gguf_linear_silu(x, packed)
         if packed is not None and _rows(x) and x.dtype == torch.bfloat16:
             if packed.dim() == 5 and packed.dtype == torch.uint8:
                 return self.ops.int8_linear_silu(x, packed, gate_up.weight_scale)
@@ -211,8 +216,6 @@ class CpuBackend(TorchBackend):
                 return self.ops.fp8_linear_silu(x, packed, gate_up.weight_scale)
             if packed.dim() == 5:
                 return self.ops.bf16_linear_silu(x, packed)  # SiLU-and-multiply in the matmul's epilogue
-            if packed.dim() == 4 and packed.dtype == torch.uint8:
-                return self.ops.gguf_linear_silu(x, packed)
         return super().gate_up_silu(x, gate_up)
 
     def pack_int8(self, q: torch.Tensor, silu_pairs: bool = False) -> torch.Tensor | None:
@@ -245,11 +248,6 @@ class CpuBackend(TorchBackend):
             return self.ops.f32_pack(weight)
         return prepack_weight(weight)
 
-    def keeps_gguf_type(self, ggml_type: int) -> bool:
-        """The re-cut K-quant blocks (quant/kquants.py) have a kernel on VNNI only: on AMX they are dequantized at
-        load instead (the tiles kernel widens the file's own types)."""
-        return self.gguf_kernel != "amx" or int(ggml_type) not in QUADS_ONLY
-
     def prepack(self, model: nn.Module) -> bool:
         """Packed copies of every matmul weight; returns whether any was packed. A oneDNN copy sits beside the
         plain weight (the skinny kernel reads that for a few rows); a bfloat16 tile or float32 panel copy serves
@@ -261,9 +259,9 @@ class CpuBackend(TorchBackend):
         for m in model.linear_layers():
             pairs = getattr(m, "silu_pairs", False) and m.bias is None  # the fused epilogue adds no bias
             if getattr(m, "gguf_type", None) is not None:  # GGUF blocks: packed, or the reference on the blocks
-                if model.norm.weight.dtype == torch.bfloat16 and self.gguf_kernel:
-                    layout = "quads" if self.gguf_kernel == "vnni" else "tiles"
-                    m.packed_weight = gguf_pack(m.gguf_blocks, m.gguf_type, pairs=pairs, layout=layout)
+                if model.norm.weight.dtype in self.gguf_dtypes:
+                    m.packed_weight = gguf_pack(m.gguf_blocks, m.gguf_type, pairs=pairs,
+                                                layout=kernel_layout(self.gguf_kernel, m.gguf_type))
                     m.gguf_blocks = m.gguf_blocks.to("meta")
                     self._lookups_from_head(m)
                     packed_any = True
@@ -308,9 +306,10 @@ class CpuBackend(TorchBackend):
         dtype = m.embedding.weight.dtype
         gather = getattr(self.ops, "tile_rows", None)
         if getattr(m, "gguf_type", None) is not None and packed.dim() == 3:
-            layout = "quads" if self.gguf_kernel == "vnni" else "tiles"
+            decode = getattr(self.ops, "gguf_decode_rows", None)
+            layout = kernel_layout(self.gguf_kernel, m.gguf_type)
             m.embedding.keep_rows(gguf_tile_rows(packed, m.gguf_type, layout, dtype, self.ops.gather_tile_bytes,
-                                                 getattr(self.ops, "gguf_decode_rows", None)))
+                                                 decode))
         elif getattr(m, "weight_scale", None) is not None and packed.dtype == torch.uint8 and packed.dim() == 4:
             m.embedding.keep_rows(int8_tile_rows(packed, m.weight_scale, dtype, gather))
         elif _head_tiles_serve_lookups(m):

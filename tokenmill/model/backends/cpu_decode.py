@@ -12,6 +12,7 @@ from torch import nn
 
 from tokenmill.model.backends.base import LinearWeights
 from tokenmill.model.backends.cpu_rows import NativeRows
+from tokenmill.quant.gguf_tiles import kernel_dtypes
 
 LAYER_WEIGHTS = "cpu.decoder_layer_weights"  # key of this backend's entry in model.backend_cache
 LAYER_STACK = "cpu.decoder_stack"  # the same weights as one ops.DecoderStack
@@ -44,7 +45,9 @@ def _build_decode_model(ops: Any, model: nn.Module) -> Any:
     if native is None or head.bias is not None or (
             packed is None if quantized or head.weight.is_meta else False):
         return None
-    if quantized and (norm.dtype != torch.bfloat16 or packed.dtype not in (torch.uint8, torch.float8_e4m3fn)):
+    gguf_head = getattr(head, "gguf_type", None) is not None
+    if quantized and (packed.dtype not in (torch.uint8, torch.float8_e4m3fn) or norm.dtype not in (
+            kernel_dtypes(getattr(ops, "gguf_kernel", str)()) if gguf_head else (torch.bfloat16,))):
         return None  # the Python head takes the reference path there
     empty = torch.empty(0, dtype=norm.dtype)
     lookup = ops.RowLookup(

@@ -1022,6 +1022,9 @@ at::Tensor gguf_tiles_linear_silu(const at::Tensor& x, const at::Tensor& pairs);
 at::Tensor gguf_vnni_linear(const at::Tensor& x, const at::Tensor& packed,
                                const c10::optional<at::Tensor>& bias);
 at::Tensor gguf_vnni_linear_silu(const at::Tensor& x, const at::Tensor& pairs);
+// gguf_avx2.cpp: the same int8 products with AVX2 (VPMADDUBSW), for CPUs without AVX512-VNNI.
+at::Tensor gguf_avx2_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+at::Tensor gguf_avx2_linear_silu(const at::Tensor& x, const at::Tensor& pairs);
 // f32_linear.cpp: the float32 matmul over 16-feature panels.
 bool f32_panels_available();
 at::Tensor f32_pack(const at::Tensor& w);
@@ -1272,9 +1275,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear_silu", &gguf_linear_silu, "silu(gate) * up of GGML gate/up block pairs, on gguf_kernel()");
   m.def("gguf_tiles_linear", &gguf_tiles_linear, "gguf_linear widened to bfloat16 tiles: bit for bit the dequantized");
   m.def("gguf_tiles_linear_silu", &gguf_tiles_linear_silu, "gguf_linear_silu widened to bfloat16 tiles");
-  m.def("gguf_kernel", &gguf_kernel, "the kept-GGUF kernel here: amx (tiles), vnni (int8 activations) or none");
+  m.def("gguf_kernel", &gguf_kernel, "the kept-GGUF kernel here: amx (tiles), vnni or avx2 (int8 x), or none");
   m.def("gguf_vnni_linear", &gguf_vnni_linear, "x @ w.T (+ b), w in GGML blocks packed as quads, x as int8 blocks");
   m.def("gguf_vnni_linear_silu", &gguf_vnni_linear_silu, "silu(gate) * up of GGML gate/up block pairs as quads");
+  m.def("gguf_avx2_linear", &gguf_avx2_linear, "gguf_vnni_linear with AVX2 products; x bfloat16 or float32");
+  m.def("gguf_avx2_linear_silu", &gguf_avx2_linear_silu, "gguf_vnni_linear_silu with AVX2 products");
   m.def("dpbf16_linear", &dpbf16_linear, "bf16_linear with AVX512-BF16 dot products");
   m.def("f32_panels_available", &f32_panels_available, "whether this build has the float32 panel matmul");
   m.def("f32_pack", &f32_pack, "a [N, K] float32 weight in 16-feature panels [N/16, K, 16]");

@@ -26,7 +26,7 @@ namespace {
 
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // GGMLQuantizationType
 constexpr int64_t kQ4_Z = 256;  // tokenmill's own: 4-bit with an integer zero point (quant/gguf.py Q4_Z)
-constexpr int64_t kQ4_KS = 257, kQ6_KS = 258;  // K-quant blocks of 32 (quant/kquants.py): the VNNI kernel's only
+constexpr int64_t kQ4_KS = 257, kQ6_KS = 258, kQ5_KS = 259;  // K-quant blocks of 32 (quant/kquants.py): quads only
 
 constexpr int64_t kTileBytesQ4_0 = 256 + 32, kTileBytesQ4_1 = 256 + 64, kTileBytesQ8_0 = 512 + 32,
                   kTileBytesQ4_Z = 256 + 32 + 16;
@@ -41,9 +41,10 @@ int64_t gguf_tile_bytes(int64_t type) {
     case kQ4_1: return kTileBytesQ4_1;
     case kQ8_0: return kTileBytesQ8_0;
     case kQ4_Z: return kTileBytesQ4_Z;
-    case 6: return 256 + 96;  // Q5_0, Q4_KS and Q6_KS: in the quads layout (gguf_vnni.cpp) only, no AMX tiles
+    case 6: return 256 + 96;  // Q5_0 and the K-quants: in the quads layout (gguf_quads.h) only, no AMX tiles
     case kQ4_KS: return 256 + 128;
     case kQ6_KS: return 512 + 64;
+    case kQ5_KS: return 256 + 192;
     default: return 0;
   }
 }
@@ -284,31 +285,56 @@ at::Tensor gguf_tiles_linear_silu(const at::Tensor& x, const at::Tensor& pairs) 
 }
 
 // The kept-GGUF kernel this build and process run: "amx" (tiles, bit for bit the dequantized model), "vnni" (int8
-// activations, gguf_vnni.cpp), or "" (none: the blocks are dequantized by the torch reference).
+// activations, gguf_vnni.cpp), "avx2" (the same int8 products with AVX2, gguf_avx2.cpp), or "" (none: the blocks
+// are dequantized at load).
 std::string gguf_kernel() {
 #ifdef TOKENMILL_AMX
   if (request_amx()) return "amx";
 #endif
-#ifdef TOKENMILL_VNNI
+#if defined(TOKENMILL_VNNI)
   return "vnni";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)  // gguf_quads.h's TOKENMILL_INT8_ROWS
+  return "avx2";
 #else
   return "";
 #endif
 }
 
-// gguf_vnni.cpp
+// gguf_vnni.cpp, gguf_avx2.cpp
 at::Tensor gguf_vnni_linear(const at::Tensor& x, const at::Tensor& packed,
                             const c10::optional<at::Tensor>& bias);
 at::Tensor gguf_vnni_linear_silu(const at::Tensor& x, const at::Tensor& pairs);
+at::Tensor gguf_avx2_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+at::Tensor gguf_avx2_linear_silu(const at::Tensor& x, const at::Tensor& pairs);
 
-// The kept blocks' product on this process's kernel (gguf_kernel(); gguf_pack laid the weight out for it).
+// Which kernel multiplies a packed weight of `tile_bytes` tiles by x: this process's (gguf_kernel(); gguf_pack laid
+// the weight out for it), but float32 x (a model computing in float32) takes the AVX2 kernel on a VNNI CPU too
+// (it alone reads float32 rows; the quads are the same), and on AMX the types without a tile layout (Q5_0 and the
+// re-cut K-quants, packed as quads: quant/gguf_tiles.py kernel_layout) take the VNNI kernel (every AMX CPU has
+// AVX512-VNNI).
+enum class GgufPath { kTiles, kVnni, kAvx2 };
+
+GgufPath gguf_path(const at::Tensor& x, int64_t tile_bytes) {
+  static const std::string kernel = gguf_kernel();
+  if (kernel == "avx2" || (kernel == "vnni" && x.scalar_type() == at::kFloat)) return GgufPath::kAvx2;
+  const bool quads_only = tile_bytes == gguf_tile_bytes(6) || tile_bytes == gguf_tile_bytes(kQ4_KS) ||
+                          tile_bytes == gguf_tile_bytes(kQ6_KS) || tile_bytes == gguf_tile_bytes(kQ5_KS);
+  return kernel == "vnni" || (kernel == "amx" && quads_only) ? GgufPath::kVnni : GgufPath::kTiles;
+}
+
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed,
                        const c10::optional<at::Tensor>& bias) {
-  static const std::string kernel = gguf_kernel();
-  return kernel == "vnni" ? gguf_vnni_linear(x, packed, bias) : gguf_tiles_linear(x, packed, bias);
+  switch (gguf_path(x, packed.size(-1))) {
+    case GgufPath::kAvx2: return gguf_avx2_linear(x, packed, bias);
+    case GgufPath::kVnni: return gguf_vnni_linear(x, packed, bias);
+    default: return gguf_tiles_linear(x, packed, bias);
+  }
 }
 
 at::Tensor gguf_linear_silu(const at::Tensor& x, const at::Tensor& pairs) {
-  static const std::string kernel = gguf_kernel();
-  return kernel == "vnni" ? gguf_vnni_linear_silu(x, pairs) : gguf_tiles_linear_silu(x, pairs);
+  switch (gguf_path(x, pairs.size(-1))) {
+    case GgufPath::kAvx2: return gguf_avx2_linear_silu(x, pairs);
+    case GgufPath::kVnni: return gguf_vnni_linear_silu(x, pairs);
+    default: return gguf_tiles_linear_silu(x, pairs);
+  }
 }

@@ -9,6 +9,7 @@
 //   Q4_Z  (q - z) * s       ->  s dx (sum q qx - z sum qx)             (AWQ's groups, quant/awq_format.py)
 //   Q5_0  (q - 16) * d      ->  d dx (sum q qx - 16 sum qx)            (q's fifth bit ORed in as the quads load)
 //   Q4_KS (d sc) q - dmin m ->  d sc dx sum q qx - dmin m dx sum qx    (a Q4_K sub-block, quant/kquants.py)
+//   Q5_KS the same, q's fifth bit ORed in as Q5_0's                      (a Q5_K sub-block)
 //   Q6_KS (d s) (q - 32)    ->  d dx (s_lo (sum_lo q qx - 32 sum_lo qx) + s_hi (... over K 16..31))
 //                                                                       (a Q6_K block of 32: two scales of 16)
 // Widening every weight to bfloat16 (csrc/gguf_linear.cpp, bit for bit the dequantized model) costs ~16 vector ops
@@ -22,7 +23,8 @@
 //       its high nibble K 16 + 4t + i), so one AND or one shift gives the unsigned bytes of four K quads.
 //   Q8_0: 8 x 64 bytes: vector t, lane j, byte i = feature j's q[4t + i] + 128; Q6_KS's the same, q as it is.
 //   then the fields as in the tiles: 16 float16 d (s), Q4_1's 16 float16 m, Q4_Z's 16 uint8 z; Q5_0: 16 float16 d,
-//   16 uint32 of fifth bits (bit k: K k's); Q4_KS: 16 float32 d sc, 16 float32 -(dmin m); Q6_KS: 16 float16 d,
+//   16 uint32 of fifth bits (bit k: K k's); Q4_KS: 16 float32 d sc, 16 float32 -(dmin m) (Q5_KS: then Q5_0's
+//   16 uint32 of fifth bits); Q6_KS: 16 float16 d,
 //   16 int8 scales of K 0..15, 16 of K 16..31.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -31,75 +33,11 @@
 #include <cstdint>
 #include <vector>
 
+#include "gguf_quads.h"
 #include "tile_gemm.h"
 
-#ifdef TOKENMILL_VNNI
+#if defined(TOKENMILL_VNNI) && defined(TOKENMILL_INT8_ROWS)
 namespace {
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_Z = 256;  // as gguf_linear.cpp
-constexpr int64_t kQ4_KS = 257, kQ6_KS = 258;  // quant/gguf_blocks.py: K-quant blocks re-cut to 32 weights
-}
-#endif
-
-#ifdef TOKENMILL_VNNI
-namespace {
-
-// x [M, K] bfloat16 as int8 blocks of 32: per block its quants, the scale dx, the sum of its quants sx, and
-// dx * sx in float32 (Q4_1's min term: one broadcast operand in the block loop instead of three scalar ops).
-// Stored in panels of `panel` rows (kPanelRows, or all M when fewer), block by block ([M/8][K/32][8 rows]): the
-// rows a vnni_block multiplies sit at fixed offsets from one pointer. Row by row, each of 8 rows kept its own
-// pointer, and the compiler, short of general registers, parked them in vector registers and moved them back (44
-// vmovq per tile beside 64 vpdpbusd).
-constexpr int64_t kPanelRows = 8;
-
-struct QuantizedRows {
-  int64_t KB, panel;
-  std::vector<int8_t> q;  // 32 a block
-  std::vector<float> scale;
-  std::vector<int32_t> sum;
-  std::vector<int32_t> sum_lo;  // of the block's first 16 quants (Q6_KS's halves)
-  std::vector<float> scaled_sum;
-  // the index of row m's block kb (times 32 for its quants)
-  int64_t block(int64_t m, int64_t kb) const { return ((m / panel) * KB + kb) * panel + m % panel; }
-};
-
-// Built without -ffast-math: 127 / max|x| must be a true division (not a reciprocal estimate), so x's rounding
-// is reproducible (a value at k + 0.5 rounds the same here and in a reference).
-#pragma GCC push_options
-#pragma GCC optimize("no-fast-math")
-QuantizedRows quantize_rows(const at::Tensor& x) {
-  const int64_t M = x.size(0), K = x.size(1), KB = K / 32;
-  const auto xs = x.stride(1) == 1 ? x : x.contiguous();
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>());
-  const int64_t panel = std::min(M, kPanelRows), blocks = (M + panel - 1) / panel * panel * KB;  // tail unused
-  QuantizedRows out{KB, panel, std::vector<int8_t>(blocks * 32), std::vector<float>(blocks),
-                    std::vector<int32_t>(blocks), std::vector<int32_t>(blocks), std::vector<float>(blocks)};
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    const __m512 sign = _mm512_set1_ps(-0.f);
-    for (int64_t m = begin; m < end; ++m) {
-      for (int64_t kb = 0; kb < KB; ++kb) {
-        const uint16_t* src = xp + m * xs.stride(0) + kb * 32;
-        const __m512 a = bf16x16_to_ps(src), b = bf16x16_to_ps(src + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
-        const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        // nearest, ties to even (the default rounding mode); |x| * 127 / amax rounds to at most 127
-        const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
-        const __m512i hi = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
-        const int64_t at = out.block(m, kb);
-        int8_t* dst = out.q.data() + at * 32;
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(lo));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(hi));
-        out.scale[at] = d;
-        const int32_t sum_lo = _mm512_reduce_add_epi32(lo);
-        const int32_t sum = sum_lo + _mm512_reduce_add_epi32(hi);
-        out.sum[at] = sum;
-        out.sum_lo[at] = sum_lo;
-        out.scaled_sum[at] = d * static_cast<float>(sum);
-      }
-    }
-  });
-  return out;
-}
-#pragma GCC pop_options
 
 // acc += w's unsigned bytes times the 4 signed bytes at `quad`, in every lane, with the broadcast folded into
 // VPDPBUSD's memory operand ({1to16}): GCC otherwise emits a separate VPBROADCASTD for each.
@@ -197,12 +135,9 @@ inline void load_quads(const uint8_t* tile, __m512i (&w)[8]) {
       w[t] = _mm512_and_si512(v, low);
       w[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     }
-    if constexpr (Type == kQ5_0) add_fifth_bits(w, _mm512_loadu_si512(tile + 256 + 32));
+    if constexpr (has_fifth_bits<Type>()) add_fifth_bits(w, _mm512_loadu_si512(tile + fifth_bits_at<Type>()));
   }
 }
-
-template <int64_t Type>
-constexpr int64_t quant_bytes() { return Type == kQ8_0 || Type == kQ6_KS ? 512 : 256; }
 
 inline __m512 bytes_ps(const uint8_t* p, bool is_signed) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -261,10 +196,10 @@ void vnni_block(const QuantizedRows& xq, int64_t m0, const uint8_t* w0, int64_t 
         }
         continue;
       }
-      // Q4_KS: float32 d sc and -(dmin m)
-      const __m512 d = Type == kQ4_KS ? _mm512_loadu_ps(fields) : halves_ps(fields);
+      // Q4_KS, Q5_KS: float32 d sc and -(dmin m)
+      const __m512 d = has_float_scale_min<Type>() ? _mm512_loadu_ps(fields) : halves_ps(fields);
       __m512 mins = _mm512_setzero_ps();
-      if constexpr (Type == kQ4_KS) mins = _mm512_loadu_ps(fields + 64);
+      if constexpr (has_float_scale_min<Type>()) mins = _mm512_loadu_ps(fields + 64);
       __m512i zero_points = _mm512_set1_epi32(Type == kQ4_0 ? 8 : Type == kQ5_0 ? 16 : Type == kQ8_0 ? 128 : 0);
       if constexpr (Type == kQ4_1)
         mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(fields + 32)));
@@ -276,10 +211,10 @@ void vnni_block(const QuantizedRows& xq, int64_t m0, const uint8_t* w0, int64_t 
       for (int r = 0; r < Rows; ++r) {
         const int64_t row = kb * panel + r;
         __m512i sr = s[r];
-        if constexpr (Type != kQ4_1 && Type != kQ4_KS)
+        if constexpr (Type != kQ4_1 && !has_float_scale_min<Type>())
           sr = _mm512_sub_epi32(sr, _mm512_mullo_epi32(zero_points, _mm512_set1_epi32(sum[row])));
         acc[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(scale[row])), _mm512_cvtepi32_ps(sr), acc[r][j]);
-        if constexpr (Type == kQ4_1 || Type == kQ4_KS)
+        if constexpr (Type == kQ4_1 || has_float_scale_min<Type>())
           acc[r][j] = _mm512_fmadd_ps(mins, _mm512_set1_ps(scaled_sum[row]), acc[r][j]);
       }
     }
@@ -358,17 +293,7 @@ void vnni_any(const at::Tensor& x, const at::Tensor& packed, const Epilogue& epi
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "[M, K] bfloat16 input");
   TORCH_CHECK(x.size(1) == packed.size(1) * 32, "input has ", x.size(1), " features, the weight ",
               packed.size(1) * 32);
-  switch (packed.size(2)) {
-    case 256 + 32: vnni_tiles<kQ4_0>(x, packed, epilogue); break;
-    case 256 + 64: vnni_tiles<kQ4_1>(x, packed, epilogue); break;
-    case 512 + 32: vnni_tiles<kQ8_0>(x, packed, epilogue); break;
-    case 256 + 48: vnni_tiles<kQ4_Z>(x, packed, epilogue); break;
-    case 256 + 96: vnni_tiles<kQ5_0>(x, packed, epilogue); break;
-    case 256 + 128: vnni_tiles<kQ4_KS>(x, packed, epilogue); break;
-    case 512 + 64: vnni_tiles<kQ6_KS>(x, packed, epilogue); break;
-    default: TORCH_CHECK(false, "not a packed Q4_0, Q4_1, Q5_0, Q8_0, Q4_Z, Q4_KS or Q6_KS weight (tiles of ", packed.size(2),
-                         " bytes)");
-  }
+  with_quads_type(packed.size(2), [&](auto type) { vnni_tiles<decltype(type)::value>(x, packed, epilogue); });
 }
 
 }  // namespace
@@ -377,7 +302,7 @@ void vnni_any(const at::Tensor& x, const at::Tensor& packed, const Epilogue& epi
 // x [M, K] bfloat16, packed [N/16, K/32, tile bytes] in the quads layout, bias [N] or none -> [M, N] bfloat16.
 at::Tensor gguf_vnni_linear(const at::Tensor& x, const at::Tensor& packed,
                             const c10::optional<at::Tensor>& bias) {
-#ifdef TOKENMILL_VNNI
+#if defined(TOKENMILL_VNNI) && defined(TOKENMILL_INT8_ROWS)
   const int64_t N = packed.size(0) * kTileN;
   auto y = at::empty({x.size(0), N}, x.options());
   const FloatBias b = float_bias(bias);
@@ -394,7 +319,7 @@ at::Tensor gguf_vnni_linear(const at::Tensor& x, const at::Tensor& packed,
 
 // silu(x @ gate.T) * (x @ up.T) from gate/up block pairs in the quads layout ([I/16, 2, K/32, tile bytes]).
 at::Tensor gguf_vnni_linear_silu(const at::Tensor& x, const at::Tensor& pairs) {
-#ifdef TOKENMILL_VNNI
+#if defined(TOKENMILL_VNNI) && defined(TOKENMILL_INT8_ROWS)
   TORCH_CHECK(pairs.dim() == 4 && pairs.size(1) == 2, "a gate/up weight packed by gguf_pack in pairs");
   const int64_t I = pairs.size(0) * kTileN;
   auto y = at::empty({x.size(0), I}, x.options());

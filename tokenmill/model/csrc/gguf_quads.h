@@ -1,0 +1,139 @@
+// What the int8-activation kernels of kept GGUF blocks share (gguf_vnni.cpp: AVX512-VNNI; gguf_avx2.cpp: AVX2):
+// the block types they multiply, their tiles' sizes in the "quads" layout (quant/gguf_tiles.py), and x's rounding
+// to int8 blocks of 32 (llama.cpp's Q8 activations). One rounding for both kernels, so they agree bit for bit.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "simd.h"
+
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8;  // GGMLQuantizationType
+constexpr int64_t kQ4_Z = 256;  // tokenmill's own: 4-bit with an integer zero point (quant/awq_format.py)
+constexpr int64_t kQ4_KS = 257, kQ6_KS = 258, kQ5_KS = 259;  // K-quant blocks re-cut to 32 weights (quant/kquants.py)
+
+// The bytes of a quads tile (16 features x 32 K) of each type: the quants, then the per-feature fields.
+constexpr int64_t kQuadsQ4_0 = 256 + 32, kQuadsQ4_1 = 256 + 64, kQuadsQ8_0 = 512 + 32, kQuadsQ4_Z = 256 + 48,
+                  kQuadsQ5_0 = 256 + 96, kQuadsQ4_KS = 256 + 128, kQuadsQ6_KS = 512 + 64, kQuadsQ5_KS = 256 + 192;
+
+template <int64_t Type>
+constexpr int64_t quant_bytes() { return Type == kQ8_0 || Type == kQ6_KS ? 512 : 256; }
+
+// Types with a fifth bit per quant (16 uint32 fields in the tile, bit k: K k's), and where those fields start.
+template <int64_t Type>
+constexpr bool has_fifth_bits() { return Type == kQ5_0 || Type == kQ5_KS; }
+template <int64_t Type>
+constexpr int64_t fifth_bits_at() { return Type == kQ5_0 ? 256 + 32 : 256 + 128; }  // after d; after d sc, -dmin m
+
+// Types whose blocks carry float32 d * sc and -(dmin * m) (the re-cut Q4_K and Q5_K sub-blocks).
+template <int64_t Type>
+constexpr bool has_float_scale_min() { return Type == kQ4_KS || Type == kQ5_KS; }
+
+// Runs body(std::integral_constant<int64_t, Type>) for the type whose quads tiles are `tile_bytes` long.
+template <typename Body>
+void with_quads_type(int64_t tile_bytes, const Body& body) {
+  switch (tile_bytes) {
+    case kQuadsQ4_0: body(std::integral_constant<int64_t, kQ4_0>{}); break;
+    case kQuadsQ4_1: body(std::integral_constant<int64_t, kQ4_1>{}); break;
+    case kQuadsQ8_0: body(std::integral_constant<int64_t, kQ8_0>{}); break;
+    case kQuadsQ4_Z: body(std::integral_constant<int64_t, kQ4_Z>{}); break;
+    case kQuadsQ5_0: body(std::integral_constant<int64_t, kQ5_0>{}); break;
+    case kQuadsQ4_KS: body(std::integral_constant<int64_t, kQ4_KS>{}); break;
+    case kQuadsQ6_KS: body(std::integral_constant<int64_t, kQ6_KS>{}); break;
+    case kQuadsQ5_KS: body(std::integral_constant<int64_t, kQ5_KS>{}); break;
+    default: TORCH_CHECK(false, "not a packed Q4_0, Q4_1, Q5_0, Q8_0, Q4_Z, Q4_KS, Q5_KS or Q6_KS weight (tiles of ",
+                         tile_bytes, " bytes)");
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TOKENMILL_INT8_ROWS 1
+
+// x [M, K] as int8 blocks of 32: per block its quants, the scale dx = max|x| / 127, the sum of its quants sx (and
+// of its first 16: Q6_KS's halves), and dx * sx in float32 (Q4_1's min term: one broadcast operand in the block
+// loop instead of three scalar ops). Stored in panels of `panel` rows (kPanelRows, or all M when fewer), block by
+// block ([M/8][K/32][8 rows]): the rows a kernel block multiplies sit at fixed offsets from one pointer. Row by
+// row, each of 8 rows kept its own pointer, and the compiler, short of general registers, parked them in vector
+// registers and moved them back (44 vmovq per tile beside 64 vpdpbusd).
+constexpr int64_t kPanelRows = 8;
+
+struct QuantizedRows {
+  int64_t KB, panel;
+  std::vector<int8_t> q;  // 32 a block
+  std::vector<float> scale;
+  std::vector<int32_t> sum;
+  std::vector<int32_t> sum_lo;  // of the block's first 16 quants
+  std::vector<float> scaled_sum;
+  // the index of row m's block kb (times 32 for its quants)
+  int64_t block(int64_t m, int64_t kb) const { return ((m / panel) * KB + kb) * panel + m % panel; }
+};
+
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+inline float hmax_ps(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// Built without -ffast-math: 127 / max|x| must be a true division (not a reciprocal estimate), so x's rounding
+// is reproducible (a value at k + 0.5 rounds the same here and in a reference). x is bfloat16 or float32.
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+inline QuantizedRows quantize_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "[M, K] bfloat16 or float32 input");
+  const int64_t M = x.size(0), K = x.size(1), KB = K / 32;
+  const auto xs = x.stride(1) == 1 ? x : x.contiguous();
+  const bool bf16 = xs.scalar_type() == at::kBFloat16;
+  const char* xp = static_cast<const char*>(xs.data_ptr());
+  const int64_t row_bytes = xs.stride(0) * xs.element_size();
+  const int64_t panel = std::min<int64_t>(M, kPanelRows), blocks = (M + panel - 1) / panel * panel * KB;  // tail unused
+  QuantizedRows out{KB, panel, std::vector<int8_t>(blocks * 32), std::vector<float>(blocks),
+                    std::vector<int32_t>(blocks), std::vector<int32_t>(blocks), std::vector<float>(blocks)};
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // packs' lane-wise order back to K order
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        __m256 v[4];
+        for (int i = 0; i < 4; ++i) {
+          const int64_t k = kb * 32 + 8 * i;
+          v[i] = bf16 ? bf16x8_to_ps(xp + m * row_bytes + 2 * k)
+                      : _mm256_loadu_ps(reinterpret_cast<const float*>(xp + m * row_bytes) + k);
+        }
+        const __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                         _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+        const float amax = hmax_ps(top);
+        const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        // nearest, ties to even (the default rounding mode); |x| * 127 / amax rounds to at most 127
+        __m256i q[4];
+        for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+        const __m256i bytes = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+        const int64_t at = out.block(m, kb);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + at * 32), bytes);
+        const int32_t sum_lo = hsum_epi32(_mm256_add_epi32(q[0], q[1]));
+        const int32_t sum = sum_lo + hsum_epi32(_mm256_add_epi32(q[2], q[3]));
+        out.scale[at] = d;
+        out.sum[at] = sum;
+        out.sum_lo[at] = sum_lo;
+        out.scaled_sum[at] = d * static_cast<float>(sum);
+      }
+    }
+  });
+  return out;
+}
+#pragma GCC pop_options
+
+#endif  // TOKENMILL_INT8_ROWS
