@@ -54,6 +54,14 @@ def q5_0(n: int, k: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(quants.quantize(w, T.Q5_0)).view(n, -1)
 
 
+def test_q5_1_becomes_q5_ks_exactly():
+    w = np.random.default_rng(1).standard_normal((32, 96)).astype(np.float32) * 0.05
+    raw = torch.from_numpy(quants.quantize(w, T.Q5_1)).view(32, -1)
+    kept, data = transcode(raw, T.Q5_1)
+    assert kept == Q5_KS and data.shape == (32, 3 * 28)
+    assert torch.equal(dequantize(data, Q5_KS, (32, 96)), reference(raw, T.Q5_1, (32, 96)))
+
+
 def test_q5_0_decodes_and_becomes_q8_0_exactly():
     raw = q5_0(32, 96, seed=0)
     assert torch.equal(dequantize(raw, T.Q5_0, (32, 96)), reference(raw, T.Q5_0, (32, 96)))  # our own decoder

@@ -6,6 +6,8 @@ exactly the value llama.cpp's dequantizer gives it:
                    weights against the file's 18: 1.33x);
 - Q5_K  -> Q5_KS: Q4_KS's scales, the fifth bits as a 32-bit field and the low nibbles (28 bytes per 32 against
                    22: 1.27x);
+- Q5_1  -> Q5_KS: d and m widened to float32, the rest as it is (28 bytes against 24: 1.17x); a Q5_K_M file holds
+                   Q5_1 where a row is not a multiple of 256 long (q * d + m is Q5_KS's arithmetic);
 - Q6_K  -> Q6_KS: each 32 weights with the super-block's d and the two 16-weight halves' int8 scales, the 6-bit
                    quants one a byte (36 bytes per 32 against 26.25: 1.37x);
 - Q5_0  -> Q8_0:  q - 16 is a signed byte, under the same float16 d (34 bytes against 22: 1.55x), only where a
@@ -23,15 +25,16 @@ import torch
 
 from tokenmill.quant.gguf_blocks import Q4_KS, Q5_KS, Q6_KS, GGMLQuantizationType
 
-Q4_K, Q5_K, Q6_K, Q5_0, Q8_0 = (int(GGMLQuantizationType.Q4_K), int(GGMLQuantizationType.Q5_K),
-                                int(GGMLQuantizationType.Q6_K), int(GGMLQuantizationType.Q5_0),
-                                int(GGMLQuantizationType.Q8_0))
-TRANSCODED = {Q4_K: Q4_KS, Q5_K: Q5_KS, Q6_K: Q6_KS, Q5_0: Q8_0}  # file type -> the type its blocks are kept as
+Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q8_0 = (int(GGMLQuantizationType.Q4_K), int(GGMLQuantizationType.Q5_K),
+                                      int(GGMLQuantizationType.Q6_K), int(GGMLQuantizationType.Q5_0),
+                                      int(GGMLQuantizationType.Q5_1), int(GGMLQuantizationType.Q8_0))
+# file type -> the type its blocks are kept as
+TRANSCODED = {Q4_K: Q4_KS, Q5_K: Q5_KS, Q6_K: Q6_KS, Q5_1: Q5_KS, Q5_0: Q8_0}
 
 
 def transcode(data: torch.Tensor, ggml_type: int) -> tuple[int, torch.Tensor]:
     """Raw blocks [N, row bytes] of a TRANSCODED type -> (the kept type, its raw blocks [N, K/32 * bytes])."""
-    fn = {Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k, Q5_0: _q5_0}[int(ggml_type)]
+    fn = {Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k, Q5_1: _q5_1, Q5_0: _q5_0}[int(ggml_type)]
     n = data.shape[0]
     return TRANSCODED[int(ggml_type)], fn(data.reshape(-1)).reshape(n, -1).contiguous()
 
@@ -94,6 +97,15 @@ def _q6_k(raw: torch.Tensor) -> torch.Tensor:
     out[:, :, 0:2] = blocks[:, None, 208:210]
     out[:, :, 2:4] = blocks[:, 192:208].view(-1, 8, 2)  # the scales of each 32's two halves of 16
     out[:, :, 4:] = q.view(-1, 8, 32)
+    return out
+
+
+def _q5_1(raw: torch.Tensor) -> torch.Tensor:
+    blocks = raw.view(-1, 24)  # d, m (float16), 32 high bits, 16 bytes of nibbles (Q4_0's order)
+    out = torch.empty(blocks.shape[0], 28, dtype=torch.uint8)
+    scales = blocks[:, 0:4].contiguous().view(torch.float16).float()  # d, m: exact in float32
+    out[:, 0:8] = scales.view(torch.uint8)
+    out[:, 8:] = blocks[:, 4:]
     return out
 
 
