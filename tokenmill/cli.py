@@ -130,6 +130,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "file name)")
     g.add_argument("--max-request-bytes", type=parse_bytes, default=16 << 20,
                    help="largest request body; a larger one gets HTTP 413 (default 16MiB)")
+    g.add_argument("--max-stored-responses", type=int, default=1000,
+                   help="Responses API: responses kept for previous_response_id and GET /v1/responses/{id}, least "
+                        "recently used out first (0: none kept; a request's store: false keeps its own out)")
     g.add_argument("--max-waiting-requests", type=int, default=256,
                    help="requests waiting to run beyond which new ones get HTTP 429 (one request that alone needs "
                         "more, prompts x n, gets 400)")

@@ -11,6 +11,8 @@ from tokenmill.structured.params import StructuredOutputsParams
 MAX_LOGPROBS = 20
 MAX_N = 64
 MAX_PRIORITY = 1_000_000
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias (OpenAI's limit is 300)
+BAN = -100.0  # a logit_bias of -100 bans its token (its logit becomes -inf), as OpenAI describes it
 
 
 @dataclass
@@ -43,6 +45,8 @@ class SamplingParams:
     slo_itl_ms: float | None = None  # inter-token latency target
     # the output follows a JSON schema, regex, choice or grammar (structured/params.py); a dict of its fields works
     structured_outputs: StructuredOutputsParams | dict | None = None
+    # token id -> a bias in [-100, 100] added to its logit before sampling (OpenAI's logit_bias); -100 bans the token
+    logit_bias: dict[int, float] | None = None
     stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -94,6 +98,15 @@ class SamplingParams:
                     "must be non-negative token ids")
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:
+            self._check(isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
+                        f"must map at most {MAX_LOGIT_BIAS} token ids to biases")
+            self._check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.logit_bias),
+                        "logit_bias", "keys must be non-negative token ids")
+            self._check(all(isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b)
+                            and -100 <= b <= 100 for b in self.logit_bias.values()),
+                        "logit_bias", "values must be numbers in [-100, 100]")
+            self.logit_bias = {t: float(b) for t, b in self.logit_bias.items() if b != 0} or None
 
     @staticmethod
     def _check(ok: bool, param: str, rule: str) -> None:
@@ -103,6 +116,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Anything that changes the raw logits before sampling: penalties or a logit bias."""
+        return self.has_penalties or self.logit_bias is not None
 
     @property
     def has_penalties(self) -> bool:

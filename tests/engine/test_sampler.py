@@ -295,3 +295,34 @@ def test_backend_first_argmax_is_torch_max_indices(vocab):
     assert [t for t, _ in Sampler(backend)(logits[[0, 1, 2, 3, 6, 8]], rows[:6])] == \
         logits[[0, 1, 2, 3, 6, 8]].max(dim=1).indices.tolist()
     assert backend.first_argmax(logits.t()) is None  # not contiguous: torch's max instead
+
+
+def test_logit_bias_bans_and_shifts_tokens():
+    """-100 bans a token: never drawn, nor picked greedily, with any other row in the batch untouched; other biases
+    add to the logit (+5 on the 4th most likely token makes it the argmax); logprobs stay the raw model's."""
+    greedy = Sampler()(LOGITS.unsqueeze(0), [row(SamplingParams(temperature=0, logit_bias={0: -100, 1: -100}))])
+    assert greedy[0][0] == 2
+    shifted = Sampler()(LOGITS.unsqueeze(0), [row(SamplingParams(temperature=0, logit_bias={3: 5.0}))])
+    assert shifted[0][0] == 3
+    drawn = draw_many(SamplingParams(temperature=1.0, logit_bias={0: -100, 2: -100.0}))
+    assert not bool(((drawn == 0) | (drawn == 2)).any()) and bool((drawn == 1).any())
+    mixed = Sampler()(LOGITS.unsqueeze(0).repeat(2, 1), [row(SamplingParams(temperature=0, logit_bias={0: -100})),
+                                                          row(SamplingParams(temperature=0, logprobs=1))])
+    assert [t for t, _ in mixed] == [1, 0]
+    (token, lp), = Sampler()(LOGITS.unsqueeze(0), [row(SamplingParams(temperature=0, logit_bias={0: -100},
+                                                                      logprobs=1))])
+    assert token == 1 and lp[1] == pytest.approx(float(torch.log_softmax(LOGITS, 0)[1]))
+
+
+def test_bans_give_way_when_nothing_else_is_left():
+    """A constraint allowing only banned tokens (here: every other logit -inf already) still gets a token."""
+    logits = torch.full((1, VOCAB), float("-inf"))
+    logits[0, 4] = 0.0
+    out = Sampler()(logits, [row(SamplingParams(temperature=0, logit_bias={4: -100, 5: 3.0}))])
+    assert out[0][0] == 4
+
+
+@pytest.mark.parametrize("bias", [{1: 101}, {1: float("nan")}, {-1: 1.0}, {"1": 1.0}, {1: True}])
+def test_logit_bias_values_are_checked(bias):
+    with pytest.raises(InvalidRequest, match="logit_bias"):
+        SamplingParams(logit_bias=bias)

@@ -9,7 +9,8 @@ requests against a small waiting queue. For every response:
   - the status is never >= 500 and never 422, and no request hangs or loses its connection;
   - every 4xx body is JSON: {"error": {"message": str, "type": str, ...}};
   - a 429 is only for a request that could fit the waiting queue later (one that never can is a 400);
-  - a streaming 200 ends with `data: [DONE]`, and an error inside a stream is a `data: {"error": ...}` event.
+  - a streaming 200 ends with `data: [DONE]` (Anthropic's and the Responses streams with their closing event), and
+    an error inside a stream is a `data: {"error": ...}` event (an `error` event there), last.
 
 Afterwards the server must be idle and sound: /health 200, no request running or waiting, the KV cache back to
 its idle usage, both processes alive, no traceback in its log.
@@ -68,6 +69,8 @@ SERVER_ARGS = ("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4", "--
 FALLBACK_VOCAB = 49152  # SmolLM2's, only used if the server does not say
 
 C, CH, TOK, DETOK = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"
+MSG, RESP = "/v1/messages", "/v1/responses"  # Anthropic's Messages API, OpenAI's Responses API: named SSE events
+STREAM_ENDS = {MSG: ("message_stop",), RESP: ("response.completed", "response.incomplete")}
 
 
 # ---- raw JSON text -------------------------------------------------------------------------------------------------
@@ -270,7 +273,8 @@ def fields_of(model_name: str, vocab: int) -> dict[str, Field]:
         "top_logprobs": field_([None, 0, 2], [20, 21, -1]),
         "suffix": field_([None], ["", "x"]),
         "user": field_(["u"], ["", "\ud800", 1]),
-        "logit_bias": field_([None], [{}, {"1": 5}, {"x": Raw(b"NaN")}]),
+        "logit_bias": field_([None, {}, {"1": 5}, {"2": -100, "3": 0.5}],
+                             [{"x": Raw(b"NaN")}, {"x": 1}, {"1": 101}, {"-1": 1}, {str(vocab): 1}, {"1": "a"}]),
         "best_of": field_([None], [1, 2, 0]),
         "cache_salt": field_([None, "tenant-a"], ["", "\ud800", "x" * 1000]),
         "add_generation_prompt": field_([True, False], [None, "x"]),
@@ -287,6 +291,34 @@ def fields_of(model_name: str, vocab: int) -> dict[str, Field]:
         "guided_regex": field_([None, "[0-9]{2}"], ["", "(", Big("long text")]),
         "tools": field_([None], [[], [{"type": "function"}]]),
         "tool_choice": field_([None], ["auto", "none"]),
+        # Anthropic's Messages API
+        "amessages": field_([[{"role": "user", "content": "Hi"}],
+                             [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+                             [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
+                                 {"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+                              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                            "content": "ok"}]}]],
+                            [[], [{"role": "system", "content": "x"}], [{"role": "user", "content": [{"type": "image"}]}],
+                             [{"role": "user", "content": [{"type": "tool_result"}]}],
+                             [{"role": "assistant", "content": [{"type": "tool_use", "id": 1}]}], "Hi", [None]]),
+        "system": field_(["Be brief.", [{"type": "text", "text": "Be brief."}]], [1, [{"type": "image"}], [None], ""]),
+        "stop_sequences": field_([["\n"], ["."]], [[""], "x", [1], Big("300 prompts")]),
+        "atools": field_([[{"name": "f", "input_schema": {"type": "object"}}]], [[{}], [{"name": 1}], "x"]),
+        "atool_choice": field_([{"type": "auto"}, {"type": "none"}],
+                               [{"type": "tool"}, {"type": "frob"}, "auto", {"type": "tool", "name": "nope"}]),
+        # OpenAI's Responses API
+        "input": field_(["Hi", [{"role": "user", "content": "Hi"}],
+                         [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}]],
+                        [[], 1, [{"type": "frob"}], [{"type": "function_call_output"}], [{"role": "robot"}],
+                         [{"role": "user", "content": [{"type": "input_image"}]}], Big("long text")]),
+        "instructions": field_(["Be brief."], [1, "", "\ud800"]),
+        "max_output_tokens": field_([1, 2, 3], [0, -1, 2**64, 1.5, "2"]),
+        "store": field_([True, False], ["x", None]),
+        "previous_response_id": field_([None], ["resp_nope", 1, ""]),
+        "text": field_([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}],
+                       [{"format": {"type": "xml"}}, "x", {"format": {"type": "json_schema"}}]),
+        "rtools": field_([[{"type": "function", "name": "f", "parameters": {"type": "object"}}]],
+                         [[{"type": "web_search"}], [{"type": "function"}], "x"]),
     }
 
 
@@ -301,9 +333,14 @@ OPTIONAL = {
          "cache_salt", "response_format", "tools", "tool_choice", "structured_outputs", "priority"],
     TOK: ["model", "add_special_tokens", "add_generation_prompt", "return_token_strs"],
     DETOK: ["model"],
+    MSG: ["model", "system", "stop_sequences", "temperature", "top_p", "top_k", "atools", "atool_choice"],
+    RESP: ["model", "instructions", "temperature", "top_p", "store", "previous_response_id", "text", "rtools",
+           "tool_choice", "seed"],
 }
-REQUIRED = {C: ["prompt", "max_tokens", "stream"], CH: ["messages", "max_tokens", "stream"], TOK: [], DETOK: ["tokens"]}
-WIRE_NAME = {"chat_logprobs": "logprobs", "tok_prompt": "prompt"}
+REQUIRED = {C: ["prompt", "max_tokens", "stream"], CH: ["messages", "max_tokens", "stream"], TOK: [], DETOK: ["tokens"],
+            MSG: ["amessages", "max_tokens", "stream"], RESP: ["input", "max_output_tokens", "stream"]}
+WIRE_NAME = {"chat_logprobs": "logprobs", "tok_prompt": "prompt", "amessages": "messages", "atools": "tools",
+             "atool_choice": "tool_choice", "rtools": "tools"}
 WHOLE_BODY_JUNK = [
     Raw(b""), Raw(b" "), Raw(b"null"), Raw(b"[]"), Raw(b"[1, 2]"), Raw(b"123"), Raw(b'"x"'), Raw(b"{"),
     Raw(b'{"prompt": "Hi"'), Raw(b'{"prompt": "Hi", "max_tokens": 1} trailing'),
@@ -372,7 +409,7 @@ def api_request(draw, model_name: str, vocab: int, near_valid_only: bool = False
     """One request to any endpoint: a valid body with 0, 1 or 2 fields replaced (by the field's edge cases or by
     junk), removed or duplicated; sometimes a junk body, content type, API key or method."""
     f = fields_of(model_name, vocab)
-    path = draw(st.sampled_from([C, C, C, CH, CH, CH, TOK, DETOK, "GET"]))
+    path = draw(st.sampled_from([C, C, C, CH, CH, CH, MSG, MSG, RESP, RESP, TOK, DETOK, "GET"]))
     if path == "GET":
         path = draw(st.sampled_from(["/v1/models", "/health", f"/v1/models/{model_name}", "/v1/models/gpt-9",
                                      "/version", "/v1/models/%00", "/v1/nothing", "/admin/kv_peers",
@@ -433,9 +470,9 @@ def api_request(draw, model_name: str, vocab: int, near_valid_only: bool = False
 
     req = finish(method, path, body, vocab, content_type=ctype, auth=auth)
     p = req.parsed if isinstance(req.parsed, dict) else {}
-    if path in (C, CH) and p.get("stream") is True and one_in(4, draw):
+    if path in (C, CH, MSG, RESP) and p.get("stream") is True and one_in(4, draw):
         req.mode = f"disconnect:{draw(st.integers(0, 3))}"
-    elif path in (C, CH) and p.get("stream") is not True and one_in(10, draw):
+    elif path in (C, CH, MSG, RESP) and p.get("stream") is not True and one_in(10, draw):
         req.mode = f"cancel:{draw(st.sampled_from([0.02, 0.1, 0.3, 1.0]))}"
     elif req.body and one_in(10, draw):
         req.mode = "chunked"  # Transfer-Encoding: chunked, no Content-Length
@@ -477,6 +514,8 @@ def samples_of_body(path: str, p) -> int | None:
     n = p.get("n", 1)
     if type(n) is not int:
         return None
+    if path in (MSG, RESP):
+        return 1
     if path == CH:
         return n
     prompt = p.get("prompt")
@@ -510,11 +549,12 @@ def check_stream(req: Req, lines, out: list[Violation], deadline: float) -> None
     events: list = []
     if k == 0:
         return  # hang up as soon as the headers are in
+    named = req.path in STREAM_ENDS  # `event: NAME` lines before each data line, no [DONE]
     for line in lines:
         if time.monotonic() > deadline:
             out.append(Violation("hang", req, f"stream still open after {REQUEST_TIMEOUT:.0f} s"))
             return
-        if not line:
+        if not line or (named and line.startswith("event: ")):
             continue
         if not line.startswith("data: "):
             out.append(Violation("bad SSE line", req, line[:200]))
@@ -530,6 +570,9 @@ def check_stream(req: Req, lines, out: list[Violation], deadline: float) -> None
             continue
         if k is not None and len(events) >= k:
             return  # we hang up (the context manager closes the connection)
+    if named:
+        check_named_stream(req, events, out)
+        return
     if not events or events[-1] != "[DONE]":
         out.append(Violation("stream without [DONE]", req, f"last events: {events[-2:]!r}"[:300]))
         return
@@ -553,6 +596,20 @@ def check_stream(req: Req, lines, out: list[Violation], deadline: float) -> None
                 out.append(Violation("bad finish_reason in stream", req, json.dumps(ch)[:200]))
 
 
+def check_named_stream(req: Req, events: list, out: list[Violation]) -> None:
+    """An Anthropic or Responses stream: ends with its closing event, or an error event (only) last."""
+    kinds = [e.get("type") if isinstance(e, dict) else None for e in events]
+    if "error" in kinds[:-1]:
+        out.append(Violation("error event not last", req, json.dumps(events[kinds.index("error")])[:300]))
+    elif kinds and kinds[-1] == "error":
+        e = events[-1]
+        message = e.get("error", e).get("message") if isinstance(e.get("error", e), dict) else None
+        kind = "bad error event" if not isinstance(message, str) else "error in stream"
+        out.append(Violation(kind, req, json.dumps(e)[:300]))
+    elif not kinds or kinds[-1] not in STREAM_ENDS[req.path]:
+        out.append(Violation("stream without its closing event", req, f"last events: {events[-2:]!r}"[:300]))
+
+
 def check_ok_json(req: Req, text: bytes, out: list[Violation]) -> None:
     try:
         body = json.loads(text)
@@ -572,6 +629,12 @@ def check_ok_json(req: Req, text: bytes, out: list[Violation]) -> None:
                 out.append(Violation("bad finish_reason", req, json.dumps(ch)[:200]))
         if not isinstance(body.get("usage", {}).get("completion_tokens"), int):
             out.append(Violation("200 without usage", req, repr(text[:200])))
+    elif req.path == MSG and not (body.get("type") == "message" and isinstance(body.get("content"), list)
+                                  and body.get("stop_reason") in ("end_turn", "max_tokens", "stop_sequence", "tool_use")):
+        out.append(Violation("bad message", req, repr(text[:200])))
+    elif req.path == RESP and not (body.get("object") == "response" and isinstance(body.get("output"), list)
+                                   and body.get("status") in ("completed", "incomplete")):
+        out.append(Violation("bad response", req, repr(text[:200])))
     elif req.path == TOK and not (isinstance(body.get("tokens"), list) and body.get("count") == len(body["tokens"])):
         out.append(Violation("bad /tokenize answer", req, repr(text[:200])))
     elif req.path == DETOK and not isinstance(body.get("prompt"), str):

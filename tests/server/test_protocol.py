@@ -129,7 +129,9 @@ def test_validate_ignores_unknown_fields():
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"logit_bias": {"1": 2.0}}, "logit_bias"),
+    ({"logit_bias": {"1": 200.0}}, "logit_bias"),
+    ({"logit_bias": {"one": 2.0}}, "logit_bias"),
+    ({"logit_bias": {str(VOCAB): 2.0}}, "logit_bias"),
     ({"best_of": 3}, "best_of"),
     ({"suffix": "tail"}, "suffix"),
     ({"logprobs": 99}, "logprobs"),

@@ -171,6 +171,30 @@ def test_logprobs(client):
     assert tokens == [e.token for e in content]
 
 
+def test_logit_bias_bans_tokens_and_composes_with_structured_output(client, http):
+    """-100 bans a token (greedy output moves off it; the ban holds on every step), +100 forces one; inside a choice
+    constraint a ban picks the other choice."""
+    model = client.models.list().data[0].id
+    plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0)
+    first = http.post("/tokenize", json={"prompt": plain.choices[0].text, "add_special_tokens": False}).json()["tokens"]
+    banned = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                       logit_bias={str(first[0]): -100}, logprobs=0)
+    ids = http.post("/tokenize", json={"prompt": banned.choices[0].text, "add_special_tokens": False}).json()["tokens"]
+    assert ids and ids[0] != first[0] and first[0] not in ids
+    forced = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=1.0, seed=1,
+                                       logit_bias={"1000": 100}, extra_body={"ignore_eos": True})
+    assert http.post("/tokenize", json={"prompt": forced.choices[0].text, "add_special_tokens": False}).json()[
+        "tokens"] == [1000] * 3
+    choice = {"choice": ["Paris", "London"]}
+    chosen = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0,
+                                       extra_body={"structured_outputs": choice}).choices[0].text
+    assert chosen == "Paris"  # greedy picks Paris; banning its first token leaves London
+    paris = http.post("/tokenize", json={"prompt": "Paris", "add_special_tokens": False}).json()["tokens"]
+    other = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0,
+                                      logit_bias={str(paris[0]): -100}, extra_body={"structured_outputs": choice})
+    assert other.choices[0].text == "London"
+
+
 def test_tokenize_detokenize(http):
     tok = http.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
     assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 8192 and len(tok["token_strs"]) == tok["count"]

@@ -100,7 +100,7 @@ def request_stop_ids(req: Request) -> list[int]:
 
 
 def _plain_greedy(req: Request) -> bool:
-    """Greedy with nothing on top: no penalty, no logprobs, past min_tokens (no stop id held back): each token is
-    the first argmax of the raw logits, and it ends the request if it is a stop id."""
+    """Greedy with nothing on top: no penalty or logit bias, no logprobs, past min_tokens (no stop id held back):
+    each token is the first argmax of the raw logits, and it ends the request if it is a stop id."""
     p = req.params
-    return p.greedy and p.logprobs is None and not p.has_penalties and len(req.output_token_ids) >= p.min_tokens
+    return p.greedy and p.logprobs is None and not p.adjusts_logits and len(req.output_token_ids) >= p.min_tokens

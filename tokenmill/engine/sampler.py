@@ -1,6 +1,7 @@
 """Logits -> next tokens for a batch of requests, each with its own sampling parameters.
 
-Order: penalties (repetition on prompt+output, presence/frequency on output), min_tokens masking, then greedy
+Order: penalties (repetition on prompt+output, presence/frequency on output), logit_bias (-100: banned), min_tokens
+masking, then greedy
 argmax, or temperature -> top-k -> top-p -> min-p -> a draw from the request's own generator (so a seeded
 request samples the same tokens whatever else is in the batch). Logprobs are of the raw model distribution.
 Everything runs on the logits' device (each request's generator lives there too); only the chosen tokens and
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import BAN, SamplingParams
 
 if TYPE_CHECKING:
     from tokenmill.model.backends.base import Backend
@@ -173,15 +174,37 @@ def mask_blocked(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
                 logits[i, ids] = saved
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place: each row's logit_bias added to its tokens' logits, -inf for a ban (BAN), unless the bans would leave
+    the row no token at all (a structured output constraint allowing only banned tokens): then the bans give way to
+    the constraint (the biases still apply)."""
+    vocab = logits.shape[1]
+    for i, r in enumerate(rows):
+        bias = r.params.logit_bias
+        if not bias:
+            continue
+        ids = torch.tensor([t for t in bias if t < vocab], dtype=torch.long, device=logits.device)
+        vals = torch.tensor([b for t, b in bias.items() if t < vocab], dtype=torch.float32, device=logits.device)
+        banned = vals == BAN
+        biased = logits[i, ids] + vals
+        saved = biased.clone()
+        biased[banned] = float("-inf")
+        logits[i, ids] = biased
+        if banned.any() and not bool((logits[i] > float("-inf")).any()):
+            logits[i, ids] = saved
+
+
 def _adjusted(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """float32 logits after penalties and min_tokens masking (a copy only where a row changes)."""
+    """float32 logits after penalties, logit_bias and min_tokens masking (a copy only where a row changes)."""
     logits = logits.float()
-    if any(r.params.has_penalties or r.blocked_token_ids for r in rows):
+    if any(r.params.adjusts_logits or r.blocked_token_ids for r in rows):
         logits = logits.clone()
         if any(r.params.has_penalties for r in rows):
             apply_penalties(logits, rows)
             # a tiny repetition penalty can push logits past float32's range: keep them finite
             logits = logits.nan_to_num(nan=float("nan"), posinf=torch.finfo(torch.float32).max)
+        if any(r.params.logit_bias for r in rows):
+            apply_logit_bias(logits, rows)
         mask_blocked(logits, rows)
     return logits
 

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API over an AsyncEngine: create_app(engine, settings) and its routes.
 
-Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health, GET /metrics,
+Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (GET, DELETE
+/v1/responses/{id}), Anthropic's POST /v1/messages and /v1/messages/count_tokens, GET /health, GET /metrics,
 POST /tokenize, POST /detokenize (as vLLM has them), GET /version. What a route needs lives beside it: the guard
 (guard.py), prompt encoding (prompts.py), response bodies (responses.py), streaming (streaming.py), errors
 (errors.py).
@@ -12,6 +13,7 @@ import asyncio
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -21,10 +23,12 @@ import tokenmill
 from tokenmill.disagg.transfer import KVTransferParams
 from tokenmill.engine.admission import check_token_ids
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.output_stream import OutputStream
 from tokenmill.errors import InvalidRequest
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.admin import add_admin_routes
-from tokenmill.server.errors import ModelNotFound, error_body, install_error_handlers
+from tokenmill.server.anthropic import MessagesRequest, message_body, message_events
+from tokenmill.server.errors import ModelNotFound, NotFound, anthropic_error, error_body, install_error_handlers
 from tokenmill.server.guard import Guard
 from tokenmill.server.json_body import parse_json, validate
 from tokenmill.server.metrics import ServerMetrics
@@ -35,14 +39,33 @@ from tokenmill.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from tokenmill.server.response_store import ResponseStore, StoredResponse
 from tokenmill.server.responses import ChatWriter, CompletionWriter
+from tokenmill.server.responses_api import (
+    ResponseBuilder,
+    ResponsesRequest,
+    assistant_messages,
+    output_of,
+    response_events,
+)
 from tokenmill.server.settings import ServerSettings
-from tokenmill.server.streaming import collect, sse
+from tokenmill.server.streaming import collect, event_sse, sse
 from tokenmill.server.token_text import TokenText
 from tokenmill.server.tools import template_messages
 from tokenmill.server.ui import add_ui_routes
 
 __all__ = ["ServerSettings", "create_app"]
+
+
+@dataclass
+class ChatRun:
+    """A queued chat request: the served model's name, its output stream, the writer of its answer."""
+
+    model: str
+    stream: OutputStream
+    writer: ChatWriter
+    prompt_tokens: int
+    n: int
 
 
 def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics | None = None) -> FastAPI:
@@ -56,6 +79,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
     names = list(dict.fromkeys(settings.served_model_names))
     token_text = TokenText(tok)
     encoder = PromptEncoder(tok)
+    responses = ResponseStore(settings.max_stored_responses)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -148,18 +172,21 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
             return Response(status_code=499)
         return writer.response(choices, usage_prompt, stream)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        arrival = time.monotonic()
-        req: ChatCompletionRequest = await read(request, ChatCompletionRequest)
-        model = check_model(req.model)
-        params = sampling_params(req)
+    async def render_chat(req: ChatCompletionRequest) -> tuple[str, list[int]]:
         tools = req.tool_choice_spec()
         takes_tools = tok.template_takes_tools
         messages = template_messages(req.template_messages(), tools, takes_tools)
-        text, ids = await encoder.render_chat(messages, req.add_generation_prompt,
-                                              [t.as_openai() for t in tools.offered] if tools and takes_tools else None,
-                                              settings.template_kwargs(req.chat_template_kwargs))
+        return await encoder.render_chat(messages, req.add_generation_prompt,
+                                         [t.as_openai() for t in tools.offered] if tools and takes_tools else None,
+                                         settings.template_kwargs(req.chat_template_kwargs))
+
+    async def start_chat(req: ChatCompletionRequest, arrival: float) -> ChatRun:
+        """A chat request queued: its stream, the writer of its answer, its prompt's length. The Messages and
+        Responses APIs come through here as chat requests."""
+        model = check_model(req.model)
+        params = sampling_params(req)
+        tools = req.tool_choice_spec()
+        text, ids = await render_chat(req)
         grammar = await engine.check_grammar(params)
         transfer = KVTransferParams.from_request(req.kv_transfer_params, engine.config.kv_transfer)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -167,12 +194,97 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         writer = ChatWriter(request_id, model, params.n, (req.top_logprobs or 0) if req.logprobs else None,
                             token_text, req.prompt_logprobs, tools.offered if tools and tools.parses else None,
                             settings.reasoning_parser)
+        return ChatRun(model, stream, writer, len(ids), params.n)
+
+    async def finish_chat(request: Request, run: ChatRun) -> dict | None:
+        """The whole answer as a chat completion, or None if the client went away first."""
+        choices = await collect(request, run.stream, run.n)
+        return None if choices is None else run.writer.response(choices, run.prompt_tokens, run.stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        arrival = time.monotonic()
+        req: ChatCompletionRequest = await read(request, ChatCompletionRequest)
+        run = await start_chat(req, arrival)
         if req.stream:
-            return sse(stream, writer.chunks(stream, len(ids) if req.include_usage else None))
-        choices = await collect(request, stream, params.n)
-        if choices is None:
+            return sse(run.stream, run.writer.chunks(run.stream, run.prompt_tokens if req.include_usage else None))
+        body = await finish_chat(request, run)
+        return Response(status_code=499) if body is None else body
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        """Anthropic's Messages API (server/anthropic.py)."""
+        arrival = time.monotonic()
+        req: MessagesRequest = await read(request, MessagesRequest)
+        run = await start_chat(req.to_chat(), arrival)
+        message_id = f"msg_{uuid.uuid4().hex}"
+        if req.stream:
+            events = message_events(run.writer.chunks(run.stream, run.prompt_tokens), message_id, run.model,
+                                    run.prompt_tokens)
+            return event_sse(run.stream, events, lambda body: ("error", anthropic_error(body)))
+        body = await finish_chat(request, run)
+        return Response(status_code=499) if body is None else message_body(body, message_id)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        req: MessagesRequest = await read(request, MessagesRequest)
+        chat = req.to_chat(for_generation=False)
+        check_model(chat.model)
+        _, ids = await render_chat(chat)
+        return {"input_tokens": len(ids)}
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        """OpenAI's Responses API (server/responses_api.py); `store` keeps the conversation for a follow-up."""
+        arrival = time.monotonic()
+        req: ResponsesRequest = await read(request, ResponsesRequest)
+        history: list[dict] = []
+        if req.previous_response_id is not None:
+            previous = responses.get(req.previous_response_id)
+            if previous is None:
+                raise NotFound(f"previous_response_id {req.previous_response_id!r} is not stored here (never made "
+                               f"with store: true, deleted, or one of more than --max-stored-responses "
+                               f"{settings.max_stored_responses})", param="previous_response_id")
+            history = previous.messages
+        messages = req.input_messages()
+        run = await start_chat(req.to_chat(history, messages), arrival)
+        builder = ResponseBuilder(req, run.model)
+
+        def store(body: dict, output: list[dict]) -> None:
+            if req.store:
+                responses.put(builder.id, StoredResponse(body, history + messages + assistant_messages(output)))
+
+        if req.stream:
+            output: list[dict] = []
+
+            async def events():
+                async for name, data in response_events(run.writer.chunks(run.stream, run.prompt_tokens), builder,
+                                                        output):
+                    if name in ("response.completed", "response.incomplete"):
+                        store(data["response"], output)
+                    yield name, data
+
+            return event_sse(run.stream, events(), lambda body: ("error", {**body["error"], "type": "error"}))
+        chat = await finish_chat(request, run)
+        if chat is None:
             return Response(status_code=499)
-        return writer.response(choices, len(ids), stream)
+        output, finish_reason = output_of(chat)
+        body = builder.body(ResponseBuilder.status(finish_reason), output, ResponseBuilder.usage(chat["usage"]))
+        store(body, output)
+        return body
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        stored = responses.get(response_id)
+        if stored is None:
+            raise NotFound(f"no stored response {response_id!r}", param="response_id")
+        return stored.body
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        if not responses.delete(response_id):
+            raise NotFound(f"no stored response {response_id!r}", param="response_id")
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

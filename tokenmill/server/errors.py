@@ -89,8 +89,27 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def error_response(exc: BaseException) -> JSONResponse:
+ANTHROPIC_PREFIX = "/v1/messages"  # Anthropic's routes answer errors in Anthropic's shape
+# our error types -> Anthropic's (invalid_request_error, authentication_error and not_found_error are the same)
+_ANTHROPIC_TYPES = {"server_overloaded": "overloaded_error", "service_unavailable": "overloaded_error",
+                    "internal_error": "api_error"}
+
+
+def anthropic_error(body: dict) -> dict:
+    """An OpenAI-style error body as Anthropic's: {"type": "error", "error": {"type", "message"}}."""
+    error = body["error"]
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(error["type"], error["type"]),
+                                       "message": error["message"]}}
+
+
+def classify_for(path: str, exc: BaseException) -> tuple[int, dict]:
+    """classify(exc), in the error shape of the API `path` belongs to."""
     status, body = classify(exc)
+    return status, anthropic_error(body) if path.startswith(ANTHROPIC_PREFIX) else body
+
+
+def error_response(exc: BaseException, path: str = "") -> JSONResponse:
+    status, body = classify_for(path, exc)
     headers = {"Retry-After": str(getattr(exc, "retry_after", 1))} if status in (429, 503) else None
     if status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
@@ -101,28 +120,28 @@ def install_error_handlers(app: FastAPI, on_rejected: Callable[[int], None]) -> 
     """Every error an endpoint raises (ours, FastAPI's validation, no route) as an OpenAI-style body; never 422.
     `on_rejected` counts each by status."""
 
-    def respond(exc: BaseException) -> JSONResponse:
-        response = error_response(exc)
+    def respond(request: Request, exc: BaseException) -> JSONResponse:
+        response = error_response(exc, request.url.path)
         on_rejected(response.status_code)
         return response
 
     @app.exception_handler(TokenmillError)
     async def _tokenmill_error(request: Request, exc: TokenmillError):
-        return respond(exc)
+        return respond(request, exc)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return respond(exc)
+        return respond(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        return respond(BadRequest(str(exc.errors()[0].get("msg", "invalid request")) if exc.errors() else
-                                  "invalid request"))
+        return respond(request, BadRequest(str(exc.errors()[0].get("msg", "invalid request")) if exc.errors() else
+                                           "invalid request"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 404:
-            return respond(NotFound(f"no route {request.method} {request.url.path}"))
+            return respond(request, NotFound(f"no route {request.method} {request.url.path}"))
         if exc.status_code == 405:
-            return respond(MethodNotAllowed(f"method {request.method} is not allowed on {request.url.path}"))
+            return respond(request, MethodNotAllowed(f"method {request.method} is not allowed on {request.url.path}"))
         return JSONResponse(error_body(str(exc.detail), "invalid_request_error"), status_code=exc.status_code)

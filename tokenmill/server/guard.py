@@ -1,7 +1,8 @@
 """The ASGI guard in front of the app: keys, body size and load shedding before any parsing, and a JSON 500 for
 whatever escapes the app. Rejections are answered here, without running the app.
 
-Three keys, each compared in constant time: the clients' `--api-key` (/v1/*, /tokenize, /detokenize, /ui/stats),
+Three keys, each compared in constant time: the clients' `--api-key` (/v1/*, /tokenize, /detokenize, /ui/stats; as
+'Authorization: Bearer KEY' or, as Anthropic's clients send it, 'x-api-key: KEY'),
 the operator's `--admin-api-key` (/admin/*, which do not exist without it: a client key never opens them) and an
 optional `--metrics-api-key` (/metrics; open without it, as Prometheus scrapers expect)."""
 
@@ -12,7 +13,7 @@ import logging
 from collections.abc import Callable
 
 from tokenmill.server.asgi import bearer_matches, drain_body
-from tokenmill.server.errors import APIError, BadRequest, InternalError, NotFound, RequestTooLarge, Unauthorized, classify
+from tokenmill.server.errors import APIError, BadRequest, InternalError, NotFound, RequestTooLarge, Unauthorized, classify_for
 from tokenmill.server.settings import ServerSettings
 
 log = logging.getLogger("tokenmill")
@@ -20,7 +21,7 @@ log = logging.getLogger("tokenmill")
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/ui/stats")
 ADMIN_PREFIX = "/admin/"
 METRICS_PATH = "/metrics"
-GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
 
 
 class Guard:
@@ -34,20 +35,23 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        refused = self._check_key(scope["path"], headers.get(b"authorization", b"").decode("latin-1"))
+        auth = headers.get(b"authorization", b"").decode("latin-1")
+        if not auth and b"x-api-key" in headers:
+            auth = "Bearer " + headers[b"x-api-key"].decode("latin-1")
+        refused = self._check_key(scope["path"], auth)
         if refused is not None:
-            return await self._reject(refused, receive, send)
+            return await self._reject(refused, receive, send, path=scope["path"])
         limit = self.settings.max_request_bytes
         try:
             length = int(headers.get(b"content-length", b"0"))
         except ValueError:
-            return await self._reject(BadRequest("invalid Content-Length header"), receive, send)
+            return await self._reject(BadRequest("invalid Content-Length header"), receive, send, path=scope["path"])
         if length > limit:
-            return await self._reject(_too_large(limit), receive, send)
+            return await self._reject(_too_large(limit), receive, send, path=scope["path"])
         if scope["method"] == "POST" and scope["path"] in GENERATE_PATHS:
             full = self.overloaded()  # the queue has no room even for one request: shed it before parsing
             if full is not None:
-                return await self._reject(full, receive, send)
+                return await self._reject(full, receive, send, path=scope["path"])
         received = 0
 
         async def limited_receive():
@@ -72,12 +76,12 @@ class Guard:
             await self.app(scope, limited_receive, tracked_send)
         except APIError as exc:  # the guard's own refusal from inside the body (too large), left unhandled
             if not started:
-                await self._reject(exc, receive, send, drain=False)
+                await self._reject(exc, receive, send, drain=False, path=scope["path"])
         except Exception as exc:
             log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
             if not started:
                 await self._reject(InternalError(f"internal error: {type(exc).__name__}"), receive, send,
-                                   drain=False)
+                                   drain=False, path=scope["path"])
 
     def _check_key(self, path: str, auth: str) -> Exception | None:
         """Why this path refuses this Authorization header, or None. Each area has its own key."""
@@ -93,10 +97,11 @@ class Guard:
             return _key_mismatch(auth, settings.api_key, "API key")
         return None
 
-    async def _reject(self, exc: Exception, receive, send, drain: bool = True) -> None:
-        """Answer without running the app. The body is read and dropped first (up to a bound): a server that
-        closes with a request body still arriving makes the client see a reset instead of the answer."""
-        status, body = classify(exc)
+    async def _reject(self, exc: Exception, receive, send, drain: bool = True, path: str = "") -> None:
+        """Answer without running the app, in the error shape of `path`'s API. The body is read and dropped first
+        (up to a bound): a server that closes with a request body still arriving makes the client see a reset
+        instead of the answer."""
+        status, body = classify_for(path, exc)
         self.on_reject(status)
         data = json.dumps(body).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
@@ -115,7 +120,7 @@ def _key_mismatch(auth: str, key: str, what: str) -> Unauthorized | None:
     if bearer_matches(auth.encode("latin-1"), key):
         return None
     msg = f"missing {what}" if not auth else f"invalid {what}"
-    return Unauthorized(f"{msg}: send the header 'Authorization: Bearer <key>'")
+    return Unauthorized(f"{msg}: send the header 'Authorization: Bearer <key>' (or 'x-api-key: <key>')")
 
 
 def _too_large(limit: int) -> RequestTooLarge:

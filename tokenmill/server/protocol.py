@@ -88,8 +88,6 @@ class _Sampling(_Body):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int,
                         prompt_logprobs: int | None = None) -> SamplingParams:
-        if self.logit_bias:
-            raise InvalidRequest("logit_bias is not supported", param="logit_bias")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequest("best_of is not supported (only best_of == n)", param="best_of")
         validate_cache_salt(self.cache_salt)
@@ -120,7 +118,8 @@ class _Sampling(_Body):
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             speculate=self.speculate, priority=self.priority, slo_ttft_ms=self.slo_ttft_ms,
-            slo_itl_ms=self.slo_itl_ms, structured_outputs=self.structured())
+            slo_itl_ms=self.slo_itl_ms, structured_outputs=self.structured(),
+            logit_bias=token_biases(self.logit_bias, vocab_size))
 
     def structured(self) -> StructuredOutputsParams | None:
         """The one output constraint the body asks for (400 naming the fields when it asks for two)."""
@@ -145,6 +144,23 @@ class _Sampling(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+def token_biases(logit_bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's logit_bias ({"token id": bias}, JSON keys being strings) as {token id: bias}; 400 for a key that is
+    not a token id of this model (SamplingParams checks the biases' range)."""
+    if not logit_bias:
+        return None
+    biases = {}
+    for key, bias in logit_bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidRequest(f"logit_bias keys are token ids; {key!r} is not one", param="logit_bias") from None
+        if not 0 <= token < vocab_size:
+            raise InvalidRequest(f"logit_bias: token id {token} is out of range [0, {vocab_size})", param="logit_bias")
+        biases[token] = bias
+    return biases
 
 
 class CompletionRequest(_Sampling):

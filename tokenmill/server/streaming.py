@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +95,23 @@ def sse(stream: OutputStream, chunks: AsyncIterator[dict]) -> SSEResponse:
             log.exception("unexpected error in a stream")
             yield b"data: " + _dumps(classify(e)[1]) + b"\n\n"
         yield b"data: [DONE]\n\n"
+
+    return SSEResponse(body(), stream)
+
+
+def event_sse(stream: OutputStream, events: AsyncIterator[tuple[str, dict]],
+              error_event: Callable[[dict], tuple[str, dict]]) -> SSEResponse:
+    """Named events (`event: NAME` then its data), as Anthropic's and the Responses API's streams are; an error
+    ends the stream as `error_event(OpenAI-style error body)`. No [DONE]: those streams end with their own event."""
+    async def body():
+        try:
+            async for name, data in events:
+                yield b"event: " + name.encode() + b"\ndata: " + _dumps(data) + b"\n\n"
+        except Exception as e:  # noqa: BLE001 - whatever it is, the client gets an error event
+            if not isinstance(e, (TokenmillError, APIError)):
+                log.exception("unexpected error in a stream")
+            name, data = error_event(classify(e)[1])
+            yield b"event: " + name.encode() + b"\ndata: " + _dumps(data) + b"\n\n"
 
     return SSEResponse(body(), stream)
 
