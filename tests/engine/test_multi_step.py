@@ -49,7 +49,9 @@ PROMPTS = {f"p{i}": [3 + i, 40 + 7 * i, 90, 17 + i][:2 + i % 3] for i in range(5
     SamplingParams(temperature=0.8, seed=5, max_tokens=30, repetition_penalty=1.4, frequency_penalty=0.5,
                    min_tokens=20, stop_token_ids=[9, 12]),  # penalties over the run's own tokens, stops held back
     SamplingParams(temperature=0, max_tokens=25, stop_token_ids=[7, 30, 31, 60, 61, 99, 100, 101, 200]),
-], ids=["greedy", "greedy-eos", "seeded-logprobs", "unseeded-filters", "penalties-min-tokens", "stop-ids"])
+    SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logit_bias={77: 4.0, 5: -100, 6: -100}),
+], ids=["greedy", "greedy-eos", "seeded-logprobs", "unseeded-filters", "penalties-min-tokens", "stop-ids",
+        "greedy-logit-bias"])
 def test_several_steps_at_once_give_the_tokens_of_one_at_a_time(engines, params):
     single, multi = engines
     multi.runs.clear()
