@@ -30,11 +30,13 @@ _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 class Tokenizer:
     """The one tokenizer interface the engine and server use, whatever form the model came in."""
 
-    def __init__(self, hf_tokenizer: Any, eos_token_ids: Iterable[int] = ()):
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: Iterable[int] = (),
+                 fim_token_ids: tuple[int, int, int] | None = None):
         self._hf = hf_tokenizer
         own = [hf_tokenizer.eos_token_id] if hf_tokenizer.eos_token_id is not None else []
         self._eos_ids = list(dict.fromkeys(int(i) for i in [*own, *eos_token_ids]))
         self._backend_decode = _backend_decode(hf_tokenizer)
+        self._fim = fim_token_ids if fim_token_ids is not None else _fim_by_name(hf_tokenizer)
 
     # -- loading ---------------------------------------------------------------------------------------
 
@@ -70,7 +72,8 @@ class Tokenizer:
         if hf is None:
             hf = _transformers_gguf_tokenizer(path)
         eos = [gguf.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
-        return cls(hf, [i for i in eos if i is not None])
+        fim = tuple(gguf.get(f"tokenizer.ggml.fim_{k}_token_id") for k in ("pre", "suf", "mid"))
+        return cls(hf, [i for i in eos if i is not None], fim if None not in fim else None)
 
     # -- text <-> ids ----------------------------------------------------------------------------------
 
@@ -123,6 +126,23 @@ class Tokenizer:
         return list(self._eos_ids)
 
     @property
+    def fim_token_ids(self) -> tuple[int, int, int] | None:
+        """The fill-in-the-middle tokens (prefix, suffix, middle) of a code model, or None: a GGUF file's
+        tokenizer.ggml.fim_{pre,suf,mid}_token_id, else the usual names in the vocabulary (Qwen2.5-Coder's
+        <|fim_prefix|> ..., StarCoder's <fim_prefix> ...)."""
+        return self._fim
+
+    def infill(self, prefix: str, suffix: str) -> list[int]:
+        """The prompt of a fill-in-the-middle completion (prefix-suffix-middle order, as llama.cpp's /infill and
+        vLLM build it): [BOS] <prefix> prefix <suffix> suffix <middle>; the model writes the middle."""
+        if self._fim is None:
+            raise ValueError("this model has no fill-in-the-middle tokens")
+        pre, suf, mid = self._fim
+        bos = [self.bos_token_id] if self.bos_token_id is not None and self.encode("x")[:1] == [
+            self.bos_token_id] else []
+        return [*bos, pre, *self.encode(prefix, False), suf, *self.encode(suffix, False), mid]
+
+    @property
     def bos_token_id(self) -> int | None:
         return self._hf.bos_token_id
 
@@ -144,6 +164,18 @@ class Tokenizer:
 # -------------------------------------------------------------------------------------------------------
 # Helpers
 # -------------------------------------------------------------------------------------------------------
+
+
+FIM_NAMES = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))
+
+
+def _fim_by_name(hf_tokenizer: Any) -> tuple[int, int, int] | None:
+    """The first set of FIM_NAMES that are all single tokens of this vocabulary."""
+    vocab = hf_tokenizer.get_vocab()
+    for names in FIM_NAMES:
+        if all(n in vocab for n in names):
+            return tuple(int(vocab[n]) for n in names)
+    return None
 
 
 def _ids(value: Any) -> list[int]:

@@ -133,7 +133,6 @@ def test_validate_ignores_unknown_fields():
     ({"logit_bias": {"one": 2.0}}, "logit_bias"),
     ({"logit_bias": {str(VOCAB): 2.0}}, "logit_bias"),
     ({"best_of": 3}, "best_of"),
-    ({"suffix": "tail"}, "suffix"),
     ({"logprobs": 99}, "logprobs"),
     ({"temperature": 1000.0}, "temperature"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),

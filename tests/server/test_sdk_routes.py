@@ -189,3 +189,10 @@ def test_response_store_get_delete_lru_and_store_false(server, client):
     assert err.value.body["param"] == "input.0.type"
     with pytest.raises(openai.BadRequestError, match="function tools"):
         client.responses.create(model=server.model, input="Hi", tools=[{"type": "web_search"}])
+
+
+def test_suffix_needs_a_fill_in_the_middle_model(server):
+    refused = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                         json={"prompt": "x", "suffix": "y", "max_tokens": 1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "suffix"
+    assert "no FIM tokens" in refused.json()["error"]["message"] and server.model in refused.json()["error"]["message"]

@@ -156,7 +156,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         req: CompletionRequest = await read(request, CompletionRequest)
         model = check_model(req.model)
         params = sampling_params(req)
-        prompts = await encoder.prompts(req.prompts())
+        prompts = await (encoder.infill(req.prompts(), req.suffix, model) if req.suffix else
+                         encoder.prompts(req.prompts()))
         grammar = await engine.check_grammar(params)
         transfer = KVTransferParams.from_request(req.kv_transfer_params, engine.config.kv_transfer)
         request_id = f"cmpl-{uuid.uuid4().hex}"

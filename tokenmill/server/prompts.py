@@ -31,6 +31,17 @@ class PromptEncoder:
             encoded = iter([self.tok.encode(t) for t in texts])
         return [(p, next(encoded)) if isinstance(p, str) else (None, p) for p in raw]
 
+    async def infill(self, raw: list[str | list[int]], suffix: str, model: str) -> list[tuple[str, list[int]]]:
+        """Completion prompts with a `suffix`: each prompt text the prefix of a fill-in-the-middle prompt (400 where
+        the model has no FIM tokens, or a prompt is token ids)."""
+        if self.tok.fim_token_ids is None:
+            raise InvalidRequest(f"suffix needs a fill-in-the-middle model; {model!r} has no FIM tokens "
+                                 "(<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|> or a GGUF's fim_*_token_id)",
+                                 param="suffix")
+        if not all(isinstance(p, str) for p in raw):
+            raise InvalidRequest("suffix takes text prompts, not token ids", param="suffix")
+        return await asyncio.to_thread(lambda: [(p, self.tok.infill(p, suffix)) for p in raw])
+
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
                           template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
         """The chat template's text and its ids; a template that raises is the client's error (400)."""

@@ -171,8 +171,6 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
     def to_params(self, vocab_size: int) -> SamplingParams:
-        if self.suffix:
-            raise InvalidRequest("suffix is not supported", param="suffix")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequest(f"logprobs must be an integer in [0, {MAX_LOGPROBS}]", param="logprobs")
         self.check_prompt_logprobs()
