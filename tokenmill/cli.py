@@ -130,6 +130,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "file name)")
     g.add_argument("--max-request-bytes", type=parse_bytes, default=16 << 20,
                    help="largest request body; a larger one gets HTTP 413 (default 16MiB)")
+    g.add_argument("--pooling", type=str.lower, choices=["last", "mean"], default="last",
+                   help="/v1/embeddings: pool the prompt's final hidden states as the last token's (the usual for "
+                        "decoder embedding models) or their mean; vLLM's pooling_type LAST / MEAN")
+    g.add_argument("--runner", choices=["generate", "pooling"], default="generate",
+                   help="pooling: serve an embedding model (/v1/embeddings; the generating routes answer 400), as "
+                        "vLLM's --runner pooling")
     g.add_argument("--max-stored-responses", type=int, default=1000,
                    help="Responses API: responses kept for previous_response_id and GET /v1/responses/{id}, least "
                         "recently used out first (0: none kept; a request's store: false keeps its own out)")

@@ -83,6 +83,14 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last", normalize: bool = True,
+              use_tqdm: bool = True) -> list[list[float]]:
+        """One embedding per prompt (vLLM's `LLM.embed`, the vectors themselves): the final hidden states of its
+        tokens pooled, the last token's ("last") or their mean ("mean"), L2-normalized unless `normalize` is
+        False. Each prompt is computed whole, in batches with the others, and keeps no KV after."""
+        params = SamplingParams(max_tokens=1, pooling=pooling, normalize=normalize)
+        return [out.embedding for out in self.generate(prompts, params, use_tqdm)]
+
     def chat(self, messages: list[Message] | list[list[Message]], sampling_params: SamplingParams | Sequence[
             SamplingParams] | None = None, use_tqdm: bool = True, add_generation_prompt: bool = True
              ) -> list[RequestOutput]:

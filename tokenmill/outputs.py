@@ -41,3 +41,4 @@ class RequestOutput:
     # params.prompt_logprobs: per prompt token, {token_id: logprob} given the tokens before it (that token first,
     # then the top-N); None for the first token, which has nothing before it (as vLLM)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    embedding: list[float] | None = None  # an embedding request's (SamplingParams.pooling; LLM.embed) result

@@ -70,6 +70,9 @@ class Request:
     priority: int = 0
     ttft_target: float | None = None
     itl_target: float | None = None
+    # an embedding request (params.pooling): the float64 sum of its prompt's hidden rows so far ("mean"), or the
+    # last prompt token's row ("last"), as the runner hands them back chunk by chunk
+    pooled: list[float] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -88,9 +91,15 @@ class Request:
         return len(self.output_token_ids)
 
     @property
-    def wants_prompt_logprobs(self) -> bool:
-        """Every prompt position must run through the model (its logits are reported), so no cached prefix."""
-        return self.params.prompt_logprobs is not None
+    def computes_whole_prompt(self) -> bool:
+        """Every prompt position must run through the model (its logits are reported, or its hidden state pooled),
+        so no cached prefix."""
+        return self.params.prompt_logprobs is not None or self.pools
+
+    @property
+    def pools(self) -> bool:
+        """An embedding request: its prompt's hidden states pooled (params.pooling), nothing sampled."""
+        return self.params.pooling is not None
 
     @property
     def cache_namespace(self) -> Hashable:

@@ -12,6 +12,7 @@ MAX_LOGPROBS = 20
 MAX_N = 64
 MAX_PRIORITY = 1_000_000
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias (OpenAI's limit is 300)
+POOLING_TYPES = (None, "last", "mean")
 BAN = -100.0  # a logit_bias of -100 bans its token (its logit becomes -inf), as OpenAI describes it
 
 
@@ -47,6 +48,11 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | dict | None = None
     # token id -> a bias in [-100, 100] added to its logit before sampling (OpenAI's logit_bias); -100 bans the token
     logit_bias: dict[int, float] | None = None
+    # an embedding instead of tokens (/v1/embeddings, LLM.embed): the prompt's final hidden states pooled, the last
+    # token's ("last") or their mean ("mean"), L2-normalized unless `normalize` is False; nothing is sampled, and
+    # the request keeps no KV after it (none cached either)
+    pooling: str | None = None
+    normalize: bool = True
     stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -98,6 +104,7 @@ class SamplingParams:
                     "must be non-negative token ids")
         if self.top_k == -1:
             self.top_k = 0
+        self._check(self.pooling in POOLING_TYPES, "pooling", f"must be one of {', '.join(map(str, POOLING_TYPES))}")
         if self.logit_bias is not None:
             self._check(isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
                         f"must map at most {MAX_LOGIT_BIAS} token ids to biases")

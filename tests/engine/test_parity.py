@@ -48,7 +48,7 @@ def test_tiny_model_greedy_matches_transformers(tmp_path, variant):
 def smollm2_pair():
     path = default_model_path()
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    llm = LLM(dtype="float32", kv_cache_memory=KV)
+    llm = LLM(dtype="float32", quantization="none", kv_cache_memory=KV)  # dequantized, as transformers
     return hf, llm
 
 

@@ -252,7 +252,7 @@ def test_gemma3_270m_q4_k_m_greedy_matches_transformers(gemma3_270m):
     transformers' greedy tokens."""
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(str(gemma3_270m), dtype="float32", kv_cache_memory=64 << 20)
+    llm = LLM(str(gemma3_270m), dtype="float32", quantization="none", kv_cache_memory=64 << 20)
     outs = llm.generate(REAL_PROMPTS, SamplingParams(temperature=0, max_tokens=REAL_TOKENS, ignore_eos=True),
                         use_tqdm=False)
     assert len(outs[-1].prompt_token_ids) > 600

@@ -195,7 +195,8 @@ def test_ring_and_sharded_cache_attention_match_full_attention(size, lengths, ca
 # ---- the engine ----------------------------------------------------------------------------------------------------
 def core(model, cp: int, *, chunk: int = 2048, num_blocks: int | None = None, prefix: bool = True,
          batch_invariant: bool = True, headroom: float = 0.7, max_len: int | None = None) -> EngineCore:
-    return EngineCore(EngineConfig(model=str(model), dtype="float32", context_parallel_size=cp, num_threads=1,
+    return EngineCore(EngineConfig(model=str(model), dtype="float32", quantization="none", context_parallel_size=cp,
+                                   num_threads=1,
                                    batch_invariant=batch_invariant,
                                    cache=CacheConfig(kv_cache_memory=4 << 20, block_size=4, num_blocks=num_blocks,
                                                      enable_prefix_caching=prefix),

@@ -151,7 +151,7 @@ def test_smollm2_on_two_stages_gives_one_process_greedy_output():
                 for i, t in enumerate(["The capital of France is", "Write a haiku about the sea."])}
 
     def engine(pp: int) -> EngineCore:
-        return EngineCore(EngineConfig(dtype="float32", pipeline_parallel_size=pp, num_threads=1,
+        return EngineCore(EngineConfig(dtype="float32", quantization="none", pipeline_parallel_size=pp, num_threads=1,
                                        cache=CacheConfig(kv_cache_memory=64 << 20)))
     ref = run(engine(1), requests)
     pp2 = engine(2)

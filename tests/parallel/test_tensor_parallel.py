@@ -193,8 +193,9 @@ def smollm2_requests() -> dict[str, tuple[list[int], SamplingParams]]:
 
 
 def smollm2(**parallel) -> EngineCore:
-    """SmolLM2 in float32 (where the ranks' partial sums give one process's tokens), one thread per rank."""
-    return EngineCore(EngineConfig(dtype="float32", num_threads=1, cache=CacheConfig(kv_cache_memory=64 << 20),
+    """SmolLM2 dequantized to float32 (where the ranks' partial sums give one process's tokens), one thread per
+    rank."""
+    return EngineCore(EngineConfig(dtype="float32", quantization="none", num_threads=1, cache=CacheConfig(kv_cache_memory=64 << 20),
                                    **parallel))
 
 

@@ -290,8 +290,9 @@ def test_gguf_blocks_are_kept_by_default_only_where_their_kernel_runs(tmp_path):
 
     gguf = default_model_path()
     assert resolve_quantization(None, gguf, torch.bfloat16, "cpu") == ("gguf" if KEPT else None)
-    # float32 rows: the AVX2 kernel (on VNNI machines too); AMX's tiles widen to bfloat16 only
-    assert resolve_quantization(None, gguf, torch.float32, "cpu") == ("gguf" if KEPT in ("vnni", "avx2") else None)
+    # float32 by default only where it is the CPU's own compute dtype (AVX2); asked for, the AVX2 kernel takes it
+    assert resolve_quantization(None, gguf, torch.float32, "cpu") == ("gguf" if KEPT == "avx2" else None)
+    assert resolve_quantization("gguf", gguf, torch.float32, "cpu") == "gguf"
     assert resolve_quantization(None, tmp_path, torch.bfloat16, "cpu") is None  # a Hugging Face directory
     assert resolve_quantization("none", gguf, torch.bfloat16, "cpu") is None
     assert resolve_quantization("int8", gguf, torch.bfloat16, "cpu") == "int8"

@@ -70,6 +70,7 @@ FALLBACK_VOCAB = 49152  # SmolLM2's, only used if the server does not say
 
 C, CH, TOK, DETOK = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"
 MSG, RESP = "/v1/messages", "/v1/responses"  # Anthropic's Messages API, OpenAI's Responses API: named SSE events
+EMB = "/v1/embeddings"
 STREAM_ENDS = {MSG: ("message_stop",), RESP: ("response.completed", "response.incomplete")}
 
 
@@ -239,6 +240,10 @@ def fields_of(model_name: str, vocab: int) -> dict[str, Field]:
     return {
         "model": field_([model_name], ["gpt-9", "", "\ud800", model_name + " ", 1, None]),
         "prompt": prompt,
+        "einput": prompt,  # /v1/embeddings' input: the same shapes as a completion's prompt
+        "encoding_format": field_(["float", "base64"], ["x", 1, None, "FLOAT"]),
+        "dimensions": field_([None], [0, 8, -1, 2**64, "x", 1.5]),
+        "normalize": field_([True, False], ["x", None]),
         "messages": messages_field(),
         "tok_prompt": field_(SHORT_TEXT, EDGE_STRS + [Big("long text"), ["Hi"], None]),
         "tokens": Field(st.lists(st.sampled_from([0, 1, 2, 100, 1000, vocab - 1]), max_size=8),
@@ -336,11 +341,12 @@ OPTIONAL = {
     MSG: ["model", "system", "stop_sequences", "temperature", "top_p", "top_k", "atools", "atool_choice"],
     RESP: ["model", "instructions", "temperature", "top_p", "store", "previous_response_id", "text", "rtools",
            "tool_choice", "seed"],
+    EMB: ["model", "encoding_format", "dimensions", "normalize", "user", "priority"],
 }
 REQUIRED = {C: ["prompt", "max_tokens", "stream"], CH: ["messages", "max_tokens", "stream"], TOK: [], DETOK: ["tokens"],
-            MSG: ["amessages", "max_tokens", "stream"], RESP: ["input", "max_output_tokens", "stream"]}
+            MSG: ["amessages", "max_tokens", "stream"], RESP: ["input", "max_output_tokens", "stream"], EMB: ["einput"]}
 WIRE_NAME = {"chat_logprobs": "logprobs", "tok_prompt": "prompt", "amessages": "messages", "atools": "tools",
-             "atool_choice": "tool_choice", "rtools": "tools"}
+             "atool_choice": "tool_choice", "rtools": "tools", "einput": "input"}
 WHOLE_BODY_JUNK = [
     Raw(b""), Raw(b" "), Raw(b"null"), Raw(b"[]"), Raw(b"[1, 2]"), Raw(b"123"), Raw(b'"x"'), Raw(b"{"),
     Raw(b'{"prompt": "Hi"'), Raw(b'{"prompt": "Hi", "max_tokens": 1} trailing'),
@@ -409,7 +415,7 @@ def api_request(draw, model_name: str, vocab: int, near_valid_only: bool = False
     """One request to any endpoint: a valid body with 0, 1 or 2 fields replaced (by the field's edge cases or by
     junk), removed or duplicated; sometimes a junk body, content type, API key or method."""
     f = fields_of(model_name, vocab)
-    path = draw(st.sampled_from([C, C, C, CH, CH, CH, MSG, MSG, RESP, RESP, TOK, DETOK, "GET"]))
+    path = draw(st.sampled_from([C, C, C, CH, CH, CH, MSG, MSG, RESP, RESP, EMB, EMB, TOK, DETOK, "GET"]))
     if path == "GET":
         path = draw(st.sampled_from(["/v1/models", "/health", f"/v1/models/{model_name}", "/v1/models/gpt-9",
                                      "/version", "/v1/models/%00", "/v1/nothing", "/admin/kv_peers",
@@ -516,6 +522,11 @@ def samples_of_body(path: str, p) -> int | None:
         return None
     if path in (MSG, RESP):
         return 1
+    if path == EMB:
+        inputs = p.get("input")
+        if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and type(inputs[0]) is int):
+            return 1
+        return len(inputs) if isinstance(inputs, list) and inputs else None
     if path == CH:
         return n
     prompt = p.get("prompt")
@@ -635,6 +646,10 @@ def check_ok_json(req: Req, text: bytes, out: list[Violation]) -> None:
     elif req.path == RESP and not (body.get("object") == "response" and isinstance(body.get("output"), list)
                                    and body.get("status") in ("completed", "incomplete")):
         out.append(Violation("bad response", req, repr(text[:200])))
+    elif req.path == EMB and not (body.get("object") == "list" and isinstance(body.get("data"), list) and body["data"]
+                                  and all(isinstance(d.get("embedding"), (list, str)) for d in body["data"])
+                                  and len(body["data"]) == (samples_of(req) or len(body["data"]))):
+        out.append(Violation("bad embeddings", req, repr(text[:200])))
     elif req.path == TOK and not (isinstance(body.get("tokens"), list) and body.get("count") == len(body["tokens"])):
         out.append(Violation("bad /tokenize answer", req, repr(text[:200])))
     elif req.path == DETOK and not isinstance(body.get("prompt"), str):

@@ -1,7 +1,8 @@
 """Anthropic's Messages API and OpenAI's Responses API end to end, through the vendors' own SDKs (`anthropic`,
 `openai`) against a real `tokenmill serve` with the default model: plain and streamed answers agree with each other
 and with the chat completion of the same conversation, a tool round trip each, a two-turn previous_response_id
-exchange, the response store (GET, DELETE, store: false, LRU), count_tokens, x-api-key, and each API's error shape."""
+exchange, the response store (GET, DELETE, store: false, LRU), count_tokens, x-api-key, and each API's error shape;
+/v1/embeddings through the `openai` SDK, and --runner pooling."""
 
 from __future__ import annotations
 
@@ -196,3 +197,40 @@ def test_suffix_needs_a_fill_in_the_middle_model(server):
                          json={"prompt": "x", "suffix": "y", "max_tokens": 1})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "suffix"
     assert "no FIM tokens" in refused.json()["error"]["message"] and server.model in refused.json()["error"]["message"]
+
+
+def test_embeddings_through_the_openai_sdk(server, client, http):
+    """Float and base64 (the SDK's default, decoded by it) give the same vectors; a text's vector is the same alone,
+    batched with others and given as token ids; normalize: false gives the same direction unscaled."""
+    texts = ["Hello world", "The capital of France is Paris.", "Owls hunt at night."]
+    floats = client.embeddings.create(model=server.model, input=texts, encoding_format="float")
+    decoded = client.embeddings.create(model=server.model, input=texts)  # base64 on the wire
+    assert [d.embedding for d in floats.data] == [d.embedding for d in decoded.data]
+    assert [d.index for d in floats.data] == [0, 1, 2] and len(floats.data[0].embedding) == 576
+    alone = client.embeddings.create(model=server.model, input=texts[1], encoding_format="float").data[0].embedding
+    assert alone == floats.data[1].embedding
+    assert abs(sum(x * x for x in alone) - 1) < 1e-5  # normalized
+    ids = http.post("/tokenize", json={"prompt": texts[1]}).json()["tokens"]
+    by_ids = client.embeddings.create(model=server.model, input=[ids], encoding_format="float")
+    assert by_ids.data[0].embedding == alone and by_ids.usage.prompt_tokens == len(ids)
+    raw = http.post("/v1/embeddings", json={"input": texts[1], "normalize": False}).json()["data"][0]["embedding"]
+    norm = sum(x * x for x in raw) ** 0.5
+    assert norm > 1.5 and max(abs(a - b / norm) for a, b in zip(alone, raw)) < 1e-6
+    with pytest.raises(openai.BadRequestError, match="Matryoshka"):
+        client.embeddings.create(model=server.model, input="x", dimensions=8)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.embeddings.create(model=server.model, input=[])
+    assert err.value.body["param"] == "input"
+
+
+def test_runner_pooling_serves_embeddings_only():
+    s = start_server("--runner", "pooling", "--pooling", "mean")
+    try:
+        with httpx.Client(base_url=s.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as http:
+            out = http.post("/v1/embeddings", json={"input": "Hello"})
+            assert out.status_code == 200 and len(out.json()["data"][0]["embedding"]) == 576
+            refused = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+            assert refused.status_code == 400 and "--runner pooling" in refused.json()["error"]["message"]
+            assert http.post("/v1/chat/completions", json={"messages": ASK}).status_code == 400
+    finally:
+        s.stop()

@@ -146,7 +146,7 @@ class KVTransferHooks(RequestHooks):
                 conn.count(missed_claims=1)
                 return
             ext = self._external[tid] = ExternalKV(received, set())
-        if request.wants_prompt_logprobs:  # every prompt position must run through the model: the KV goes unused
+        if request.computes_whole_prompt:  # every prompt position must run through the model: the KV goes unused
             if not ext.holders:
                 del self._external[tid]
             return

@@ -19,6 +19,7 @@ from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.messages import AddRequest, EngineCoreOutput, EngineOutputs
 from tokenmill.engine.model_spec import ModelSpec, size_kv_cache, threads_per_rank
 from tokenmill.engine.multi_step_hook import MultiStepDecode
+from tokenmill.engine.pooling import embedding
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.step_cost import StepCostModel
 from tokenmill.engine.step_types import SchedulerOutput, StepResult
@@ -240,6 +241,7 @@ class EngineCore:
             self._release(rid)
             outputs.append(EngineCoreOutput(rid, [], None, "error", None, why))
         finished = self.scheduler.update(sched, result.sampled)
+        finished += self._finish_pooled(sched, result)
         for hook in self.hooks:
             finished += hook.after_update(sched, result)
         outputs += self._outputs(sched, result)
@@ -250,11 +252,30 @@ class EngineCore:
             self._release(req.request_id)
         return EngineOutputs(self._on_outputs(outputs, idle=False), started)
 
+    def _finish_pooled(self, sched: SchedulerOutput, result: StepResult) -> list[Request]:
+        """Embedding requests take their pooled state; those whose whole prompt is computed now end (their output,
+        the embedding, goes out with this step's: _outputs)."""
+        done = []
+        for s in sched.scheduled:
+            req = s.request
+            if not req.pools or req.status.finished or req.request_id not in result.pooled:
+                continue
+            req.pooled = result.pooled[req.request_id]
+            if req.num_computed_tokens >= req.num_prompt_tokens:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+                done.append(req)
+        return done
+
     def _outputs(self, sched: SchedulerOutput, result: StepResult) -> list[EngineCoreOutput]:
-        """What each scheduled sequence got this step: its tokens (and how it ended), or prompt logprobs alone."""
+        """What each scheduled sequence got this step: its tokens (and how it ended), or prompt logprobs alone, or
+        an embedding request's embedding as it ends."""
         outputs = []
         for s in sched.scheduled:
             req = s.request
+            if req.pools and req.status == RequestStatus.FINISHED_STOPPED and req.request_id in result.pooled:
+                outputs.append(EngineCoreOutput(req.request_id, [], None, "stop", None,
+                                                num_preemptions=req.num_preemptions, embedding=embedding(req)))
+                continue
             prompt_lps = result.prompt_logprobs.get(req.request_id)
             if prompt_lps is not None:
                 req.num_prompt_logprobs += len(prompt_lps)

@@ -46,7 +46,8 @@ def run_engine_core(config: EngineConfig, inputs: Any, outputs: Any) -> None:
     ready = EngineReady(core.max_model_len, core.model_config.vocab_size, list(core.model_config.eos_token_ids),
                         info.num_blocks, info.block_size, core.startup_summary(), os.getpid(),
                         core.runner.weight_format(), weight_bytes(core.runner.model), info.token_capacity,
-                        core.connector.address() if core.connector is not None else None)
+                        core.connector.address() if core.connector is not None else None,
+                        core.model_config.hidden_size)
     outputs.send_bytes(encode_output(ready))
     try:
         serve(core, inputs, outputs)

@@ -115,7 +115,7 @@ class KVCacheManager:
     def match(self, request: Request) -> PrefixMatch | None:
         """The cached prefix `request` may take; none for a request that wants prompt logprobs (cached positions
         would have no logits), though its own blocks still join the cache."""
-        if self.tree is None or request.num_computed_tokens or request.wants_prompt_logprobs:
+        if self.tree is None or request.num_computed_tokens or request.computes_whole_prompt:
             return None
         tokens = self._matchable(request)
         match = self.tree.match(tokens, request.cache_namespace)
@@ -219,7 +219,7 @@ class KVCacheManager:
     def cache_blocks(self, request: Request) -> None:
         """Put the request's newly filled (computed) blocks in the tree. Where another request cached the same
         tokens first, switch to its block and free the duplicate."""
-        if self.tree is None or request.request_id in self._private:
+        if self.tree is None or request.request_id in self._private or request.pools:  # an embedding keeps no KV
             return
         full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
         start = request.num_cached_blocks

@@ -110,6 +110,7 @@ class EngineReady(msgspec.Struct, tag=True, array_like=True):
     weight_bytes: int = 0  # bytes the model's weights hold (engine/runner.py weight_bytes)
     token_capacity: int = 0  # tokens one request can hold at most (the pool, less a draft model's lookahead)
     kv_transfer_address: str | None = None  # host:port a tcp KV consumer listens on (tokenmill/disagg/tcp.py)
+    hidden_size: int = 0  # the model's: an embedding's dimensions
 
 
 class EngineFailed(msgspec.Struct, tag=True, array_like=True):
@@ -130,6 +131,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # where the last output left off; a prefill chunk that samples nothing sends only these
     new_prompt_logprobs: list[dict[int, float]] | None = None
     kv_transfer: dict | None = None  # a producer's finished sequence: how its KV transfer ended (SendResult)
+    embedding: list[float] | None = None  # an embedding request's result (params.pooling), as it finishes
 
 
 class EngineOutputs(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):

@@ -109,6 +109,7 @@ class RequestState:
     predicted_ttft: float | None = None  # seconds, as the server's admission predicted it (async_engine.py)
     ttft_learned: bool = False  # its first token has corrected the prediction's bias (async_engine.py)
     kv_transfer: dict | None = None  # a producer's request: how its KV transfer ended (tokenmill/disagg/)
+    embedding: list[float] | None = None  # an embedding request's result (params.pooling)
 
     @property
     def finished(self) -> bool:
@@ -125,7 +126,8 @@ class RequestState:
         self.metrics.num_preemptions = sum(s.num_preemptions for s in self.samples)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [s.output() for s in self.samples],
                              self.finished, self.metrics, self.num_cached_tokens,
-                             list(self.prompt_logprobs) if self.prompt_logprobs is not None else None)
+                             list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
+                             self.embedding)
 
     def deltas(self) -> list[SampleDelta]:
         """What is new in each sample since the last call (streaming)."""
@@ -310,6 +312,8 @@ class OutputProcessor:
         sample.num_preemptions = out.num_preemptions
         if out.kv_transfer is not None:
             state.kv_transfer = out.kv_transfer
+        if out.embedding is not None:
+            state.embedding = out.embedding
         if sample.logprobs is not None and out.new_logprobs:
             for tok, lp in zip(new_ids, out.new_logprobs):
                 sample.logprobs.append(lp)

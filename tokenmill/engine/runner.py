@@ -219,8 +219,9 @@ class ModelRunner(StepInputs, MultiStepRunner):
                 last_rows.extend(range(row - 1 - s.num_spec_tokens, row))
                 sampling.append(s)
         prompt_logprobs = self._prompt_logprobs(hidden, ordered) if scoring else {}
+        pooled = self._pooled(hidden, ordered) if any(s.request.pools for s in ordered) else {}
         if not sampling:
-            return StepResult(prompt_logprobs=prompt_logprobs)
+            return StepResult(prompt_logprobs=prompt_logprobs, pooled=pooled)
         every_row = len(last_rows) == hidden.shape[0] and last_rows[-1] == len(last_rows) - 1  # rows ascend
         logits = self.calls.logits(self.model, hidden if every_row else hidden[self._long(last_rows)])
         if self.structured is not None and len(self.structured):  # constrained requests: their rows' masks
@@ -247,7 +248,26 @@ class ModelRunner(StepInputs, MultiStepRunner):
                     result.sampled[rid] = verify(s, mine)
                 i += n
         result.prompt_logprobs = prompt_logprobs
+        result.pooled = pooled
         return result
+
+    @staticmethod
+    def _pooled(hidden: torch.Tensor, ordered: list[ScheduledRequest]) -> dict[str, list[float]]:
+        """Embedding requests' Request.pooled after this chunk: "mean" adds its rows to the sum so far, one row
+        after another in float64 (a sequential scan from the previous sum: the same sum however the prompt was
+        chunked or batched); "last" takes the last prompt token's row when the chunk holds it."""
+        out, row = {}, 0
+        for s in ordered:
+            req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            if req.params.pooling == "mean":
+                rows = hidden[row:row + n].to(torch.float64)
+                if start > 0 and req.pooled is not None:
+                    rows = torch.cat([torch.tensor(req.pooled, dtype=torch.float64).unsqueeze(0), rows])
+                out[req.request_id] = rows.cumsum(0)[-1].tolist()
+            elif req.params.pooling == "last" and start + n >= req.num_prompt_tokens:
+                out[req.request_id] = hidden[row + req.num_prompt_tokens - 1 - start].to(torch.float64).tolist()
+            row += n
+        return out
 
     def _step_row(self, req: Request, output: list[int]) -> SamplingRow:
         """The sampling row of a request's next output token after `output`."""

@@ -219,7 +219,7 @@ class Scheduler:
             match = self.kv.match(req)
             # cached: the prefix this request will not compute (a cache hit, then KV from a producer)
             cached = (len(match.blocks) * self.kv.block_size if match else 0) + self.kv.num_loaded(req, match)
-            if (prefilling and not req.wants_prompt_logprobs and not req.num_external_tokens
+            if (prefilling and not req.computes_whole_prompt and not req.num_external_tokens
                     and self._computed_by_others(req, cached, prefilling)):
                 continue
             todo = req.num_tokens - cached

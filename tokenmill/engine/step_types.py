@@ -31,8 +31,9 @@ class ScheduledRequest:
 
     @property
     def samples_next_token(self) -> bool:
-        """True when this chunk reaches the end of the request's known tokens, so its last logits are used."""
-        return self.num_left == 0
+        """True when this chunk reaches the end of the request's known tokens, so its last logits are used (never
+        for an embedding request: it pools hidden states instead)."""
+        return self.num_left == 0 and not self.request.pools
 
 
 @dataclass
@@ -105,8 +106,11 @@ class StepResult:
     # request id -> the next prompt tokens' logprobs this step computed, in prompt order, each {token: logprob}
     # with that prompt token first; they continue from the request's `num_prompt_logprobs`
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    # embedding requests: their Request.pooled after this step's chunk
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
     def merge(self, other: StepResult) -> None:
         self.sampled.update(other.sampled)
         self.failed.update(other.failed)
         self.prompt_logprobs.update(other.prompt_logprobs)
+        self.pooled.update(other.pooled)

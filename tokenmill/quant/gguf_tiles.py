@@ -29,6 +29,15 @@ def kernel_layout(kernel: str, ggml_type: int) -> str:
     return "tiles" if kernel == "amx" and int(ggml_type) not in QUADS_ONLY else "quads"
 
 
+def default_kept_dtypes(kernel: str) -> tuple[torch.dtype, ...]:
+    """The compute dtypes in which a GGUF file's blocks are kept by default: the CPU's own (`--dtype auto` picks
+    bfloat16 where AMX or AVX512-BF16 runs, float32 on an AVX2 CPU). A float32 model on a bfloat16 CPU is asked
+    for to match the dequantized weights exactly: it keeps them only with --quantization gguf."""
+    if not kernel:
+        return ()
+    return (torch.bfloat16, torch.float32) if kernel == "avx2" else (torch.bfloat16,)
+
+
 def kernel_dtypes(kernel: str) -> tuple[torch.dtype, ...]:
     """The activation dtypes a kept-block kernel takes: bfloat16 everywhere, and float32 where the quads are read
     (an AVX2 CPU computes in float32: model/backends/__init__.py auto_dtype; on a VNNI CPU float32 rows take the

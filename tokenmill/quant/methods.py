@@ -11,7 +11,7 @@ from tokenmill.errors import ConfigError
 from tokenmill.model import cpu_kernels
 from tokenmill.model.linear import DenseLinearMethod, LinearMethod
 from tokenmill.model.paths import is_gguf
-from tokenmill.quant.gguf_tiles import kernel_dtypes
+from tokenmill.quant.gguf_tiles import default_kept_dtypes
 
 
 def checkpoint_quantization(model_path: str | Path) -> str | None:
@@ -24,9 +24,10 @@ def checkpoint_quantization(model_path: str | Path) -> str | None:
 def resolve_quantization(requested: str | None, model_path: str | Path, dtype: torch.dtype,
                          device: str | torch.device) -> str | None:
     """The weight format to serve: what was asked; by default an AWQ checkpoint's own groups, or a GGUF file's
-    blocks kept where their kernel runs in `dtype` (AMX tiles: the same outputs, bit for bit, in a third of the
-    memory; AVX512-VNNI or AVX2: int8 products as llama.cpp's, BENCHMARKS.md "Quantized serving"), else the
-    dequantized weights (None). `none` asks for the dequantized weights."""
+    blocks kept where their kernel runs in `dtype`, the CPU's own compute dtype (AMX tiles: the same outputs, bit
+    for bit, in a third of the memory; AVX512-VNNI or AVX2: int8 products as llama.cpp's, BENCHMARKS.md
+    "Quantized serving"; gguf_tiles.py default_kept_dtypes), else the dequantized weights (None). `none` asks for
+    the dequantized weights."""
     stored = checkpoint_quantization(model_path)
     if requested == "gguf" and not is_gguf(Path(model_path)):
         raise ConfigError(f"--quantization gguf keeps a GGUF file's blocks, and {model_path} is not a .gguf file; "
@@ -41,7 +42,7 @@ def resolve_quantization(requested: str | None, model_path: str | Path, dtype: t
     if not is_gguf(Path(model_path)) or torch.device(device).type != "cpu":
         return None
     ops = cpu_kernels._extension()
-    return "gguf" if ops is not None and dtype in kernel_dtypes(ops.gguf_kernel()) else None
+    return "gguf" if ops is not None and dtype in default_kept_dtypes(ops.gguf_kernel()) else None
 
 
 def linear_method(quantization: str | None) -> LinearMethod:

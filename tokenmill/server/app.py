@@ -10,6 +10,8 @@ POST /tokenize, POST /detokenize (as vLLM has them), GET /version. What a route 
 from __future__ import annotations
 
 import asyncio
+import base64
+import struct
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -37,6 +39,7 @@ from tokenmill.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
 )
 from tokenmill.server.response_store import ResponseStore, StoredResponse
@@ -55,6 +58,13 @@ from tokenmill.server.tools import template_messages
 from tokenmill.server.ui import add_ui_routes
 
 __all__ = ["ServerSettings", "create_app"]
+
+
+def encode_embedding(values: list[float], encoding_format: str) -> list[float] | str:
+    """OpenAI's encodings: the floats, or base64 of their little-endian float32 bytes."""
+    if encoding_format == "base64":
+        return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
+    return values
 
 
 @dataclass
@@ -100,6 +110,11 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         params = req.to_params(info.vocab_size)
         settings.check_priority(params.priority)
         return params
+
+    def check_generates() -> None:
+        if settings.runner == "pooling":
+            raise InvalidRequest("this server runs --runner pooling: it answers /v1/embeddings, not generation "
+                                 "requests", param="model")
 
     def check_model(name: str | None) -> str:
         if name is None or name in names:
@@ -155,6 +170,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         arrival = time.monotonic()
         req: CompletionRequest = await read(request, CompletionRequest)
         model = check_model(req.model)
+        check_generates()
         params = sampling_params(req)
         prompts = await (encoder.infill(req.prompts(), req.suffix, model) if req.suffix else
                          encoder.prompts(req.prompts()))
@@ -185,6 +201,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         """A chat request queued: its stream, the writer of its answer, its prompt's length. The Messages and
         Responses APIs come through here as chat requests."""
         model = check_model(req.model)
+        check_generates()
         params = sampling_params(req)
         tools = req.tool_choice_spec()
         text, ids = await render_chat(req)
@@ -286,6 +303,36 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         if not responses.delete(response_id):
             raise NotFound(f"no stored response {response_id!r}", param="response_id")
         return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        """Each input's final hidden states pooled (--pooling), normalized unless the request says otherwise:
+        prefill-only requests batched with the rest, keeping no KV after."""
+        arrival = time.monotonic()
+        req: EmbeddingRequest = await read(request, EmbeddingRequest)
+        model = check_model(req.model)
+        if req.dimensions is not None and req.dimensions != info.hidden_size:
+            raise InvalidRequest(f"dimensions: {model!r} gives {info.hidden_size}-dimensional embeddings and has no "
+                                 "shorter (Matryoshka) form", param="dimensions")
+        settings.check_priority(req.priority)
+        prompts = await encoder.prompts(req.prompts())
+        if req.truncate_prompt_tokens is not None:
+            if req.truncate_prompt_tokens < 1:
+                raise InvalidRequest("truncate_prompt_tokens must be >= 1", param="truncate_prompt_tokens")
+            prompts = [(None, ids[-req.truncate_prompt_tokens:]) for _, ids in prompts]
+        for i, (_, ids) in enumerate(prompts):
+            check_token_ids(ids, info.vocab_size, f"input.{i}" if len(prompts) > 1 else "input")
+        params = SamplingParams(max_tokens=1, pooling=settings.pooling, normalize=req.normalize,
+                                priority=req.priority)
+        stream = engine.add_requests(f"embd-{uuid.uuid4().hex}", prompts, params, arrival)
+        if await collect(request, stream, 1) is None:
+            return Response(status_code=499)
+        data = [{"object": "embedding", "index": i,
+                 "embedding": encode_embedding(state.embedding, req.encoding_format)}
+                for i, state in enumerate(stream.requests)]
+        tokens = sum(len(ids) for _, ids in prompts)
+        return {"object": "list", "data": data, "model": model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -21,7 +21,7 @@ log = logging.getLogger("tokenmill")
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/ui/stats")
 ADMIN_PREFIX = "/admin/"
 METRICS_PATH = "/metrics"
-GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses", "/v1/embeddings")
 
 
 class Guard:

@@ -63,7 +63,8 @@ def serve(args: argparse.Namespace) -> int:
                                   metrics_api_key=args.metrics_api_key or None,
                                   client_priority_range=args.client_priority_range,
                                   max_request_bytes=args.max_request_bytes,
-                                  max_stored_responses=args.max_stored_responses,
+                                  max_stored_responses=args.max_stored_responses, pooling=args.pooling,
+                                  runner=args.runner,
                                   ui=not args.no_ui, reasoning_parser=args.reasoning_parser,
                                   default_chat_template_kwargs=args.default_chat_template_kwargs or {})
         app = create_app(engine, settings, metrics)

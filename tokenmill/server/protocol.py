@@ -284,6 +284,30 @@ class ChatCompletionRequest(_Sampling):
         return [m.to_template(i) for i, m in enumerate(self.messages)]
 
 
+class EmbeddingRequest(_Body):
+    """OpenAI's /v1/embeddings body (and vLLM's extras: truncate_prompt_tokens, normalize)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    normalize: bool = True
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+
+    def prompts(self) -> list[str | list[int]]:
+        """The inputs as a list of prompts, each a string or a list of token ids."""
+        items = self.input
+        if isinstance(items, str):
+            return [items]
+        if not items:
+            raise InvalidRequest("input must not be empty", param="input")
+        if isinstance(items[0], int):
+            return [list(items)]
+        return list(items)
+
+
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None

@@ -22,6 +22,8 @@ class ServerSettings:
     client_priority_range: tuple[int, int | None] = (0, None)  # --client-priority-range LO:HI (HI None: no bound)
     max_request_bytes: int = 16 << 20  # as --max-request-bytes' default
     max_stored_responses: int = 1000  # the Responses API's store (--max-stored-responses)
+    pooling: str = "last"  # /v1/embeddings: the hidden states' pooling (--pooling)
+    runner: str = "generate"  # --runner pooling: an embedding server (the generating routes answer 400)
     ui: bool = True  # the playground and dashboard at / (--no-ui: off)
     reasoning_parser: str | None = None  # --reasoning-parser: <think> blocks go to reasoning_content (reasoning.py)
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # under a request's own
