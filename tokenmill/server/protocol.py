@@ -183,15 +183,19 @@ class CompletionRequest(_Sampling):
         return max(wanted) if wanted else None
 
     def prompts(self) -> list[str | list[int]]:
-        """The prompt as a list of prompts, each a string or a list of token ids."""
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if not p:
-            raise InvalidRequest("prompt must not be empty", param="prompt")
-        if isinstance(p[0], int):
-            return [list(p)]
-        return list(p)
+        return prompt_list(self.prompt, "prompt")
+
+
+def prompt_list(value: str | list[str] | list[int] | list[list[int]], param: str) -> list[str | list[int]]:
+    """A prompt field (a string, strings, token ids, or lists of them) as a list of prompts, each a string or a list
+    of token ids; an empty list is a 400 naming `param`."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise InvalidRequest(f"{param} must not be empty", param=param)
+    if isinstance(value[0], int):
+        return [list(value)]
+    return list(value)
 
 
 class TextPart(_Body):
@@ -297,15 +301,7 @@ class EmbeddingRequest(_Body):
     priority: int = 0
 
     def prompts(self) -> list[str | list[int]]:
-        """The inputs as a list of prompts, each a string or a list of token ids."""
-        items = self.input
-        if isinstance(items, str):
-            return [items]
-        if not items:
-            raise InvalidRequest("input must not be empty", param="input")
-        if isinstance(items[0], int):
-            return [list(items)]
-        return list(items)
+        return prompt_list(self.input, "input")
 
 
 class TokenizeRequest(_Body):
