@@ -5,6 +5,8 @@ default model's refusal: tests/server/test_sdk_routes.py)."""
 
 from __future__ import annotations
 
+import copy
+
 import httpx
 import pytest
 
@@ -19,7 +21,7 @@ FIM = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]
 @pytest.fixture(scope="module")
 def fim_model(tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("fim"), vocab_size=49216)
-    tok = smollm2_tokenizer()
+    tok = copy.deepcopy(smollm2_tokenizer())  # the shared one is cached for every test: change a copy
     tok.add_special_tokens({"additional_special_tokens": FIM})
     tok.save_pretrained(path)
     return path
