@@ -17,6 +17,10 @@ if TYPE_CHECKING:
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "SmolLM3ForCausalLM", GEMMA3)
+# A base model's architecture (no language-model head: an embedding checkpoint, e.g. Qwen3-Embedding's "Qwen3Model")
+# -> its family's; such a model serves embeddings only (ModelConfig.headless)
+BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
+               "Qwen3Model": "Qwen3ForCausalLM"}
 # config.json `model_type` -> architecture, for configs without `architectures` (and back, for to_hf_dict)
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
@@ -52,6 +56,9 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # None: head_dim
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # a base model's checkpoint (BASE_MODELS): no head of its own, its weights named without the "model." prefix;
+    # loaded with the embedding as its (tied) head, it serves embeddings only
+    headless: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -84,6 +91,8 @@ class ModelConfig:
         """Build from a Hugging Face config.json dictionary."""
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else MODEL_TYPES.get(cfg.get("model_type", ""), "?")
+        headless = arch in BASE_MODELS
+        arch = BASE_MODELS.get(arch, arch)
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -101,7 +110,8 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
             max_position_embeddings=hf_max_positions(arch, cfg),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            tie_word_embeddings=headless or cfg.get("tie_word_embeddings", False),
+            headless=headless,
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", GEMMA3),
             partial_rotary_factor=float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor")

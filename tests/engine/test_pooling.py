@@ -86,3 +86,29 @@ def test_a_chunk_from_the_start_drops_an_earlier_sum():
     assert ModelRunner._pooled(hidden[:6], [ScheduledRequest(last, 6)]) == {}  # the last token is not in it yet
     last.num_computed_tokens = 6
     assert ModelRunner._pooled(hidden[6:], [ScheduledRequest(last, 4)])["l"] == hidden[9].double().tolist()
+
+
+def test_a_base_model_checkpoint_serves_embeddings_only(tmp_path):
+    """A Qwen3Model directory (an embedding checkpoint's form: no LM head, weights named without "model."): its
+    embeddings are transformers' AutoModel's, and asking it for text is a 400 naming why."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from tokenmill.errors import InvalidRequest
+
+    path = make_tiny_model(tmp_path, arch="qwen3", vocab_size=256, tie_word_embeddings=False)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3Model"]}))
+    weights = load_file(path / "model.safetensors")
+    save_file({k.removeprefix("model."): v for k, v in weights.items() if k != "lm_head.weight"},
+              path / "model.safetensors")
+    hf = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=8 << 20)
+    got = llm.embed([{"prompt_token_ids": p} for p in PROMPTS[:2]], pooling="last", use_tqdm=False)
+    for ids, vector in zip(PROMPTS[:2], got):
+        with torch.no_grad():
+            want = F.normalize(hf(torch.tensor([ids])).last_hidden_state[0, -1], dim=0)
+        torch.testing.assert_close(torch.tensor(vector), want, atol=2e-5, rtol=2e-5)
+    with pytest.raises(InvalidRequest, match="Qwen3Model"):
+        llm.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(max_tokens=2), use_tqdm=False)

@@ -5,8 +5,13 @@ context window and the whole KV pool. The engine core trusts what passes (DESIGN
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tokenmill.errors import ContextTooLong, InvalidRequest
+
+if TYPE_CHECKING:
+    from tokenmill.config import ModelConfig
+    from tokenmill.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -56,3 +61,12 @@ def validate_cache_salt(salt: object) -> str | None:
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise InvalidRequest("cache_salt must be a non-empty string", param="cache_salt")
     return salt
+
+
+def check_generates(config: ModelConfig, params: SamplingParams) -> None:
+    """A base model (config.headless: no language-model head of its own) gives embeddings only."""
+    if config.headless and params.pooling is None:
+        raise InvalidRequest(f"this is a base model ({config.architecture.replace('ForCausalLM', 'Model')}) without a "
+                             "language-model head: it gives embeddings (/v1/embeddings, LLM.embed), not text",
+                             param="model")
+

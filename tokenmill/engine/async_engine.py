@@ -62,6 +62,7 @@ class EngineInfo:
     kv_transfer_address: str | None = None  # host:port a tcp KV consumer listens on (tokenmill/disagg/tcp.py)
     block_size: int = 16
     hidden_size: int = 0  # an embedding's dimensions
+    generates: bool = True  # False: a base model without a language-model head, embeddings only
 
 
 class AsyncEngine:
@@ -125,7 +126,7 @@ class AsyncEngine:
         capacity = msg.token_capacity or msg.num_blocks * msg.block_size
         self.info = EngineInfo(msg.max_model_len, msg.vocab_size, eos, capacity, msg.startup_summary, msg.pid,
                                msg.weight_format, msg.weight_bytes, msg.kv_transfer_address, msg.block_size,
-                               msg.hidden_size)
+                               msg.hidden_size, msg.generates)
         self.limits = ContextLimits(msg.max_model_len, msg.vocab_size, self.info.token_capacity)
         self.processor = OutputProcessor(tokenizer, eos, self._observer)
         if self.max_waiting_tokens is None:  # as many prompt tokens may wait as the KV cache holds

@@ -47,7 +47,7 @@ def run_engine_core(config: EngineConfig, inputs: Any, outputs: Any) -> None:
                         info.num_blocks, info.block_size, core.startup_summary(), os.getpid(),
                         core.runner.weight_format(), weight_bytes(core.runner.model), info.token_capacity,
                         core.connector.address() if core.connector is not None else None,
-                        core.model_config.hidden_size)
+                        core.model_config.hidden_size, not core.model_config.headless)
     outputs.send_bytes(encode_output(ready))
     try:
         serve(core, inputs, outputs)

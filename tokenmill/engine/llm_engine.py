@@ -8,7 +8,7 @@ import os
 import weakref
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.admission import ContextLimits, admit, validate_cache_salt
+from tokenmill.engine.admission import ContextLimits, admit, check_generates, validate_cache_salt
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.errors import InvalidRequest
@@ -71,6 +71,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | dict, params: SamplingParams) -> None:
         """Tokenize, admit and queue; raises InvalidRequest / ContextTooLong with nothing queued."""
         self._check_open()
+        check_generates(self.core.model_config, params)
         text, ids = self.tokenize_prompt(prompt)
         salt = validate_cache_salt(prompt.get("cache_salt") if isinstance(prompt, dict) else None)
         max_tokens = admit(ids, params.max_tokens, self.limits)

@@ -111,6 +111,7 @@ class EngineReady(msgspec.Struct, tag=True, array_like=True):
     token_capacity: int = 0  # tokens one request can hold at most (the pool, less a draft model's lookahead)
     kv_transfer_address: str | None = None  # host:port a tcp KV consumer listens on (tokenmill/disagg/tcp.py)
     hidden_size: int = 0  # the model's: an embedding's dimensions
+    generates: bool = True  # False: a base model without a language-model head, embeddings only
 
 
 class EngineFailed(msgspec.Struct, tag=True, array_like=True):

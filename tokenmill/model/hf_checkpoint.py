@@ -44,11 +44,16 @@ class SafetensorsCheckpoint(Checkpoint):
     def __init__(self, path: Path, config: ModelConfig, dtype: torch.dtype):
         expected = expected_shapes(config)
         self._files: dict[str, Path] = {}
+        self._stored: dict[str, str] = {}  # a base model's (config.headless) names: ours -> the file's
         shapes: dict[str, tuple[int, ...]] = {}
         for file in _safetensors_files(path):
             with _reading(file) as f:
-                for name in f.keys():  # noqa: SIM118 - a safe_open handle is not iterable
-                    shape = tuple(f.get_slice(name).get_shape())
+                for stored in f.keys():  # noqa: SIM118 - a safe_open handle is not iterable
+                    shape = tuple(f.get_slice(stored).get_shape())
+                    name = stored
+                    if config.headless and not stored.startswith("model."):  # a base model: "layers.0...."
+                        name = "model." + stored
+                        self._stored[name] = stored
                     if self._claim(name, file, shape, expected):
                         continue
                     if name in expected or fused_parts(name, expected) is not None:  # Phi-3's fused q/k/v, gate/up
@@ -73,7 +78,7 @@ class SafetensorsCheckpoint(Checkpoint):
 
     def _read(self, name: str) -> torch.Tensor:
         with _reading(self._files[name]) as f:
-            return f.get_tensor(name).to(self.dtype)
+            return f.get_tensor(self._stored.get(name, name)).to(self.dtype)
 
 
 @contextmanager

@@ -112,9 +112,10 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         return params
 
     def check_generates() -> None:
-        if settings.runner == "pooling":
-            raise InvalidRequest("this server runs --runner pooling: it answers /v1/embeddings, not generation "
-                                 "requests", param="model")
+        if settings.runner == "pooling" or not info.generates:
+            why = "runs --runner pooling" if info.generates else "serves a base model without a language-model head"
+            raise InvalidRequest(f"this server {why}: it answers /v1/embeddings, not generation requests",
+                                 param="model")
 
     def check_model(name: str | None) -> str:
         if name is None or name in names:
