@@ -95,14 +95,16 @@ class Tokenizer:
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None,
-                    template_kwargs: dict[str, Any] | None = None) -> str:
+                    template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False) -> str:
         """The prompt text the model's chat template makes of `messages` (and `tools`, for a template that takes
-        them: `template_takes_tools`); `template_kwargs` are extra template variables (e.g. enable_thinking)."""
+        them: `template_takes_tools`); `template_kwargs` are extra template variables (e.g. enable_thinking);
+        `continue_final_message`: the last message left open, for the model to go on with it."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template, so chat messages cannot be turned into a "
                              "prompt; send a plain text prompt (the completions API) instead")
         return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                            tools=tools or None, **(template_kwargs or {}))
+                                            tools=tools or None, continue_final_message=continue_final_message,
+                                            **(template_kwargs or {}))
 
     @property
     def template_takes_tools(self) -> bool:

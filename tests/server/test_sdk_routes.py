@@ -234,3 +234,23 @@ def test_runner_pooling_serves_embeddings_only():
             assert http.post("/v1/chat/completions", json={"messages": ASK}).status_code == 400
     finally:
         s.stop()
+
+
+def test_continuing_a_final_message_echo_and_anthropic_prefill(server, client, claude, http):
+    """continue_final_message leaves the last (assistant) message open and the answer goes on with it; echo puts
+    that message's text first, streamed or not; Anthropic's prefilled assistant turn is the same continuation."""
+    prefix = "The three primary colours are"
+    messages = [*ASK, {"role": "assistant", "content": prefix}]
+    extra = {"add_generation_prompt": False, "continue_final_message": True}
+    goes_on = client.chat.completions.create(model=server.model, messages=messages, temperature=0, max_tokens=12,
+                                             extra_body=extra).choices[0].message.content
+    echoed = client.chat.completions.create(model=server.model, messages=messages, temperature=0, max_tokens=12,
+                                            extra_body={**extra, "echo": True}).choices[0].message.content
+    assert goes_on and not goes_on.startswith(prefix) and echoed == prefix + goes_on
+    stream = client.chat.completions.create(model=server.model, messages=messages, temperature=0, max_tokens=12,
+                                            extra_body={**extra, "echo": True}, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == echoed
+    prefilled = claude.messages.create(model=server.model, max_tokens=12, messages=messages, extra_body=GREEDY)
+    assert prefilled.content[0].text == goes_on
+    refused = http.post("/v1/chat/completions", json={"messages": messages, "continue_final_message": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "continue_final_message"

@@ -63,6 +63,8 @@ class MessagesRequest(_Body):
             body["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                                "parameters": t.input_schema}} for t in self.tools]
             body["tool_choice"], body["parallel_tool_calls"] = self._tool_choice()
+        if self.messages and self.messages[-1].role == "assistant":  # a prefilled answer: the model goes on with it
+            body["add_generation_prompt"], body["continue_final_message"] = False, True
         if self.thinking is not None:
             body["chat_template_kwargs"] = {"enable_thinking": self.thinking.get("type") == "enabled"}
         try:

@@ -196,7 +196,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         messages = template_messages(req.template_messages(), tools, takes_tools)
         return await encoder.render_chat(messages, req.add_generation_prompt,
                                          [t.as_openai() for t in tools.offered] if tools and takes_tools else None,
-                                         settings.template_kwargs(req.chat_template_kwargs))
+                                         settings.template_kwargs(req.chat_template_kwargs),
+                                         req.continue_final_message)
 
     async def start_chat(req: ChatCompletionRequest, arrival: float) -> ChatRun:
         """A chat request queued: its stream, the writer of its answer, its prompt's length. The Messages and
@@ -212,7 +213,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         stream = engine.add_requests(request_id, [(text, ids)], params, arrival, req.cache_salt, grammar, transfer)
         writer = ChatWriter(request_id, model, params.n, (req.top_logprobs or 0) if req.logprobs else None,
                             token_text, req.prompt_logprobs, tools.offered if tools and tools.parses else None,
-                            settings.reasoning_parser)
+                            settings.reasoning_parser, req.echoed(req.template_messages()))
         return ChatRun(model, stream, writer, len(ids), params.n)
 
     async def finish_chat(request: Request, run: ChatRun) -> dict | None:

@@ -43,12 +43,14 @@ class PromptEncoder:
         return await asyncio.to_thread(lambda: [(p, self.tok.infill(p, suffix)) for p in raw])
 
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
-                          template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+                          template_kwargs: dict[str, Any] | None = None,
+                          continue_final_message: bool = False) -> tuple[str, list[int]]:
         """The chat template's text and its ids; a template that raises is the client's error (400)."""
         def work() -> tuple[str, list[int]]:
             try:
                 text = self.tok.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                            template_kwargs=template_kwargs)
+                                            template_kwargs=template_kwargs,
+                                            continue_final_message=continue_final_message)
             except Exception as e:  # noqa: BLE001 - whatever a template raises, the messages caused it
                 raise InvalidRequest(f"the chat template rejected the messages: {e}", param="messages") from None
             return text, self.tok.encode(text, add_special_tokens=False)

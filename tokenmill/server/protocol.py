@@ -254,6 +254,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the last message left open, the answer goes on with it
+    echo: bool = False  # vLLM's: the answer starts with the last message's content when that is the assistant's
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool = True
@@ -285,7 +287,16 @@ class ChatCompletionRequest(_Sampling):
     def template_messages(self) -> list[dict[str, Any]]:
         if not self.messages:
             raise InvalidRequest("messages must not be empty", param="messages")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequest("continue_final_message needs add_generation_prompt: false (the last message is "
+                                 "continued, no new one is opened)", param="continue_final_message")
         return [m.to_template(i) for i, m in enumerate(self.messages)]
+
+    def echoed(self, messages: list[dict[str, Any]]) -> str | None:
+        """With echo: the text the answer starts with, the last message's content if it is the assistant's."""
+        if self.echo and messages and messages[-1]["role"] == "assistant":
+            return messages[-1]["content"]
+        return None
 
 
 class EmbeddingRequest(_Body):

@@ -186,8 +186,9 @@ class ChatWriter(_Writer):
 
     def __init__(self, request_id: str, model: str, n: int, top_logprobs: int | None, token_text: TokenText,
                  prompt_logprobs: int | None = None, tools: tuple[Tool, ...] | None = None,
-                 reasoning_parser: str | None = None):
+                 reasoning_parser: str | None = None, echo: str | None = None):
         self.id, self.model, self.n, self.top, self.tt = request_id, model, n, top_logprobs, token_text
+        self.echo = echo  # echo: the last (assistant) message's text each answer starts with
         self.prompt_logprobs = prompt_logprobs  # vLLM's `prompt_logprobs` list in each choice (not streamed)
         self.tools = tools  # offered tools whose calls are parsed out of the text (server/tools.py); None: no parsing
         self.reasoning_parser = reasoning_parser  # None: the text is all content
@@ -204,6 +205,8 @@ class ChatWriter(_Writer):
         content, calls = parse_calls(text, self.tools) if self.tools else (text, [])
         found = message.get("reasoning_content") is not None
         message["content"] = (content or None) if found or calls else content  # as before without a block
+        if self.echo:
+            message["content"] = self.echo + (message["content"] or "")
         if not calls:
             return message, c.finish_reason, reasoning_tokens
         message["tool_calls"] = calls
@@ -258,6 +261,9 @@ class ChatWriter(_Writer):
     async def chunks(self, stream: OutputStream, usage_prompt: int | None) -> AsyncIterator[dict]:
         yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None} for i in range(self.n)])
+        if self.echo:
+            yield self._chunk([{"index": i, "delta": {"content": self.echo}, "logprobs": None, "finish_reason": None}
+                               for i in range(self.n)])
         completion_tokens = 0
         calls = {i: CallStream(self.tools) for i in range(self.n)} if self.tools else None
         parser = self.reasoning_parser
