@@ -112,3 +112,13 @@ def test_a_base_model_checkpoint_serves_embeddings_only(tmp_path):
         torch.testing.assert_close(torch.tensor(vector), want, atol=2e-5, rtol=2e-5)
     with pytest.raises(InvalidRequest, match="Qwen3Model"):
         llm.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_pooling_is_refused_under_context_parallelism():
+    from tokenmill.engine.admission import check_pooling
+    from tokenmill.errors import InvalidRequest
+
+    check_pooling(1, SamplingParams(pooling="mean"))
+    check_pooling(2, SamplingParams())
+    with pytest.raises(InvalidRequest, match="context parallelism"):
+        check_pooling(2, SamplingParams(pooling="last"))

@@ -70,3 +70,10 @@ def check_generates(config: ModelConfig, params: SamplingParams) -> None:
                              "language-model head: it gives embeddings (/v1/embeddings, LLM.embed), not text",
                              param="model")
 
+
+def check_pooling(context_parallel_size: int, params: SamplingParams) -> None:
+    """Embeddings pool every prompt row in one process; under context parallelism each rank holds a share of them."""
+    if params.pooling is not None and context_parallel_size > 1:
+        raise InvalidRequest("embeddings are not served with context parallelism (--context-parallel-size > 1): "
+                             "each rank computes only part of a prompt", param="input")
+

@@ -8,7 +8,7 @@ import os
 import weakref
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.admission import ContextLimits, admit, check_generates, validate_cache_salt
+from tokenmill.engine.admission import ContextLimits, admit, check_generates, check_pooling, validate_cache_salt
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.errors import InvalidRequest
@@ -72,6 +72,7 @@ class LLMEngine:
         """Tokenize, admit and queue; raises InvalidRequest / ContextTooLong with nothing queued."""
         self._check_open()
         check_generates(self.core.model_config, params)
+        check_pooling(self.core.config.context_parallel_size, params)
         text, ids = self.tokenize_prompt(prompt)
         salt = validate_cache_salt(prompt.get("cache_salt") if isinstance(prompt, dict) else None)
         max_tokens = admit(ids, params.max_tokens, self.limits)
