@@ -156,6 +156,14 @@ def test_streams_pass_through_chunk_for_chunk_and_the_key_is_enforced(replicas):
             return [json.loads(e[6:])["choices"] for e in sse.split("\n\n") if e.startswith("data: {")]
 
         assert events(routed) == events(direct) and routed.rstrip().endswith("data: [DONE]")
+        # Anthropic's Messages API (its x-api-key) and embeddings pass through too
+        ask = {"max_tokens": 6, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]}
+        via = httpx.post(url + "/v1/messages", json=ask, headers={"x-api-key": KEY}, timeout=60).json()
+        assert via["content"] == httpx.post(replicas[0].url + "/v1/messages", json=ask, timeout=60).json()["content"]
+        assert httpx.post(url + "/v1/messages", json=ask, headers={"x-api-key": "nope"}).status_code == 401
+        text = {"input": "Hello", "encoding_format": "float"}
+        assert httpx.post(url + "/v1/embeddings", json=text, headers=H, timeout=60).json()["data"] == \
+            httpx.post(replicas[0].url + "/v1/embeddings", json=text, timeout=60).json()["data"]
         metrics = httpx.get(url + "/metrics").text
         assert f'tokenmill_router_requests_total{{backend="{replicas[0].url}",outcome="ok"}}' in metrics
     finally:

@@ -93,13 +93,17 @@ def build_router_app(pool: BackendPool, policy: Any, guard: GuardSettings | None
     climber = Climber(cascade, pool, metrics, client) if cascade is not None else None
     pd_proxy = PDProxy(pd, pool, policy, forwarder, metrics, client, max_attempts) if pd is not None else None
 
+    async def one_replica(body: bytes, path: str) -> Response:
+        """To one replica, as the policy places the request."""
+        return forwarder.respond(Job(body, path, await routing_key(body, reads_prompt(policy))))
+
     async def generate(request: Request, path: str, chat: bool) -> Response:
         body = await request.body()  # read by the guard, within --max-request-bytes
         if climber is not None:
             return await climber.handle(body, path, chat)
         if pd_proxy is not None:
             return await pd_proxy.handle(body, path)
-        return forwarder.respond(Job(body, path, await routing_key(body, reads_prompt(policy))))
+        return await one_replica(body, path)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
@@ -108,6 +112,22 @@ def build_router_app(pool: BackendPool, policy: Any, guard: GuardSettings | None
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(request: Request) -> Response:
         return await generate(request, "/v1/chat/completions", chat=True)
+
+    async def forward(request: Request, path: str) -> Response:
+        """A request no cascade or P/D split applies to (Anthropic's Messages API, embeddings)."""
+        return await one_replica(await request.body(), path)
+
+    @app.post("/v1/messages", response_model=None)
+    async def messages(request: Request) -> Response:
+        return await forward(request, "/v1/messages")
+
+    @app.post("/v1/messages/count_tokens", response_model=None)
+    async def count_tokens(request: Request) -> Response:
+        return await forward(request, "/v1/messages/count_tokens")
+
+    @app.post("/v1/embeddings", response_model=None)
+    async def embeddings(request: Request) -> Response:
+        return await forward(request, "/v1/embeddings")
 
     @app.get("/v1/models", response_model=None)
     async def models() -> Response:

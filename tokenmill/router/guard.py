@@ -90,9 +90,12 @@ class RouterGuard:
             key = s.metrics_api_key
         else:
             key = s.api_key if path.startswith("/v1/") else None
-        if key and not bearer_matches(headers.get(b"authorization", b""), key):
-            why = "invalid" if headers.get(b"authorization") else "missing"
-            return Refusal(401, f"{why} API key: send the header 'Authorization: Bearer <key>'",
+        auth = headers.get(b"authorization", b"")
+        if not auth and b"x-api-key" in headers:  # Anthropic's clients send their key so
+            auth = b"Bearer " + headers[b"x-api-key"]
+        if key and not bearer_matches(auth, key):
+            why = "invalid" if auth else "missing"
+            return Refusal(401, f"{why} API key: send the header 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
                            "authentication_error", "invalid_api_key")
         try:
             length = int(headers.get(b"content-length", b"0"))
