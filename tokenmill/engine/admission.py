@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 from tokenmill.errors import ContextTooLong, InvalidRequest
 
 if TYPE_CHECKING:
-    from tokenmill.config import ModelConfig
     from tokenmill.sampling_params import SamplingParams
 
 
@@ -63,12 +62,11 @@ def validate_cache_salt(salt: object) -> str | None:
     return salt
 
 
-def check_generates(config: ModelConfig, params: SamplingParams) -> None:
-    """A base model (config.headless: no language-model head of its own) gives embeddings only."""
-    if config.headless and params.pooling is None:
-        raise InvalidRequest(f"this is a base model ({config.architecture.replace('ForCausalLM', 'Model')}) without a "
-                             "language-model head: it gives embeddings (/v1/embeddings, LLM.embed), not text",
-                             param="model")
+def check_generates(generates: bool, params: SamplingParams, model: str = "this model") -> None:
+    """A base model (ModelConfig.headless: no language-model head of its own) gives embeddings only."""
+    if not generates and params.pooling is None:
+        raise InvalidRequest(f"{model} is a base model without a language-model head: it gives embeddings "
+                             "(/v1/embeddings, LLM.embed), not text", param="model")
 
 
 def check_pooling(context_parallel_size: int, params: SamplingParams) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from tokenmill.config import EngineConfig
 from tokenmill.disagg.transfer import KVTransferParams
-from tokenmill.engine.admission import ContextLimits, admit, check_pooling
+from tokenmill.engine.admission import ContextLimits, admit, check_generates, check_pooling
 from tokenmill.engine.messages import AbortRequests, EngineOutputs, EngineReady
 from tokenmill.engine.output_processor import MetricsObserver, OutputProcessor, RequestState, SampleDelta
 from tokenmill.engine.output_stream import OutputStream, Update, deliver
@@ -247,6 +247,7 @@ class AsyncEngine:
         first; raises InvalidRequest / ContextTooLong / ServerOverloaded / EngineDeadError with nothing queued."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+        check_generates(self.info.generates, params)
         check_pooling(self.config.context_parallel_size, params)
         if kv_transfer is not None and len(prompts) > 1:
             raise InvalidRequest("kv_transfer_params takes one prompt per request", param="kv_transfer_params")

@@ -71,7 +71,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | dict, params: SamplingParams) -> None:
         """Tokenize, admit and queue; raises InvalidRequest / ContextTooLong with nothing queued."""
         self._check_open()
-        check_generates(self.core.model_config, params)
+        cfg = self.core.model_config
+        check_generates(not cfg.headless, params, f"this {cfg.architecture.replace('ForCausalLM', 'Model')} checkpoint")
         check_pooling(self.core.config.context_parallel_size, params)
         text, ids = self.tokenize_prompt(prompt)
         salt = validate_cache_salt(prompt.get("cache_salt") if isinstance(prompt, dict) else None)

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from tokenmill.errors import InvalidRequest
 from tokenmill.server.json_body import first_error
-from tokenmill.server.protocol import ChatCompletionRequest, _Body
+from tokenmill.server.protocol import ChatCompletionRequest, _Body, text_of
 
 # chat finish_reason -> Anthropic's stop_reason (a stop string matched: "stop_sequence", see _stop_reason)
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
@@ -88,7 +88,7 @@ class MessagesRequest(_Body):
     def _chat_messages(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         if self.system is not None:
-            out.append({"role": "system", "content": _text_of(self.system, "system")})
+            out.append({"role": "system", "content": text_of(self.system, "system")})
         if not self.messages:
             raise InvalidRequest("messages must not be empty", param="messages")
         for i, m in enumerate(self.messages):
@@ -99,7 +99,7 @@ class MessagesRequest(_Body):
             for j, block in enumerate(m.content):
                 where, kind = f"messages.{i}.content.{j}", block.get("type")
                 if kind == "text":
-                    texts.append(_text_of([block], where))
+                    texts.append(text_of([block], where))
                 elif kind == "tool_use" and m.role == "assistant":
                     calls.append(_tool_use_call(block, where))
                 elif kind == "tool_result" and m.role == "user":
@@ -107,7 +107,7 @@ class MessagesRequest(_Body):
                         raise InvalidRequest(f"{where}.tool_use_id must be a string", param=f"{where}.tool_use_id")
                     content = block.get("content", "")
                     results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
-                                    "content": _text_of(content, f"{where}.content")})
+                                    "content": text_of(content, f"{where}.content")})
                 elif kind in ("thinking", "redacted_thinking") and m.role == "assistant":
                     continue  # earlier reasoning is not sent back to the model
                 else:
@@ -121,20 +121,6 @@ class MessagesRequest(_Body):
                     message["tool_calls"] = calls
                 out.append(message)
         return out
-
-
-def _text_of(content: Any, where: str) -> str:
-    """A string, or text blocks joined by newlines."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidRequest(f"{where} must be a string or a list of text blocks", param=where)
-    texts = []
-    for block in content:
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            raise InvalidRequest(f"{where}: only text blocks are supported here", param=where)
-        texts.append(block["text"])
-    return "\n".join(texts)
 
 
 def _tool_use_call(block: dict[str, Any], where: str) -> dict[str, Any]:
@@ -219,8 +205,8 @@ async def message_events(chunks: AsyncIterator[dict], message_id: str, model: st
                     if open_kind is not None:
                         yield close()
                     yield start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-                yield "content_block_delta", {"type": "content_block_delta", "index": index,
-                                              "delta": {"type": "thinking_delta", "thinking": delta["reasoning_content"]}}
+                thinking = {"type": "thinking_delta", "thinking": delta["reasoning_content"]}
+                yield "content_block_delta", {"type": "content_block_delta", "index": index, "delta": thinking}
             if delta.get("content"):
                 if open_kind != "text":
                     if open_kind is not None:

@@ -111,11 +111,10 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         settings.check_priority(params.priority)
         return params
 
-    def check_generates() -> None:
-        if settings.runner == "pooling" or not info.generates:
-            why = "runs --runner pooling" if info.generates else "serves a base model without a language-model head"
-            raise InvalidRequest(f"this server {why}: it answers /v1/embeddings, not generation requests",
-                                 param="model")
+    def check_generates() -> None:  # (a base model's server: the engine refuses text requests itself)
+        if settings.runner == "pooling":
+            raise InvalidRequest("this server runs --runner pooling: it answers /v1/embeddings, not generation "
+                                 "requests", param="model")
 
     def check_model(name: str | None) -> str:
         if name is None or name in names:
@@ -213,7 +212,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         stream = engine.add_requests(request_id, [(text, ids)], params, arrival, req.cache_salt, grammar, transfer)
         writer = ChatWriter(request_id, model, params.n, (req.top_logprobs or 0) if req.logprobs else None,
                             token_text, req.prompt_logprobs, tools.offered if tools and tools.parses else None,
-                            settings.reasoning_parser, req.echoed(req.template_messages()))
+                            settings.reasoning_parser, req.echoed())
         return ChatRun(model, stream, writer, len(ids), params.n)
 
     async def finish_chat(request: Request, run: ChatRun) -> dict | None:

@@ -13,7 +13,15 @@ import logging
 from collections.abc import Callable
 
 from tokenmill.server.asgi import bearer_matches, drain_body
-from tokenmill.server.errors import APIError, BadRequest, InternalError, NotFound, RequestTooLarge, Unauthorized, classify_for
+from tokenmill.server.errors import (
+    APIError,
+    BadRequest,
+    InternalError,
+    NotFound,
+    RequestTooLarge,
+    Unauthorized,
+    classify_for,
+)
 from tokenmill.server.settings import ServerSettings
 
 log = logging.getLogger("tokenmill")

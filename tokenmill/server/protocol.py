@@ -10,12 +10,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill.engine.admission import check_token_ids, validate_cache_salt
 from tokenmill.errors import InvalidRequest
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
-from tokenmill.server.json_body import first_error
 from tokenmill.server.tools import ToolChoice
 from tokenmill.structured.params import StructuredOutputsParams
 
@@ -198,9 +197,21 @@ def prompt_list(value: str | list[str] | list[int] | list[list[int]], param: str
     return list(value)
 
 
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
+def text_of(content: Any, where: str, kinds: tuple[str, ...] = ("text",)) -> str:
+    """A string, or a list of text parts ({"type": one of `kinds`, "text": a string}) joined by newlines; anything
+    else is a 400 naming `where` (chat content, Anthropic's text blocks, the Responses API's input_text parts)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{where} must be a string or a list of text parts", param=where)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in kinds or not isinstance(part.get("text"), str):
+            raise InvalidRequest(f"{where}.{j}: content part {kind!r} is not supported (only {', '.join(kinds)}, "
+                                 "with a string text)", param=where)
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 class ChatMessage(BaseModel):
@@ -225,19 +236,7 @@ class ChatMessage(BaseModel):
             if self.role != "assistant":
                 raise InvalidRequest(f"{param}.content is required for role {self.role!r}", param=f"{param}.content")
             content = ""
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                kind = part.get("type")
-                if kind != "text":
-                    raise InvalidRequest(f"{param}.content.{j}: content part type {kind!r} is not supported "
-                                         "(only 'text')", param=f"{param}.content")
-                try:
-                    texts.append(TextPart.model_validate(part).text)
-                except ValidationError as e:
-                    raise InvalidRequest(f"{param}.content.{j}: {first_error(e)}", param=f"{param}.content") from e
-            content = "\n".join(texts)
-        out: dict[str, Any] = {"role": self.role, "content": content}
+        out: dict[str, Any] = {"role": self.role, "content": text_of(content, f"{param}.content")}
         if self.name:
             out["name"] = self.name
         if self.tool_call_id:
@@ -292,11 +291,11 @@ class ChatCompletionRequest(_Sampling):
                                  "continued, no new one is opened)", param="continue_final_message")
         return [m.to_template(i) for i, m in enumerate(self.messages)]
 
-    def echoed(self, messages: list[dict[str, Any]]) -> str | None:
+    def echoed(self) -> str | None:
         """With echo: the text the answer starts with, the last message's content if it is the assistant's."""
-        if self.echo and messages and messages[-1]["role"] == "assistant":
-            return messages[-1]["content"]
-        return None
+        if not self.echo or not self.messages or self.messages[-1].role != "assistant":
+            return None
+        return self.messages[-1].to_template(len(self.messages) - 1)["content"]
 
 
 class EmbeddingRequest(_Body):

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from tokenmill.errors import InvalidRequest
 from tokenmill.server.json_body import first_error
-from tokenmill.server.protocol import ChatCompletionRequest, _Body
+from tokenmill.server.protocol import ChatCompletionRequest, _Body, text_of
 
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -64,7 +64,8 @@ class ResponsesRequest(_Body):
                 role = item.get("role")
                 if role not in ROLES:
                     raise InvalidRequest(f"{where}.role must be one of {', '.join(ROLES)}", param=f"{where}.role")
-                out.append({"role": role, "content": _text_of(item.get("content"), f"{where}.content")})
+                content = text_of(item.get("content"), f"{where}.content", TEXT_PARTS)
+                out.append({"role": role, "content": content})
             elif kind == "function_call":
                 call = _checked_strings(item, where, ("call_id", "name", "arguments"))
                 entry = {"id": call["call_id"], "type": "function",
@@ -76,7 +77,7 @@ class ResponsesRequest(_Body):
             elif kind == "function_call_output":
                 _checked_strings(item, where, ("call_id",))
                 out.append({"role": "tool", "tool_call_id": item["call_id"],
-                            "content": _text_of(item.get("output"), f"{where}.output")})
+                            "content": text_of(item.get("output"), f"{where}.output", TEXT_PARTS)})
             elif kind == "reasoning":
                 continue  # earlier reasoning is not sent back to the model
             else:
@@ -120,21 +121,6 @@ class ResponsesRequest(_Body):
         if fmt.get("type") == "json_schema":
             return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
         raise InvalidRequest("text.format.type must be text, json_object or json_schema", param="text.format")
-
-
-def _text_of(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidRequest(f"{where} must be a string or a list of text parts", param=where)
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise InvalidRequest(f"{where}.{j}: content part {kind!r} is not supported (input_text, output_text)",
-                                 param=where)
-        texts.append(part["text"])
-    return "\n".join(texts)
 
 
 def _checked_strings(item: dict[str, Any], where: str, names: tuple[str, ...]) -> dict[str, Any]:
