@@ -315,11 +315,12 @@ at::Tensor gguf_avx2_linear_silu(const at::Tensor& x, const at::Tensor& pairs);
 enum class GgufPath { kTiles, kVnni, kAvx2 };
 
 GgufPath gguf_path(const at::Tensor& x, int64_t tile_bytes) {
-  static const std::string kernel = gguf_kernel();
-  if (kernel == "avx2" || (kernel == "vnni" && x.scalar_type() == at::kFloat)) return GgufPath::kAvx2;
+  static const std::string kernel = gguf_kernel();  // fixed for the process: compared once, not per call
+  static const bool avx2 = kernel == "avx2", vnni = kernel == "vnni", amx = kernel == "amx";
+  if (avx2 || (vnni && x.scalar_type() == at::kFloat)) return GgufPath::kAvx2;
   const bool quads_only = tile_bytes == gguf_tile_bytes(6) || tile_bytes == gguf_tile_bytes(kQ4_KS) ||
                           tile_bytes == gguf_tile_bytes(kQ6_KS) || tile_bytes == gguf_tile_bytes(kQ5_KS);
-  return kernel == "vnni" || (kernel == "amx" && quads_only) ? GgufPath::kVnni : GgufPath::kTiles;
+  return vnni || (amx && quads_only) ? GgufPath::kVnni : GgufPath::kTiles;
 }
 
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed,
