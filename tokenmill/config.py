@@ -220,12 +220,16 @@ class SchedulerConfig:
     # multi-step decode: a batch of a few plain decodes (nothing waiting, no ITL target) runs up to this many steps
     # in a row without the engine's per-step Python between them (engine/multi_step.py run_length); 1: off
     num_scheduler_steps: int = 1
+    # LoRA: distinct adapters the running requests may use at once (the model's adapter slots)
+    max_loras: int = 4
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not isinstance(self.max_loras, int) or not 1 <= self.max_loras <= 256:
+            raise ConfigError(f"--max-loras must be an integer in [1, 256], got {self.max_loras!r}")
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
             raise ConfigError(
                 f"--long-prefill-token-threshold must be >= 1, got {self.long_prefill_token_threshold}")
@@ -336,6 +340,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # --kv-transfer-config (JSON text, a dict or a KVTransferConfig; None: no disaggregation)
     kv_transfer: KVTransferConfig | None = None
+    enable_lora: bool = False  # adapter slots in the model (model/lora.py); requests name adapters (LoRARequest)
+    max_lora_rank: int = 16  # the slots' rank: an adapter of a higher rank is refused
 
     @property
     def parallel_size(self) -> int:
@@ -382,6 +388,11 @@ class EngineConfig:
         if self.parallel_size > 1 and (self.speculative is not None or self.kv_transfer is not None):
             raise ConfigError("--tensor-parallel-size / --pipeline-parallel-size / --context-parallel-size > 1 do not "
                               "combine with --speculative-config or --kv-transfer-config yet; drop one of them")
+        if not isinstance(self.max_lora_rank, int) or not 1 <= self.max_lora_rank <= 512:
+            raise ConfigError(f"--max-lora-rank must be an integer in [1, 512], got {self.max_lora_rank!r}")
+        if self.enable_lora and self.parallel_size > 1:
+            raise ConfigError("--enable-lora does not combine with tensor / pipeline / context parallelism yet; "
+                              "serve adapters on one rank")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:

@@ -127,6 +127,13 @@ class EngineArgs:
                                           "while such requests decode, a step carries no more prompt tokens than "
                                           "the measured step cost allows within it", type=float, config="scheduler")
 
+    enable_lora: bool = _opt(False, "serve LoRA adapters over the model (PEFT directories: `serve --lora-modules "
+                                    "NAME=PATH`, POST /v1/load_lora_adapter, or LLM.generate(lora_request=...)); "
+                                    "requests for different adapters and the base share each step")
+    max_loras: int = _opt(4, "adapters the running requests may use at once (the model's adapter slots; a request "
+                             "for another adapter waits for a slot)", type=int, config="scheduler")
+    max_lora_rank: int = _opt(16, "highest adapter rank served (the slots' size: memory grows with it)", type=int)
+
     speculative_config: str | None = _opt(
         None, "speculative decoding, as vLLM's flag: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
               "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (prompt lookup) or '{\"model\": PATH, "

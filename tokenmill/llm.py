@@ -12,6 +12,7 @@ from tqdm import tqdm
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine_args import EngineArgs
 from tokenmill.errors import InvalidRequest
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -60,10 +61,11 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[
-            SamplingParams] | None = None, use_tqdm: bool = True, priority: Sequence[int] | None = None
-                 ) -> list[RequestOutput]:
+            SamplingParams] | None = None, use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of the prompts. `priority` (one per
-        prompt, as vLLM's) matters under scheduling_policy="priority": lower runs first."""
+        prompt, as vLLM's) matters under scheduling_policy="priority": lower runs first. `lora_request`: the
+        adapter every prompt runs through, or one per prompt (None: the base model); needs enable_lora=True."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts))
@@ -71,11 +73,14 @@ class LLM:
             if len(priority) != len(prompts):
                 raise InvalidRequest(f"{len(priority)} priorities for {len(prompts)} prompts", param="priority")
             params = [dataclasses.replace(p, priority=q) for p, q in zip(params, priority)]
+        loras = (list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise InvalidRequest(f"{len(loras)} LoRA requests for {len(prompts)} prompts", param="lora_request")
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras):
                 rid = self.engine.new_request_id()
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, lora)
                 ids.append(rid)
         except Exception:
             for rid in ids:

@@ -8,6 +8,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -73,6 +74,7 @@ class Request:
     # an embedding request (params.pooling): the float64 sum of its prompt's hidden rows so far ("mean"), or the
     # last prompt token's row ("last"), as the runner hands them back chunk by chunk
     pooled: list[float] | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs through (None: the base model)
 
     @property
     def num_tokens(self) -> int:
@@ -104,7 +106,13 @@ class Request:
     @property
     def cache_namespace(self) -> Hashable:
         """What besides tokens must be equal for two requests to share cached blocks."""
+        if self.lora_request is not None:  # an adapter's KV is its own: other values for the same tokens
+            return (self.cache_salt, self.lora_request.lora_name)
         return (self.cache_salt,) if self.cache_salt is not None else None
+
+    @property
+    def lora_name(self) -> str | None:
+        return self.lora_request.lora_name if self.lora_request is not None else None
 
     def tokens_slice(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)

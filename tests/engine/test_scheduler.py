@@ -475,3 +475,25 @@ def test_one_step_at_a_time_unless_a_run_is_safe(case):
 def test_the_number_of_scheduler_steps_is_validated():
     with pytest.raises(ConfigError, match="--num-scheduler-steps must be >= 1"):
         SchedulerConfig(num_scheduler_steps=0)
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_running_adapters_stay_within_max_loras(policy):
+    """A request whose adapter would be one more than the model's slots waits; the base and adapters already
+    running still join; it runs once a slot's requests end."""
+    from tokenmill.lora import LoRARequest
+
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_loras=2, policy=policy), KVCacheManager(512, 4))
+    adapters = [LoRARequest(f"a{i}", i + 1, "/adapters/a{i}") for i in range(3)]
+    reqs = [make_request(f"r{i}", 8, 2) for i in range(5)]
+    for req, lora in zip(reqs, [adapters[0], adapters[1], adapters[2], None, adapters[0]]):
+        req.lora_request = lora
+        sched.add_request(req)
+    out, _ = run_step(sched)
+    # r2's a2 would be a third: continuous batching goes past it, a static batch ends there (first come, first in)
+    want = ["r0", "r1", "r3", "r4"] if policy == "continuous" else ["r0", "r1"]
+    assert [s.request.request_id for s in out.scheduled] == want
+    while sched.has_unfinished:
+        out, _ = run_step(sched)
+        assert len({s.request.lora_name for s in out.scheduled} - {None}) <= 2
+    assert reqs[2].status is RequestStatus.FINISHED_LENGTH

@@ -141,3 +141,25 @@ def make_tiny_model(
     model.save_pretrained(out, safe_serialization=True)
     smollm2_tokenizer().save_pretrained(out)
     return out
+
+
+def make_tiny_adapter(model_dir: Path, out: Path, *, r: int = 4, alpha: float = 8.0,
+                      targets: tuple[str, ...] = ("q_proj", "v_proj"), seed: int = 1, use_rslora: bool = False,
+                      **lora: Any) -> Path:
+    """A PEFT LoRA adapter for the model in `model_dir`, saved to `out` as PEFT saves one (adapter_config.json and
+    adapter_model.safetensors), with random A and B loud enough to change greedy output. `lora` goes to
+    LoraConfig as it is (rank_pattern, use_dora, ...)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False,
+                        use_rslora=use_rslora, **lora)
+    model = get_peft_model(base, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 2 / math.sqrt(p.shape[-1]))
+    model.save_pretrained(out, safe_serialization=True)
+    return out

@@ -206,6 +206,9 @@ def _serve(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.tokenizer)
     requests = _sample(opts, tokenizer)
     assignment, bodies = _assign_classes(classes, len(requests), args.seed)
+    if args.lora_modules:  # request i goes to adapter i mod N
+        bodies = [{**(bodies[i] if bodies else {}), "model": args.lora_modules[i % len(args.lora_modules)]}
+                  for i in range(len(requests))]
     cfg = LoadConfig(base_url=base_url, model=model, endpoint=args.endpoint, request_rate=args.request_rate,
                      burstiness=args.burstiness, max_concurrency=args.max_concurrency, seed=args.seed,
                      api_key=args.api_key, ignore_eos=not args.no_ignore_eos, extra_body=extra_body,
@@ -235,7 +238,7 @@ def _serve(args: argparse.Namespace) -> int:
               "num_prompts": len(requests), "request_rate": args.request_rate, "burstiness": args.burstiness,
               "max_concurrency": args.max_concurrency, "seed": args.seed,
               "slo_ms": {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms},
-              "ignore_eos": cfg.ignore_eos, "extra_body": extra_body}
+              "ignore_eos": cfg.ignore_eos, "extra_body": extra_body, "lora_modules": args.lora_modules}
     per_class = class_metrics(results, output_lens, assignment, classes, duration, args.slo_ttft_ms,
                               args.slo_tpot_ms) if classes else None
     result = serve_result(config, metrics, results, output_lens, [r.output_len for r in requests],

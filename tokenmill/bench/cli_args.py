@@ -62,6 +62,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("target")
     g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, e.g. http://127.0.0.1:8000")
     g.add_argument("--model", default=None, help="model name to request (default: the server's first model)")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                   help="adapter names (as the server serves them) the requests go to in turn, request i to name i "
+                        "mod their count, instead of --model")
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="bearer token (default: $OPENAI_API_KEY)")
     g.add_argument("--endpoint", default="completions", help="completions or chat (default completions)")

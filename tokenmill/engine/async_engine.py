@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from tokenmill.config import EngineConfig
 from tokenmill.disagg.transfer import KVTransferParams
 from tokenmill.engine.admission import ContextLimits, admit, check_generates, check_pooling
-from tokenmill.engine.messages import AbortRequests, EngineOutputs, EngineReady
+from tokenmill.engine.messages import AbortRequests, EngineOutputs, EngineReady, UnloadLoRA
 from tokenmill.engine.output_processor import MetricsObserver, OutputProcessor, RequestState, SampleDelta
 from tokenmill.engine.output_stream import OutputStream, Update, deliver
 from tokenmill.engine.policy import ITL_STEP_SHARE, aged_level
@@ -31,6 +31,7 @@ from tokenmill.engine.process_client import EngineDeadError, EngineProcessClient
 from tokenmill.engine.step_cost import predict_ttft, stretched_step_seconds
 from tokenmill.engine.step_types import SchedulerStats
 from tokenmill.errors import InvalidRequest, ServerOverloaded, TokenmillError
+from tokenmill.lora.request import LoRARequest
 from tokenmill.model.paths import resolve_model_path
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.checker import GrammarChecker
@@ -63,6 +64,10 @@ class EngineInfo:
     block_size: int = 16
     hidden_size: int = 0  # an embedding's dimensions
     generates: bool = True  # False: a base model without a language-model head, embeddings only
+    # --enable-lora: (in, out) per adapted projection, the layers and the rank limit an adapter is checked against
+    lora_projections: dict[str, tuple[int, int]] | None = None
+    num_layers: int = 0
+    max_lora_rank: int = 0
 
 
 class AsyncEngine:
@@ -126,7 +131,9 @@ class AsyncEngine:
         capacity = msg.token_capacity or msg.num_blocks * msg.block_size
         self.info = EngineInfo(msg.max_model_len, msg.vocab_size, eos, capacity, msg.startup_summary, msg.pid,
                                msg.weight_format, msg.weight_bytes, msg.kv_transfer_address, msg.block_size,
-                               msg.hidden_size, msg.generates)
+                               msg.hidden_size, msg.generates,
+                               {k: tuple(v) for k, v in msg.lora_projections.items()}
+                               if msg.lora_projections is not None else None, msg.num_layers, msg.max_lora_rank)
         self.limits = ContextLimits(msg.max_model_len, msg.vocab_size, self.info.token_capacity)
         self.processor = OutputProcessor(tokenizer, eos, self._observer)
         if self.max_waiting_tokens is None:  # as many prompt tokens may wait as the KV cache holds
@@ -242,7 +249,8 @@ class AsyncEngine:
 
     def add_requests(self, request_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
                      arrival_time: float | None = None, cache_salt: str | None = None,
-                     grammar: str | None = None, kv_transfer: KVTransferParams | None = None) -> OutputStream:
+                     grammar: str | None = None, kv_transfer: KVTransferParams | None = None,
+                     lora_request: LoRARequest | None = None) -> OutputStream:
         """Queue one request per prompt (each with params.n samples); ids `request_id-i`. Checks everything
         first; raises InvalidRequest / ContextTooLong / ServerOverloaded / EngineDeadError with nothing queued."""
         if self.dead is not None:
@@ -266,7 +274,7 @@ class AsyncEngine:
             for i, ((text, ids), mt) in enumerate(zip(prompts, max_tokens)):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 state, msgs = self.processor.add_request(rid, text, ids, params, mt, arrival, cache_salt, grammar,
-                                                         kv_transfer)
+                                                         kv_transfer, lora_request)
                 state.predicted_ttft = predicted
                 states.append(state)
                 sequences += msgs
@@ -279,6 +287,10 @@ class AsyncEngine:
         for msg in sequences:
             self.client.send(msg)
         return stream
+
+    def unload_lora(self, name: str) -> None:
+        """The engine forgets the adapter once no request runs through it (engine/lora_pool.py)."""
+        self.client.send(UnloadLoRA(name))
 
     def fail_all(self, error: TokenmillError) -> int:
         """End every request in flight with `error` (the server is stopping): each client gets it as its answer

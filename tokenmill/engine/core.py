@@ -18,6 +18,7 @@ from tokenmill.engine.hooks import RequestHooks
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.messages import AddRequest, EngineCoreOutput, EngineOutputs
 from tokenmill.engine.model_spec import ModelSpec, size_kv_cache, threads_per_rank
+from tokenmill.engine.lora_hooks import LoRAHooks
 from tokenmill.engine.multi_step_hook import MultiStepDecode
 from tokenmill.engine.pooling import embedding
 from tokenmill.engine.scheduler import Scheduler
@@ -98,6 +99,8 @@ class EngineCore:
                                                      self.runner)
             self.connector = self.kv_transfer.connector
             self.hooks.append(self.kv_transfer)
+        self.lora = LoRAHooks(self.runner.lora)
+        self.hooks.append(self.lora)
         self.constrained = ConstrainedDecoding(self.model_config.vocab_size, self._hf_tokenizer, self.runner,
                                                self.scheduler)
         self.hooks.append(self.constrained)
@@ -116,6 +119,7 @@ class EngineCore:
         ttft, itl = p.slo_ttft_ms or sc.slo_ttft_ms, p.slo_itl_ms or sc.slo_itl_ms
         request = Request(msg.request_id, msg.prompt_token_ids, p, msg.max_tokens, msg.eos_token_ids,
                           arrival_time=msg.arrival_time, cache_salt=msg.cache_salt, priority=p.priority,
+                          lora_request=msg.lora_request,
                           ttft_target=ttft / 1e3 if ttft else None, itl_target=itl / 1e3 if itl else None)
         try:
             if msg.kv_transfer is not None and self.kv_transfer is None:
@@ -183,8 +187,9 @@ class EngineCore:
         if cfg.context_parallel_size > 1:
             tp += (f"\n{self.runner.cp.describe(self.cache_info.num_blocks)}; {torch.get_num_threads()} threads each; "
                    "weights below are per rank, the KV cache is across the ranks")
+        lora = f"\n{self.runner.lora.describe()}" if self.runner.lora is not None else ""
         return (f"backend: {self.runner.backend.describe()}; {mode}{tp}\n{self.runner.weight_summary()}\n"
-                f"{self.cache_info.describe()}{spec}")
+                f"{self.cache_info.describe()}{spec}{lora}")
 
     def check_health(self) -> None:
         """Raise if something the engine depends on has died (a tensor-parallel rank)."""

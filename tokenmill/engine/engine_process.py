@@ -19,8 +19,10 @@ from tokenmill.engine.messages import (
     ErrorInfo,
     FinishRequest,
     Shutdown,
+    UnloadLoRA,
     encode_output,
 )
+from tokenmill.lora.adapter import projection_shapes
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the core (torch, the model) is imported inside the engine process only
@@ -47,7 +49,10 @@ def run_engine_core(config: EngineConfig, inputs: Any, outputs: Any) -> None:
                         info.num_blocks, info.block_size, core.startup_summary(), os.getpid(),
                         core.runner.weight_format(), weight_bytes(core.runner.model), info.token_capacity,
                         core.connector.address() if core.connector is not None else None,
-                        core.model_config.hidden_size, not core.model_config.headless)
+                        core.model_config.hidden_size, not core.model_config.headless,
+                        {k: list(v) for k, v in projection_shapes(core.model_config).items()}
+                        if core.runner.lora is not None else None, core.model_config.num_layers,
+                        core.config.max_lora_rank)
     outputs.send_bytes(encode_output(ready))
     try:
         serve(core, inputs, outputs)
@@ -75,6 +80,8 @@ def serve(core: EngineCore, inputs: Any, outputs: Any) -> None:
                         core.abort(msg.request_ids)
                     elif isinstance(msg, FinishRequest):
                         core.finish(msg.request_id, msg.stop_reason)
+                    elif isinstance(msg, UnloadLoRA):
+                        core.lora.unload(msg.lora_name)
                     elif isinstance(msg, Shutdown):
                         core.abort_all()
                         return

@@ -12,6 +12,7 @@ from tokenmill.engine.admission import ContextLimits, admit, check_generates, ch
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.errors import InvalidRequest
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.backend import GrammarCache
@@ -68,7 +69,8 @@ class LLMEngine:
         raise InvalidRequest("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}",
                              param="prompt")
 
-    def add_request(self, request_id: str, prompt: str | dict, params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: str | dict, params: SamplingParams,
+                    lora_request: LoRARequest | None = None) -> None:
         """Tokenize, admit and queue; raises InvalidRequest / ContextTooLong with nothing queued."""
         self._check_open()
         cfg = self.core.model_config
@@ -79,7 +81,7 @@ class LLMEngine:
         max_tokens = admit(ids, params.max_tokens, self.limits)
         grammar = self.grammars.check(params.structured_outputs) if params.structured_outputs is not None else None
         _, sequences = self.processor.add_request(request_id, text, ids, params, max_tokens, cache_salt=salt,
-                                                  grammar=grammar)
+                                                  grammar=grammar, lora_request=lora_request)
         try:
             for msg in sequences:
                 self.core.add_request(msg)

@@ -23,6 +23,7 @@ import msgspec
 from tokenmill import errors
 from tokenmill.disagg.transfer import KVTransferParams, KVTransferStats
 from tokenmill.engine.step_types import SchedulerStats
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -39,6 +40,7 @@ class AddRequest:
     cache_salt: str | None = None
     grammar: str | None = None  # params.structured_outputs as checked grammar text (structured/backend.py)
     kv_transfer: KVTransferParams | None = None  # ship this prompt's KV, or take it (tokenmill/disagg/)
+    lora_request: LoRARequest | None = None  # the adapter it runs through (tokenmill/lora/)
 
 
 @dataclass
@@ -52,6 +54,13 @@ class FinishRequest:
 
     request_id: str
     stop_reason: str
+
+
+@dataclass
+class UnloadLoRA:
+    """Forget an adapter (POST /v1/unload_lora_adapter): its weights go once no request runs through it."""
+
+    lora_name: str
 
 
 @dataclass
@@ -112,6 +121,11 @@ class EngineReady(msgspec.Struct, tag=True, array_like=True):
     kv_transfer_address: str | None = None  # host:port a tcp KV consumer listens on (tokenmill/disagg/tcp.py)
     hidden_size: int = 0  # the model's: an embedding's dimensions
     generates: bool = True  # False: a base model without a language-model head, embeddings only
+    # --enable-lora: (in, out) of each projection an adapter may change, and the layers (the API process checks an
+    # adapter against them: lora/adapter.py check_adapter); None: no adapters served
+    lora_projections: dict[str, list[int]] | None = None
+    num_layers: int = 0
+    max_lora_rank: int = 0
 
 
 class EngineFailed(msgspec.Struct, tag=True, array_like=True):

@@ -102,7 +102,9 @@ class ModelSpec:
                   else config.device)
         return ModelRunner(self.config, weights, self.dtype, device, num_blocks, config.kv_block_size,
                            config.seed, batch_invariant=config.batch_invariant, quantization=self.quantization,
-                           kv_dtype=self.kv_dtype, tp=tp, pp=pp, cp=cp, kv_layout=self.kv_layout(config))
+                           kv_dtype=self.kv_dtype, tp=tp, pp=pp, cp=cp, kv_layout=self.kv_layout(config),
+                           lora_slots=(config.scheduler.max_loras, config.max_lora_rank) if config.enable_lora
+                           else None)
 
     def kv_layout(self, config: EngineConfig) -> KVLayout:
         """Hybrid (sliding-window layers give back the blocks that left their window) where the model has such

@@ -19,6 +19,7 @@ from tokenmill.engine.detokenizer import Decoder, IncrementalDetokenizer
 from tokenmill.engine.messages import AddRequest, EngineCoreOutput, EngineOutputs, FinishRequest
 from tokenmill.engine.step_types import SchedulerStats
 from tokenmill.errors import RequestFailed, TokenmillError
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -166,8 +167,8 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                     max_tokens: int, arrival_time: float | None = None, cache_salt: str | None = None,
-                    grammar: str | None = None, kv_transfer: KVTransferParams | None = None
-                    ) -> tuple[RequestState, list[AddRequest]]:
+                    grammar: str | None = None, kv_transfer: KVTransferParams | None = None,
+                    lora_request: LoRARequest | None = None) -> tuple[RequestState, list[AddRequest]]:
         """Track a request that passed admission; returns it and its n sequences for the core (ids `request_id`,
         or `request_id#i` for n > 1; seeded samples get seed + i). The n sequences share the prompt's KV blocks
         through the prefix cache. A producer's request ships its prompt's KV from the first sample only; every
@@ -188,7 +189,7 @@ class OutputProcessor:
                 sample_params = replace(sample_params, prompt_logprobs=None)
             transfer = kv_transfer if kv_transfer is not None and (i == 0 or not kv_transfer.send) else None
             msgs.append(AddRequest(core_id, prompt_token_ids, sample_params, max_tokens, self.eos_token_ids, now,
-                                   cache_salt, grammar, transfer))
+                                   cache_salt, grammar, transfer, lora_request))
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop_list,
                                            params.include_stop_str_in_output, params.skip_special_tokens)
             sample = SampleState(i, core_id, detok, logprobs=[] if with_logprobs else None,

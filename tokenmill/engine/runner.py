@@ -15,6 +15,7 @@ import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.engine.kv_layout import KVLayout
+from tokenmill.engine.lora_pool import LoRAPool
 from tokenmill.engine.multi_step_runner import MultiStepRunner, request_stop_ids
 from tokenmill.engine.sampler import Sampler, SamplingRow, top_logprobs
 from tokenmill.engine.step_inputs import StepInputs, micro_batches
@@ -79,7 +80,7 @@ class ModelRunner(StepInputs, MultiStepRunner):
                  batch_invariant: bool = False, quantization: str | None = None,
                  kv_dtype: torch.dtype | None = None, tp: TensorParallel | None = None,
                  pp: PipelineParallel | None = None, cp: ContextParallel | None = None,
-                 kv_layout: KVLayout | None = None):
+                 kv_layout: KVLayout | None = None, lora_slots: tuple[int, int] | None = None):
         self.use_kernel = use_kernel
         # multi-step decode (execute with num_steps > 1) runs the model here, in one process, whole
         self.multi_step = tp is None and pp is None and cp is None
@@ -110,6 +111,8 @@ class ModelRunner(StepInputs, MultiStepRunner):
         model.load_hf_weights(weights)
         self.model = model.eval()
         self.model.init_rotary(self.device)  # float32 tables, cast per step
+        # LoRA: (slots, rank) of adapter slots in every projection, before packing (engine/lora_pool.py)
+        self.lora = LoRAPool(self.model, cfg, *lora_slots) if lora_slots is not None else None
         self.prepacked = self.backend.prepack(self.model)  # e.g. oneDNN layouts on CPU (model/backends/cpu.py)
         # context parallelism: block_size / C tokens per block here, and a spare block (parallel/context.py)
         shape = ((num_blocks + 1, cp.block_size) if cp is not None else (num_blocks, block_size)) + (
@@ -189,6 +192,8 @@ class ModelRunner(StepInputs, MultiStepRunner):
     # ---- one step ----------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
+        if self.lora is not None:
+            self.lora.clear_runs()
         if out.num_steps > 1:
             return self._execute_run(out)
         # Paged tokens (decodes, later prefill chunks) first, then fresh prefills: see model/attention.py.
@@ -197,7 +202,12 @@ class ModelRunner(StepInputs, MultiStepRunner):
         else:
             paged = [s for s in out.scheduled if s.request.num_computed_tokens > 0 or s.num_new_tokens == 1]
             fresh = [s for s in out.scheduled if s.request.num_computed_tokens == 0 and s.num_new_tokens > 1]
+        if self.lora is not None:  # requests of one adapter side by side: one run of rows each (model/lora.py)
+            self.lora.bind(out.scheduled)
+            paged, fresh = sorted(paged, key=self.lora.slot_of), sorted(fresh, key=self.lora.slot_of)
         ordered = paged + fresh
+        if self.lora is not None:
+            self.lora.set_runs(ordered)
         if self.pp is not None and self.pp.micro_batches > 1:
             # pipeline parallelism: the step in micro-batches (contiguous runs of its tokens, so the hidden states
             # come back in order), which the stages work on at once. Where every token reads its context through

@@ -213,9 +213,12 @@ class Scheduler:
         headroom = bool(self.config.new_token_ratio)
         growth = [(self.policy.level(r, now), self._expected_growth(r)) for r in self.running] if headroom else []
         cost = self.step_cost.fitted if self.step_cost is not None else None
+        adapters = {r.lora_name for r in self.running if r.lora_name is not None}
         for _, req in self.policy.admission_order(self.waiting, now, cached_len, cost):
             if not budget.left or len(self.running) >= self.config.max_num_seqs:
                 break
+            if not self._adapter_fits(req, adapters):
+                continue
             match = self.kv.match(req)
             # cached: the prefix this request will not compute (a cache hit, then KV from a producer)
             cached = (len(match.blocks) * self.kv.block_size if match else 0) + self.kv.num_loaded(req, match)
@@ -236,6 +239,8 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             req.first_scheduled_time = req.first_scheduled_time or now
             self.running.append(req)
+            if req.lora_name is not None:
+                adapters.add(req.lora_name)
             if headroom:
                 growth.append((self.policy.level(req, now), self._expected_growth(req)))
             out.scheduled.append(ScheduledRequest(req, n))
@@ -245,6 +250,11 @@ class Scheduler:
             if self.kv.prefix_caching and req.num_tokens - req.num_computed_tokens > 1:
                 prefilling.append(req)
         return passed_over
+
+    def _adapter_fits(self, request: Request, adapters: set[str]) -> bool:
+        """Whether the running requests' adapters stay within the model's slots (max_loras) with this one's."""
+        name = request.lora_name
+        return name is None or name in adapters or len(adapters) < self.config.max_loras
 
     def _grow(self, budget: StepBudget, capped: list[ScheduledRequest]) -> None:
         """Phase C: give the budget left to the capped long prefills in prefill_finish_key order; only the extra
@@ -289,8 +299,13 @@ class Scheduler:
 
     def _form_static_batch(self, now: float) -> None:
         """Static batching: a fixed batch joins together and no one else joins until all of it has ended."""
+        adapters = {r.lora_name for r in self.running if r.lora_name is not None}
         while self.waiting and len(self.running) < self.config.max_num_seqs:
+            if not self._adapter_fits(self.waiting[0], adapters):
+                break
             req = self.waiting.popleft()
+            if req.lora_name is not None:
+                adapters.add(req.lora_name)
             self.kv.admit(req, self.kv.match(req), 0, 0)  # takes only its cached prefix: always fits
             req.status = RequestStatus.RUNNING
             req.first_scheduled_time = req.first_scheduled_time or now

@@ -144,5 +144,7 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False, backend=self.backend, method=method, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(self.backend.gate_up_silu(x, self.gate_up_proj))
+        gate_up = self.gate_up_proj  # with adapter slots: the plain matmul (its runs added), then SiLU-and-multiply
+        h = self.backend.gate_up_silu(x, gate_up) if gate_up.lora is None else self.backend.silu_mul(gate_up(x))
+        out = self.down_proj(h)
         return out if self.reduce is None else self.reduce(out)

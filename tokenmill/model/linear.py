@@ -10,6 +10,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from itertools import accumulate
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -17,6 +18,9 @@ from torch import nn
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.backends import Backend, TorchBackend
 from tokenmill.model.backends.cpu import prepack_weight  # noqa: F401 - the oneDNN layout; benchmarks/kernel_timings.py
+
+if TYPE_CHECKING:
+    from tokenmill.model.lora import LoRASlots
 
 
 @torch.no_grad()
@@ -95,6 +99,7 @@ class Linear(nn.Module):
     the plain weight (left on the meta device: its shape and dtype, no memory); load_hf_weights allocates it again."""
 
     packed_weight: torch.Tensor | None = None
+    lora: LoRASlots | None = None  # adapter slots (model/lora.py attach_lora): their runs are added to the output
 
     def __init__(self, in_features: int, output_sizes: int | Sequence[int], bias: bool = True,
                  backend: Backend | None = None, method: LinearMethod | None = None,
@@ -111,7 +116,10 @@ class Linear(nn.Module):
         self.method.weight_loader(self, param, loaded, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        y = self.method.apply(self, x)
+        if self.lora is not None and self.lora.batch.runs and self.lora.applies():
+            self.backend.lora_add(y, x, self.lora)
+        return y
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, output_sizes={self.output_sizes}, bias={self.has_bias}"

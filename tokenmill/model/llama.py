@@ -23,6 +23,7 @@ from tokenmill.model.linear import Linear, LinearMethod, TiedLMHead, default_wei
 from tokenmill.model.loader import allocate_parameters, one_torch_thread
 
 if TYPE_CHECKING:
+    from tokenmill.model.lora import LoRABatch
     from tokenmill.parallel.group import TensorParallel
     from tokenmill.parallel.layout import PPStage
 
@@ -124,6 +125,7 @@ class LlamaForCausalLM(nn.Module):
                               dtype=dtype) if untied else None
         self.tied_head = TiedLMHead(self.embed_tokens, backend, head_method) if tied else None
         self.backend_cache: dict[str, object] = {}  # the backend's per-model state; emptied when weights change
+        self.lora_batch: LoRABatch | None = None  # adapter slots' runs this step (model/lora.py attach_lora)
 
     def init_rotary(self, device: torch.device) -> None:
         cfg = self.config
@@ -141,7 +143,9 @@ class LlamaForCausalLM(nn.Module):
         # the backend's whole-layer kernel has no place for the all-reduces or the context-parallel collectives:
         # such layers run op by op
         # (nor for layers reading through tables of their own: a hybrid KV layout)
-        split = self.tp is not None or meta.context is not None or meta.layer_meta is not None
+        # (nor for a step with adapter runs: model/lora.py)
+        split = (self.tp is not None or meta.context is not None or meta.layer_meta is not None
+                 or bool(self.lora_batch is not None and self.lora_batch.runs))
         fast = None if split else self.backend.decode_layers(self, x, cos, sin, meta, kv_caches)
         if fast is None:
             for layer, kv, layer_meta in zip(self.layers, kv_caches, meta.per_layer(len(self.layers))):

@@ -26,13 +26,14 @@ from tokenmill.disagg.transfer import KVTransferParams
 from tokenmill.engine.admission import check_token_ids
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.output_stream import OutputStream
-from tokenmill.errors import InvalidRequest
+from tokenmill.errors import ConfigError, InvalidRequest
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.admin import add_admin_routes
 from tokenmill.server.anthropic import MessagesRequest, message_body, message_events
 from tokenmill.server.errors import ModelNotFound, NotFound, anthropic_error, error_body, install_error_handlers
 from tokenmill.server.guard import Guard
 from tokenmill.server.json_body import parse_json, validate
+from tokenmill.server.lora_routes import LoRARegistry, add_lora_routes
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.prompts import PromptEncoder
 from tokenmill.server.protocol import (
@@ -90,6 +91,12 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
     token_text = TokenText(tok)
     encoder = PromptEncoder(tok)
     responses = ResponseStore(settings.max_stored_responses)
+    loras = LoRARegistry(engine, names)  # adapters a request may name as its model (lora_routes.py)
+    for name, path in settings.lora_modules:
+        try:
+            loras.add(name, path)
+        except InvalidRequest as e:
+            raise ConfigError(f"--lora-modules {name}={path}: {e}") from None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -100,6 +107,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
     app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url=None)
     app.state.engine, app.state.settings, app.state.metrics = engine, settings, metrics
+    app.state.loras = loras
     install_error_handlers(app, metrics.on_rejected)
 
     async def read(request: Request, model: type) -> Any:
@@ -117,14 +125,16 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
                                  "requests", param="model")
 
     def check_model(name: str | None) -> str:
-        if name is None or name in names:
+        if name is None or name in names or name in loras.adapters:
             return name or names[0]
-        raise ModelNotFound(f"the model {name!r} does not exist; this server serves {', '.join(map(repr, names))}",
+        served = names + list(loras.adapters)
+        raise ModelNotFound(f"the model {name!r} does not exist; this server serves {', '.join(map(repr, served))}",
                             param="model")
 
     if settings.ui:
         add_ui_routes(app, engine, metrics, settings.model_name)
     add_admin_routes(app, engine)
+    add_lora_routes(app, loras)
 
     @app.get("/health")
     async def health():
@@ -156,14 +166,17 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         return {"kv_role": cfg.kv_role, "kv_connector": cfg.kv_connector, "kv_address": address,
                 "kv_port": int(address.rsplit(":", 1)[1]) if address else None}
 
+    def adapter_card(name: str) -> dict:
+        return {**model_card(name), "root": loras.adapters[name].lora_path, "parent": names[0]}
+
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [model_card(n) for n in names]}
+        return {"object": "list", "data": [model_card(n) for n in names] + [adapter_card(n) for n in loras.adapters]}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
         check_model(model_id)
-        return model_card(model_id)
+        return adapter_card(model_id) if model_id in loras.adapters else model_card(model_id)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -177,7 +190,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         grammar = await engine.check_grammar(params)
         transfer = KVTransferParams.from_request(req.kv_transfer_params, engine.config.kv_transfer)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = engine.add_requests(request_id, prompts, params, arrival, req.cache_salt, grammar, transfer)
+        stream = engine.add_requests(request_id, prompts, params, arrival, req.cache_salt, grammar, transfer,
+                                     loras.adapters.get(model))
         echo = [text if text is not None else tok.decode(ids, skip_special_tokens=False) for text, ids in prompts] \
             if req.echo else None
         writer = CompletionWriter(request_id, model, params.n, req.logprobs, echo, token_text, req.prompt_logprobs)
@@ -209,7 +223,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         grammar = await engine.check_grammar(params)
         transfer = KVTransferParams.from_request(req.kv_transfer_params, engine.config.kv_transfer)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = engine.add_requests(request_id, [(text, ids)], params, arrival, req.cache_salt, grammar, transfer)
+        stream = engine.add_requests(request_id, [(text, ids)], params, arrival, req.cache_salt, grammar, transfer,
+                                     loras.adapters.get(model))
         writer = ChatWriter(request_id, model, params.n, (req.top_logprobs or 0) if req.logprobs else None,
                             token_text, req.prompt_logprobs, tools.offered if tools and tools.parses else None,
                             settings.reasoning_parser, req.echoed())
@@ -325,7 +340,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
             check_token_ids(ids, info.vocab_size, f"input.{i}" if len(prompts) > 1 else "input")
         params = SamplingParams(max_tokens=1, pooling=settings.pooling, normalize=req.normalize,
                                 priority=req.priority)
-        stream = engine.add_requests(f"embd-{uuid.uuid4().hex}", prompts, params, arrival)
+        stream = engine.add_requests(f"embd-{uuid.uuid4().hex}", prompts, params, arrival,
+                                     lora_request=loras.adapters.get(model))
         if await collect(request, stream, 1) is None:
             return Response(status_code=499)
         data = [{"object": "embedding", "index": i,

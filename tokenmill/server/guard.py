@@ -3,7 +3,8 @@ whatever escapes the app. Rejections are answered here, without running the app.
 
 Three keys, each compared in constant time: the clients' `--api-key` (/v1/*, /tokenize, /detokenize, /ui/stats; as
 'Authorization: Bearer KEY' or, as Anthropic's clients send it, 'x-api-key: KEY'),
-the operator's `--admin-api-key` (/admin/*, which do not exist without it: a client key never opens them) and an
+the operator's `--admin-api-key` (/admin/* and the LoRA adapter loading routes, which do not exist without it: a
+client key never opens them) and an
 optional `--metrics-api-key` (/metrics; open without it, as Prometheus scrapers expect)."""
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ log = logging.getLogger("tokenmill")
 
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/ui/stats")
 ADMIN_PREFIX = "/admin/"
+LORA_ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")  # vLLM's paths; the admin key opens them
 METRICS_PATH = "/metrics"
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses", "/v1/embeddings")
 
@@ -94,7 +96,7 @@ class Guard:
     def _check_key(self, path: str, auth: str) -> Exception | None:
         """Why this path refuses this Authorization header, or None. Each area has its own key."""
         settings = self.settings
-        if path.startswith(ADMIN_PREFIX) or path == ADMIN_PREFIX.rstrip("/"):
+        if path.startswith(ADMIN_PREFIX) or path == ADMIN_PREFIX.rstrip("/") or path in LORA_ADMIN_PATHS:
             if not settings.admin_api_key:
                 return NotFound(f"{path} is an admin endpoint, off on this server; start it with --admin-api-key")
             return _key_mismatch(auth, settings.admin_api_key, "admin API key")

@@ -27,6 +27,7 @@ class ServerSettings:
     ui: bool = True  # the playground and dashboard at / (--no-ui: off)
     reasoning_parser: str | None = None  # --reasoning-parser: <think> blocks go to reasoning_content (reasoning.py)
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # under a request's own
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)  # --lora-modules: (name, PEFT directory)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def check_priority(self, priority: int) -> None:

@@ -33,7 +33,7 @@ def select_backend(device: str | torch.device, use_kernels: bool = True, batch_i
         ops = cpu_kernels._extension()
         if ops is not None:
             backend = CpuBackend(ops, ops.bf16_kernel(), f32_panels=batch_invariant and ops.f32_panels_available(),
-                                 gguf_kernel=ops.gguf_kernel())
+                                 gguf_kernel=ops.gguf_kernel(), batch_invariant=batch_invariant)
     _log_once(f"backend: {backend.describe()} on {device}")
     return backend
 

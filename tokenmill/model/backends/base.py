@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from tokenmill.model.attention import AttentionMetadata
+    from tokenmill.model.lora import LoRASlots
 
 
 class LinearWeights(Protocol):
@@ -121,6 +122,16 @@ class Backend(ABC):
         """Whether a weight may be kept in blocks of this type (quant/gguf_linear.py): this reference dequantizes
         any of them per call."""
         return True
+
+    def lora_add(self, y: torch.Tensor, x: torch.Tensor, slots: LoRASlots) -> None:
+        """y += each LoRA adapter's update of its run of rows (model/lora.py), in place: per run and part, two
+        matmuls. A backend may run them all in one call."""
+        for start, end, slot in slots.batch.runs:
+            for p, col0 in enumerate(slots.col0s):
+                r = slots.ranks[p][slot]
+                if r:
+                    b = slots.b[p][slot, :r]
+                    y[start:end, col0:col0 + b.shape[1]].addmm_(x[start:end] @ slots.a[p][slot, :r].t(), b)
 
     def gate_up_silu(self, x: torch.Tensor, gate_up: nn.Module) -> torch.Tensor:
         """silu(gate) * up of a fused gate/up projection of x: the layer, then silu_mul. A backend may fuse them."""

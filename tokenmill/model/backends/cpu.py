@@ -34,10 +34,12 @@ from tokenmill.quant.gguf_tiles import gguf_pack, kernel_dtypes, kernel_layout
 
 if TYPE_CHECKING:
     from tokenmill.model.attention import AttentionMetadata
+    from tokenmill.model.lora import LoRASlots
 
 log = logging.getLogger("tokenmill")
 
 SKINNY_MAX_ROWS = 4  # measured on 2 AVX2 cores: at 8 rows BLAS gemm is already as fast (BENCHMARKS.md)
+LORA_MATMUL_ROWS = 16  # without batch invariance, a LoRA run of more rows than this takes two matmuls (lora.cpp)
 PREPACK_ROWS_HINT = 64  # oneDNN picks its blocking for this many rows; measured best across 2-512 rows
 
 
@@ -73,8 +75,12 @@ class CpuBackend(TorchBackend):
 
     name = "cpu"
 
-    def __init__(self, ops: Any, bf16_kernel: str = "", f32_panels: bool = False, gguf_kernel: str = ""):
+    def __init__(self, ops: Any, bf16_kernel: str = "", f32_panels: bool = False, gguf_kernel: str = "",
+                 batch_invariant: bool = False):
         self.ops = ops
+        # LoRA updates: every row on csrc/lora.cpp's row loop (a row's result independent of its batch), or runs of
+        # more rows than this through two matmuls (LORA_MATMUL_ROWS)
+        self.lora_matmul_rows = 0 if batch_invariant else LORA_MATMUL_ROWS
         self.bf16_kernel = bf16_kernel  # ops.bf16_kernel(): "amx", "avx512_bf16", or "" (no packed bf16 kernel)
         # ops.gguf_kernel(), for kept GGUF blocks: "amx" (tiles, bit for bit the dequantized model), "vnni" or
         # "avx2" (int8 activations), or "" (the reference dequantizes them)
@@ -123,6 +129,13 @@ class CpuBackend(TorchBackend):
                 x.dtype == residual.dtype == weight.dtype and weight.is_contiguous()):
             return self.ops.add_rms_norm(x, residual, weight, eps)
         return super().add_rms_norm(x, residual, weight, eps)
+
+    def lora_add(self, y: torch.Tensor, x: torch.Tensor, slots: LoRASlots) -> None:
+        if x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu" and x.stride(1) == 1:
+            self.ops.lora_add(y, x, slots.a, slots.b, slots.col0s, slots.ranks, slots.batch.runs_tensor,
+                              self.lora_matmul_rows)
+            return
+        super().lora_add(y, x, slots)
 
     def silu_mul(self, gate_up):
         if _rows(gate_up) and gate_up.is_contiguous():

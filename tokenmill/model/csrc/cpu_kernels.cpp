@@ -1028,6 +1028,10 @@ at::Tensor gguf_avx2_linear_silu(const at::Tensor& x, const at::Tensor& pairs);
 // f32_linear.cpp: the float32 matmul over 16-feature panels.
 bool f32_panels_available();
 at::Tensor f32_pack(const at::Tensor& w);
+// lora.cpp: LoRA adapters' grouped low-rank update, run by run
+void lora_add(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& as,
+              const std::vector<at::Tensor>& bs, const std::vector<int64_t>& col0s,
+              const std::vector<std::vector<int64_t>>& ranks, const at::Tensor& runs, int64_t matmul_rows);
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 
 // The linear layer of the decode path. A packed copy of the weight serves every row count: bytes (uint8) are a
@@ -1282,6 +1286,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_avx2_linear_silu", &gguf_avx2_linear_silu, "gguf_vnni_linear_silu with AVX2 products");
   m.def("dpbf16_linear", &dpbf16_linear, "bf16_linear with AVX512-BF16 dot products");
   m.def("f32_panels_available", &f32_panels_available, "whether this build has the float32 panel matmul");
+  m.def("lora_add", &lora_add, "y[run rows] += (x A_s^T) B_s per run and part: LoRA adapters (model/lora.py)");
   m.def("f32_pack", &f32_pack, "a [N, K] float32 weight in 16-feature panels [N/16, K, 16]");
   m.def("f32_linear", &f32_linear, "x @ w.T (+ b), w from f32_pack; batch-invariant");
   m.def("paged_attention_vectors", &paged_attention_vectors, "paged_attention on the float32 vector kernel only");
