@@ -72,7 +72,13 @@ def run(llm, jobs):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)]
 
 
-def test_adapters_and_base_in_one_batch_match_peft_merged(llm, adapters, references):
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_adapters_and_base_in_one_batch_match_peft_merged(model_dir, llm, adapters, references, batch_invariant):
+    """Batch-invariant: every step through the C++ layer stack, adapters added after each projection (row loop);
+    not: a prompt's first chunk through the modules, its adapter runs of more than 16 rows as two matmuls."""
+    if not batch_invariant:
+        llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=16 << 20, enable_lora=True, max_loras=2,
+                  max_lora_rank=8, batch_invariant=False)
     llm.adapters = adapters
     # three adapters over two slots and the base: the third adapter's requests wait for a slot
     jobs = [(name, i) for i in range(len(PROMPTS)) for name in (None, "qv", "all", "mlp")]

@@ -143,9 +143,8 @@ class LlamaForCausalLM(nn.Module):
         # the backend's whole-layer kernel has no place for the all-reduces or the context-parallel collectives:
         # such layers run op by op
         # (nor for layers reading through tables of their own: a hybrid KV layout)
-        # (nor for a step with adapter runs: model/lora.py)
-        split = (self.tp is not None or meta.context is not None or meta.layer_meta is not None
-                 or bool(self.lora_batch is not None and self.lora_batch.runs))
+        # (a step's LoRA adapter runs go with it: model/lora.py; a backend whose kernel cannot add them says None)
+        split = self.tp is not None or meta.context is not None or meta.layer_meta is not None
         fast = None if split else self.backend.decode_layers(self, x, cos, sin, meta, kv_caches)
         if fast is None:
             for layer, kv, layer_meta in zip(self.layers, kv_caches, meta.per_layer(len(self.layers))):

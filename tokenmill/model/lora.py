@@ -46,7 +46,7 @@ class LoRASlots:
         self.col0s = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
         self.a = [torch.zeros(num_slots, max_rank, in_features, dtype=dtype, device=device) for _ in parts]
         self.b = [torch.zeros(num_slots, max_rank, n, dtype=dtype, device=device) for n in output_sizes]
-        self.ranks = [[0] * num_slots for _ in parts]
+        self.ranks = [torch.zeros(num_slots, dtype=torch.int64) for _ in parts]  # read in place by C++
         self.active = [False] * num_slots  # whether the slot's adapter changes this projection at all
 
     def fill(self, slot: int, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -56,7 +56,7 @@ class LoRASlots:
             self.a[p][slot].zero_()
             self.b[p][slot].zero_()
             pair = pairs.get(part)
-            self.ranks[p][slot] = 0 if pair is None else pair[0].shape[0]
+            self.ranks[p][slot] = 0 if pair is None else int(pair[0].shape[0])
             if pair is not None:
                 a, b = pair
                 self.a[p][slot, :a.shape[0]].copy_(a)

@@ -128,7 +128,7 @@ class Backend(ABC):
         matmuls. A backend may run them all in one call."""
         for start, end, slot in slots.batch.runs:
             for p, col0 in enumerate(slots.col0s):
-                r = slots.ranks[p][slot]
+                r = int(slots.ranks[p][slot])
                 if r:
                     b = slots.b[p][slot, :r]
                     y[start:end, col0:col0 + b.shape[1]].addmm_(x[start:end] @ slots.a[p][slot, :r].t(), b)

@@ -343,13 +343,17 @@ class CpuBackend(TorchBackend):
         with the next one's input norm), the same math as the modules."""
         if meta.fresh_spans or not _rows(x) or not x.is_contiguous():
             return None
-        stack = layer_stack(self.ops, model)
+        stack = layer_stack(self.ops, model, self.lora_matmul_rows)
         if stack is None or len(stack) != len(kv_caches):
+            return None
+        lora = getattr(model, "lora_batch", None)  # adapter runs (model/lora.py): added after each projection
+        runs = lora.runs_tensor if lora is not None and lora.runs else None
+        if runs is not None and (x.dtype not in (torch.float32, torch.bfloat16) or not stack.has_lora()):
             return None
         cfg, t = model.config, x.shape[0]
         cos, sin = cos.reshape(t, -1).contiguous(), sin.reshape(t, -1).contiguous()
         stack.run(x, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, cos, sin, [k for k, _ in kv_caches],
-                  [v for _, v in kv_caches], meta.slot_mapping, meta.block_tables, meta.q_rows, meta.kv_lens)
+                  [v for _, v in kv_caches], meta.slot_mapping, meta.block_tables, meta.q_rows, meta.kv_lens, runs)
         return x
 
     def decode_greedy(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,

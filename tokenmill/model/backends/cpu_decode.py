@@ -61,14 +61,32 @@ def _build_decode_model(ops: Any, model: nn.Module) -> Any:
                 cos, sin, cfg.num_heads, cfg.num_kv_heads)
 
 
-def layer_stack(ops: Any, model: nn.Module) -> Any:
+def layer_stack(ops: Any, model: nn.Module, lora_matmul_rows: int = 0) -> Any:
     """The model's layers as one ops.DecoderStack (_layer_weights' tensors, held in C++), built once per model
     and kept in model.backend_cache; None where _layer_weights is, or where the model's layers are not the plain
-    Llama layer the stack computes (model.whole_layer_kernels: q/k norms, partial rotary, NoPE layers)."""
+    Llama layer the stack computes (model.whole_layer_kernels: q/k norms, partial rotary, NoPE layers). A model
+    with LoRA slots (model/lora.py) hands them to the stack too, which adds a step's adapter runs after each
+    projection (LoRA runs of more than `lora_matmul_rows` rows through matmuls; 0: never)."""
     if LAYER_STACK not in model.backend_cache:
         weights = _layer_weights(model) if getattr(model, "whole_layer_kernels", True) else None
-        model.backend_cache[LAYER_STACK] = None if weights is None else ops.DecoderStack(weights)
+        stack = None if weights is None else ops.DecoderStack(weights)
+        if stack is not None and getattr(model, "lora_batch", None) is not None:
+            stack.set_lora(*_lora_slots(model), lora_matmul_rows)
+        model.backend_cache[LAYER_STACK] = stack
     return model.backend_cache[LAYER_STACK]
+
+
+def _lora_slots(model: nn.Module) -> tuple[list, list, list, list]:
+    """Per layer and projection (qkv, o, gate_up, down): the LoRA slots' A, B, ranks and first columns (empty lists
+    where a projection has none), as DecoderStack.set_lora takes them."""
+    out: tuple[list, list, list, list] = ([], [], [], [])
+    for layer in model.layers:
+        projections = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                       layer.mlp.down_proj]
+        slots = [getattr(m, "lora", None) for m in projections]
+        for i, field in enumerate(("a", "b", "ranks", "col0s")):
+            out[i].append([getattr(s, field) if s is not None else [] for s in slots])
+    return out
 
 
 def _layer_weights(model: nn.Module) -> list[list[torch.Tensor]] | None:

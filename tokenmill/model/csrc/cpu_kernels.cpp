@@ -1031,7 +1031,7 @@ at::Tensor f32_pack(const at::Tensor& w);
 // lora.cpp: LoRA adapters' grouped low-rank update, run by run
 void lora_add(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& as,
               const std::vector<at::Tensor>& bs, const std::vector<int64_t>& col0s,
-              const std::vector<std::vector<int64_t>>& ranks, const at::Tensor& runs, int64_t matmul_rows);
+              const std::vector<at::Tensor>& ranks, const at::Tensor& runs, int64_t matmul_rows);
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 
 // The linear layer of the decode path. A packed copy of the weight serves every row count: bytes (uint8) are a
@@ -1067,6 +1067,17 @@ at::Tensor gate_up_silu(const at::Tensor& x, const at::Tensor& w, const at::Tens
 
 namespace {
 
+// One projection's LoRA slots as model/lora.py's LoRASlots holds them (per part: A, B, ranks, first column); no
+// parts: no adapter there. Their tensors are the slots' own, so refilled slots are seen without a new stack.
+struct LoRAProjection {
+  std::vector<at::Tensor> as, bs, ranks;
+  std::vector<int64_t> col0s;
+  void add(at::Tensor& y, const at::Tensor& x, const at::Tensor& runs, int64_t matmul_rows) const {
+    if (!as.empty() && runs.size(0) > 0) lora_add(y, x, as, bs, col0s, ranks, runs, matmul_rows);
+  }
+};
+using LayerLoRA = std::vector<LoRAProjection>;  // qkv_proj, o_proj, gate_up_proj, down_proj
+
 // A decoder layer, for a batch whose tokens all read their context from the cache (decodes and later prefill
 // chunks), from its normed input xn to its MLP output, with the attention's residual added to x in place (the MLP's
 // is left to the caller). `w` holds input_norm, qkv weight, qkv bias (or an empty tensor), o_proj, post_norm,
@@ -1075,20 +1086,33 @@ namespace {
 at::Tensor layer_to_mlp(at::Tensor x, const at::Tensor& xn, const std::vector<at::Tensor>& w, int64_t num_heads,
                         int64_t num_kv_heads, double eps, const at::Tensor& cos, const at::Tensor& sin,
                         const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
-                        const at::Tensor& block_tables, const at::Tensor& q_rows, const at::Tensor& kv_lens) {
+                        const at::Tensor& block_tables, const at::Tensor& q_rows, const at::Tensor& kv_lens,
+                        const LayerLoRA* lora, const at::Tensor& lora_runs, int64_t lora_matmul_rows) {
   const int64_t T = x.size(0), D = k_cache.size(3);
   c10::optional<at::Tensor> qkv_bias;
   if (w[2].numel() > 0) qkv_bias = w[2];
   auto qkv = linear_any(xn, w[1], w[7], w[11], qkv_bias);
+  if (lora) (*lora)[0].add(qkv, xn, lora_runs, lora_matmul_rows);
   rotary_write_kv(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping);
   // q's heads in place (one token: already contiguous), one view instead of narrow + contiguous + view
   auto q = qkv.as_strided({T, num_heads, D}, {qkv.stride(0), D, 1});
   if (T > 1) q = q.contiguous();
   auto attn = paged_attention(q, k_cache, v_cache, block_tables, q_rows, kv_lens, 1.0 / std::sqrt(double(D)));
-  auto h = linear_any(attn.view({T, num_heads * D}), w[3], w[8], w[12], c10::nullopt);
+  auto attn_rows = attn.view({T, num_heads * D});
+  auto h = linear_any(attn_rows, w[3], w[8], w[12], c10::nullopt);
+  if (lora) (*lora)[1].add(h, attn_rows, lora_runs, lora_matmul_rows);
   auto normed = add_rms_norm(h, x, w[4], eps);
-  auto act = gate_up_silu(normed, w[5], w[9], w[13]);
-  return linear_any(act, w[6], w[10], w[14], c10::nullopt);
+  at::Tensor act;
+  if (lora && !(*lora)[2].as.empty()) {  // the adapter changes gate and up before SiLU (gate_up packed plain)
+    auto gate_up = linear_any(normed, w[5], w[9], w[13], c10::nullopt);
+    (*lora)[2].add(gate_up, normed, lora_runs, lora_matmul_rows);
+    act = silu_mul(gate_up);
+  } else {
+    act = gate_up_silu(normed, w[5], w[9], w[13]);
+  }
+  auto out = linear_any(act, w[6], w[10], w[14], c10::nullopt);
+  if (lora) (*lora)[3].add(out, act, lora_runs, lora_matmul_rows);
+  return out;
 }
 
 }  // namespace
@@ -1105,18 +1129,40 @@ class DecoderStack {
     for (const auto& w : layers_) TORCH_CHECK(w.size() == 15, "a decoder layer takes 15 weight tensors");
   }
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
-  // x [T, hidden] updated in place through every layer; k_caches / v_caches one per layer.
+  // LoRA slots per layer and projection (qkv, o, gate_up, down), per part: A, B, ranks (model/lora.py LoRASlots)
+  // and first columns; a projection without parts has no adapters.
+  void set_lora(const std::vector<std::vector<std::vector<at::Tensor>>>& as,
+                const std::vector<std::vector<std::vector<at::Tensor>>>& bs,
+                const std::vector<std::vector<std::vector<at::Tensor>>>& ranks,
+                const std::vector<std::vector<std::vector<int64_t>>>& col0s, int64_t matmul_rows) {
+    TORCH_CHECK(as.size() == layers_.size() && bs.size() == as.size() && ranks.size() == as.size() &&
+                    col0s.size() == as.size(), "LoRA slots for every layer");
+    lora_.assign(as.size(), LayerLoRA(4));
+    for (size_t i = 0; i < as.size(); ++i) {
+      TORCH_CHECK(as[i].size() == 4 && bs[i].size() == 4 && ranks[i].size() == 4 && col0s[i].size() == 4,
+                  "a layer's LoRA slots: qkv, o, gate_up, down");
+      for (size_t j = 0; j < 4; ++j) lora_[i][j] = LoRAProjection{as[i][j], bs[i][j], ranks[i][j], col0s[i][j]};
+    }
+    lora_matmul_rows_ = matmul_rows;
+  }
+  bool has_lora() const { return !lora_.empty(); }
+  // x [T, hidden] updated in place through every layer; k_caches / v_caches one per layer; lora_runs [n, 3] (first
+  // row, end row, slot) of rows through LoRA slots (set_lora), or empty.
   void run(at::Tensor x, int64_t num_heads, int64_t num_kv_heads, double eps, const at::Tensor& cos,
            const at::Tensor& sin, const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
            const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& q_rows,
-           const at::Tensor& kv_lens) const {
+           const at::Tensor& kv_lens, const c10::optional<at::Tensor>& lora_runs = c10::nullopt) const {
+    const bool lora = lora_runs.has_value() && lora_runs->size(0) > 0;
+    TORCH_CHECK(!lora || has_lora(), "LoRA runs given to a stack without LoRA slots");
+    const at::Tensor runs = lora ? *lora_runs : at::Tensor();
     const size_t n = layers_.size();
     TORCH_CHECK(k_caches.size() == n && v_caches.size() == n, "one K and one V cache per layer");
     if (n == 0) return;
     at::Tensor xn = rms_norm(x, layers_[0][0], eps);
     for (size_t i = 0; i < n; ++i) {
       auto mlp = layer_to_mlp(x, xn, layers_[i], num_heads, num_kv_heads, eps, cos, sin, k_caches[i], v_caches[i],
-                              slot_mapping, block_tables, q_rows, kv_lens);
+                              slot_mapping, block_tables, q_rows, kv_lens, lora ? &lora_[i] : nullptr, runs,
+                              lora_matmul_rows_);
       if (i + 1 < n) xn = add_rms_norm(mlp, x, layers_[i + 1][0], eps);  // x += mlp; the next layer's input norm
       else x.add_(mlp);
     }
@@ -1124,6 +1170,8 @@ class DecoderStack {
 
  private:
   std::vector<std::vector<at::Tensor>> layers_;
+  std::vector<LayerLoRA> lora_;
+  int64_t lora_matmul_rows_ = 0;
 };
 
 // Token ids -> embedding rows, as the model's VocabEmbedding looks them up on this backend (backends/cpu.py says
@@ -1301,7 +1349,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                            py::module_local())
       .def(py::init<std::vector<std::vector<at::Tensor>>>())
       .def("__len__", &DecoderStack::size)
-      .def("run", &DecoderStack::run, "x through every layer, in place (an all-paged batch)");
+      .def("set_lora", &DecoderStack::set_lora, "LoRA slots of every layer's projections (model/lora.py)")
+      .def("has_lora", &DecoderStack::has_lora)
+      .def("run", &DecoderStack::run, "x through every layer, in place (an all-paged batch); lora_runs: rows "
+           "through LoRA slots", py::arg("x"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("eps"),
+           py::arg("cos"), py::arg("sin"), py::arg("k_caches"), py::arg("v_caches"), py::arg("slot_mapping"),
+           py::arg("block_tables"), py::arg("q_rows"), py::arg("kv_lens"), py::arg("lora_runs") = py::none());
   py::class_<RowLookup>(m, "RowLookup", "token ids -> embedding rows, as the model looks them up",
                         py::module_local())
       .def(py::init<std::string, at::Tensor, at::Tensor, at::Tensor, int64_t, at::Tensor, at::Tensor>())

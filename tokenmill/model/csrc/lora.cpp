@@ -38,7 +38,7 @@ void row_update(const T* x, T* y, const T* a, const T* b, int64_t in, int64_t ou
 template <typename T>
 void rows_update(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& as,
                  const std::vector<at::Tensor>& bs, const std::vector<int64_t>& col0s,
-                 const std::vector<std::vector<int64_t>>& ranks, const std::vector<int64_t>& rows,
+                 const std::vector<at::Tensor>& ranks, const std::vector<int64_t>& rows,
                  const std::vector<int64_t>& row_slots) {
   const int64_t in = x.size(1), y_stride = y.stride(0), x_stride = x.stride(0);
   const int64_t n = static_cast<int64_t>(rows.size()), parts = static_cast<int64_t>(as.size());
@@ -53,7 +53,7 @@ void rows_update(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tenso
     std::vector<float> xa(max_rank), acc(widest);
     for (int64_t job = begin; job < end; ++job) {
       const int64_t i = job / parts, p = job % parts, slot = row_slots[i];
-      const int64_t rank = ranks[p][slot];
+      const int64_t rank = ranks[p].data_ptr<int64_t>()[slot];
       if (rank == 0) continue;
       const at::Tensor& a = as[p];
       const at::Tensor& b = bs[p];
@@ -68,11 +68,12 @@ void rows_update(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tenso
 }  // namespace
 
 // y [T, N] += the adapters' updates; runs [n, 3] int64 (first row, end row, slot); per part p: as[p] [S, R, in],
-// bs[p] [S, R, out_p] (x's dtype, contiguous), its columns from col0s[p], and ranks[p][slot] (0: the slot's adapter
-// leaves the part alone). Runs longer than matmul_rows (> 0) take two matmuls.
+// bs[p] [S, R, out_p] (x's dtype, contiguous), its columns from col0s[p], and ranks[p] [S] int64 (0: the slot's
+// adapter leaves the part alone). Runs longer than matmul_rows (> 0) take two matmuls.
 void lora_add(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& as,
               const std::vector<at::Tensor>& bs, const std::vector<int64_t>& col0s,
-              const std::vector<std::vector<int64_t>>& ranks, const at::Tensor& runs, int64_t matmul_rows) {
+              const std::vector<at::Tensor>& ranks, const at::Tensor& runs, int64_t matmul_rows) {
+  if (runs.size(0) == 0 || as.empty()) return;
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0), "lora_add: x [T, in] and y [T, N]");
   TORCH_CHECK(x.stride(1) == 1 && y.stride(1) == 1, "lora_add: rows of x and y must be contiguous");
   TORCH_CHECK(x.scalar_type() == y.scalar_type(), "lora_add: x and y in one dtype");
@@ -81,7 +82,8 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>&
   for (size_t p = 0; p < as.size(); ++p) {
     TORCH_CHECK(as[p].is_contiguous() && bs[p].is_contiguous() && as[p].scalar_type() == x.scalar_type() &&
                     bs[p].scalar_type() == x.scalar_type() && as[p].size(2) == x.size(1) &&
-                    col0s[p] + bs[p].size(2) <= y.size(1),
+                    col0s[p] + bs[p].size(2) <= y.size(1) && ranks[p].scalar_type() == at::kLong &&
+                    ranks[p].is_contiguous() && ranks[p].numel() == as[p].size(0),
                 "lora_add: part ", p, "'s A [S, R, in] / B [S, R, out] do not fit x and y");
   }
   auto r = runs.accessor<int64_t, 2>();
@@ -92,7 +94,7 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>&
                 "lora_add: run ", j, " out of range");
     if (matmul_rows > 0 && end - start > matmul_rows) {
       for (size_t p = 0; p < as.size(); ++p) {
-        const int64_t rank = ranks[p][slot];
+        const int64_t rank = ranks[p].data_ptr<int64_t>()[slot];
         if (rank == 0) continue;
         auto a = as[p][slot].narrow(0, 0, rank), b = bs[p][slot].narrow(0, 0, rank);
         auto rows_y = y.narrow(0, start, end - start).narrow(1, col0s[p], b.size(1));
