@@ -128,6 +128,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) the API answers to (default: the --model argument, or the default model's "
                         "file name)")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters served by name (with --enable-lora): NAME=PATH of a PEFT directory, or vLLM's "
+                        "JSON '{\"name\": ..., \"path\": ...}'; a request picks one with its `model`. More at run "
+                        "time: POST /v1/load_lora_adapter {\"lora_name\", \"lora_path\"} (admin key)")
     g.add_argument("--max-request-bytes", type=parse_bytes, default=16 << 20,
                    help="largest request body; a larger one gets HTTP 413 (default 16MiB)")
     g.add_argument("--pooling", type=str.lower, choices=["last", "mean"], default="last",
@@ -168,8 +172,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tokenmill.parallel.launch import torchrun_rank
     from tokenmill.parallel.worker import run_torchrun_worker
 
+    from tokenmill.server.multi_launch import serve_many, split_models
+
+    models = split_models(args)  # one --model: args.model is its path, as it always was
     if torchrun_rank():  # under torchrun every rank runs this command: rank 0 serves, the others are workers
         return run_torchrun_worker(EngineArgs.from_cli_args(args).create_engine_config())
+    if len(models) > 1:
+        return serve_many(args, models)
     from tokenmill.server.launch import serve
 
     return serve(args)
@@ -239,9 +248,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, models, metrics)")
+    # conflict_handler: add_pool_args replaces the engine group's --model with a repeatable one
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, models, metrics)",
+                       conflict_handler="resolve")
     EngineArgs.add_cli_args(p)
     add_server_args(p)
+    from tokenmill.server.multi_launch import add_pool_args
+
+    add_pool_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="generate from one prompt, streaming to stdout")

@@ -54,8 +54,9 @@ def sse(payload: Any) -> bytes:
 
 
 class FakeReplica:
-    def __init__(self, overrides: dict[str, str] | None = None):
+    def __init__(self, overrides: dict[str, str] | None = None, models: list[str] | None = None):
         self.overrides = overrides or {}
+        self.models = models  # what GET /v1/models lists (None: it has no such route, as a non-OpenAI server)
         self.seen: list[str] = []
         self.closed_early = 0  # requests whose client (the router) left before the answer was complete
         self.served = Served(self)
@@ -67,6 +68,9 @@ class FakeReplica:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["path"] == "/health":
             return await whole(send, 200, b'{"status": "ok"}')
+        if scope["path"] == "/v1/models" and self.models is not None:
+            cards = [{"id": m, "object": "model", "owned_by": self.url} for m in self.models]
+            return await whole(send, 200, json.dumps({"object": "list", "data": cards}).encode())
         if scope["method"] != "POST" or not scope["path"].startswith("/v1/"):
             return await whole(send, 404, b'{"detail": "Not Found"}')
         body = b""

@@ -16,12 +16,15 @@ byte for byte.
 - Bounds: a body over `--max-request-bytes` (default 16 MiB) is refused with 413 while it arrives, on every route;
   past `--max-connections` client requests at once (default 1024) a new one gets 429 with Retry-After; the
   connections toward the replicas are pooled and bounded by the same number.
+- A request naming a `model` goes only to replicas whose /v1/models lists it (read at each health check; 404
+  model_not_found when no healthy replica does); GET /v1/models lists every model of the healthy replicas.
 - /health: 200 while a replica is healthy. /metrics: requests by replica and outcome, retries, replicas' health,
   load and in-flight counts. /admin/backends: GET lists, POST {"url"} adds, DELETE {"url"} removes, at run time.
 """
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -38,7 +41,7 @@ from tokenmill.router.cascade import CascadeConfig
 from tokenmill.router.climb import Climber
 from tokenmill.router.disagg import PDConfig
 from tokenmill.router.errors import error_response
-from tokenmill.router.forward import Forwarder, Job, routing_key
+from tokenmill.router.forward import Forwarder, Job, requested_model, routing_key
 from tokenmill.router.guard import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_REQUEST_BYTES, GuardSettings, RouterGuard
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.pd_proxy import PDProxy
@@ -95,7 +98,8 @@ def build_router_app(pool: BackendPool, policy: Any, guard: GuardSettings | None
 
     async def one_replica(body: bytes, path: str) -> Response:
         """To one replica, as the policy places the request."""
-        return forwarder.respond(Job(body, path, await routing_key(body, reads_prompt(policy))))
+        return forwarder.respond(Job(body, path, await routing_key(body, reads_prompt(policy)),
+                                     model=await requested_model(body)))
 
     async def generate(request: Request, path: str, chat: bool) -> Response:
         body = await request.body()  # read by the guard, within --max-request-bytes
@@ -129,16 +133,27 @@ def build_router_app(pool: BackendPool, policy: Any, guard: GuardSettings | None
     async def embeddings(request: Request) -> Response:
         return await forward(request, "/v1/embeddings")
 
+    async def models_of(backend) -> list | None:
+        try:
+            resp = await client().get(backend.url + "/v1/models", timeout=10.0)
+            data = resp.json()["data"] if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+        return data if isinstance(data, list) else None
+
     @app.get("/v1/models", response_model=None)
     async def models() -> Response:
-        for backend in pool.healthy():
-            try:
-                resp = await client().get(backend.url + "/v1/models", timeout=10.0)
-            except httpx.HTTPError:
-                continue
-            if resp.status_code == 200:
-                return Response(resp.content, media_type=resp.headers.get("content-type", "application/json"))
-        return error_response(503, "no healthy replica answered", "server_error")
+        """Every model some healthy replica lists (replicas may serve different models), each once, as the first
+        replica that lists it describes it."""
+        answers = [a for a in await asyncio.gather(*(models_of(b) for b in pool.healthy())) if a is not None]
+        if not answers:
+            return error_response(503, "no healthy replica answered", "server_error")
+        cards: dict[str, dict] = {}
+        for data in answers:
+            for card in data:
+                if isinstance(card, dict) and isinstance(card.get("id"), str):
+                    cards.setdefault(card["id"], card)
+        return JSONResponse({"object": "list", "data": list(cards.values())})
 
     @app.get("/health", response_model=None)
     async def health() -> JSONResponse:

@@ -2,7 +2,9 @@
 
 A replica is healthy while its `/health` answers 200; HEALTH_FAILURES failed checks in a row, or a request that
 could not reach it, take it out, and one good check puts it back. Load is the router's own count of requests in
-flight there, plus what a tokenmill replica's `/metrics` says is waiting (other servers: in-flight only).
+flight there, plus what a tokenmill replica's `/metrics` says is waiting (other servers: in-flight only). Each check
+also reads the replica's `/v1/models`: a request naming a model the replica does not list is not sent there (a
+replica whose list is unknown, not yet read or not served, takes any model).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class Backend:
     requests: int = 0
     errors: int = 0
     checked_at: float = field(default=0.0)
+    models: frozenset[str] | None = None  # the ids its /v1/models lists; None: not known
     # what is under way there: requests waiting for their response to begin (tasks) and responses being relayed;
     # taking the replica out cancels the first (they go to another replica) and closes the second (error event)
     pending: set = field(default_factory=set)
@@ -40,6 +43,10 @@ class Backend:
     @property
     def load(self) -> int:
         return self.in_flight + self.waiting
+
+    def serves(self, model: str | None) -> bool:
+        """Whether a request naming `model` (None: none, the replica's default) may go here."""
+        return model is None or self.models is None or model in self.models
 
     @contextmanager
     def busy(self) -> Iterator[None]:
@@ -81,8 +88,9 @@ class BackendPool:
             self.on_removed(url)
         return gone
 
-    def healthy(self, exclude: set[str] = frozenset()) -> list[Backend]:
-        return [b for b in self.backends.values() if b.healthy and b.url not in exclude]
+    def healthy(self, exclude: set[str] = frozenset(), model: str | None = None) -> list[Backend]:
+        """The healthy replicas not in `exclude` that serve `model` (any, for None)."""
+        return [b for b in self.backends.values() if b.healthy and b.url not in exclude and b.serves(model)]
 
     def mark_failed(self, backend: Backend, why: str) -> None:
         """A request could not reach it: out until a health check passes."""
@@ -133,6 +141,7 @@ class BackendPool:
                 log.warning("backend %s is back", backend.url)
             backend.healthy, backend.failures = True, 0
             await self._scrape(client, backend)
+            await self._read_models(client, backend)
         else:
             backend.failures += 1
             if backend.failures >= HEALTH_FAILURES and backend.healthy:
@@ -153,3 +162,16 @@ class BackendPool:
                 backend.waiting = int(float(line.rsplit(" ", 1)[1]))
             elif line.startswith("tokenmill_kv_cache_usage_ratio"):
                 backend.kv_usage = float(line.rsplit(" ", 1)[1])
+
+    @staticmethod
+    async def _read_models(client: httpx.AsyncClient, backend: Backend) -> None:
+        """The model ids the replica's /v1/models lists (several for a tokenmill server with several --model);
+        left as they were when it does not answer with a list."""
+        try:
+            resp = await client.get(backend.url + "/v1/models")
+            data = resp.json()["data"] if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return
+        if isinstance(data, list):
+            backend.models = frozenset(card["id"] for card in data if isinstance(card, dict)
+                                       and isinstance(card.get("id"), str))

@@ -64,6 +64,18 @@ async def off_loop(fn: Callable[[], T], size: int) -> T:
     return await asyncio.to_thread(fn) if size > OFF_LOOP_BYTES else fn()
 
 
+def model_name(body: bytes) -> str | None:
+    """The `model` a request names, or None."""
+    data = parse_object(body)
+    model = data.get("model") if data is not None else None
+    return model if isinstance(model, str) else None
+
+
+async def requested_model(body: bytes) -> str | None:
+    """The model a request names: only replicas that list it take the request."""
+    return await off_loop(lambda: model_name(body), len(body))
+
+
 async def routing_key(body: bytes, wanted: bool) -> list[bytes]:
     """The prompt's block names the prefix policy places the request by; [] when no policy reads them."""
     if not wanted:
@@ -144,6 +156,7 @@ class Job:
     first: Backend | None = None  # tried first (the P/D proxy's decode instance)
     extra_headers: dict[str, str] = field(default_factory=dict)
     on_first_byte: Callable[[], None] | None = None
+    model: str | None = None  # the model the request names: replicas that do not list it are passed over
 
 
 @dataclass
@@ -170,8 +183,12 @@ class Forwarder:
         tried: set[str] = set()
         last: Refused | None = None
         for _ in range(self.max_attempts):
-            candidates = self.pool.healthy(tried)
+            candidates = self.pool.healthy(tried, job.model)
             if not candidates:
+                if not tried and self.pool.healthy():  # replicas are up, none lists this model
+                    body = error_body(f"no replica serves the model {job.model!r}", "not_found_error", "model",
+                                      "model_not_found")
+                    return await send_whole(send, 404, json.dumps(body).encode(), "application/json")
                 break
             first = job.first if job.first is not None and job.first.url not in tried else None
             backend = first or self.policy.choose(candidates, job.key)

@@ -28,7 +28,7 @@ def default_served_name(model: str | None) -> str:
     return Path(default_model_path()).stem
 
 
-def serve(args: argparse.Namespace) -> int:
+def check_server_flags(args: argparse.Namespace) -> None:
     from tokenmill.errors import ConfigError
 
     for flag in ("max_waiting_requests", "max_waiting_tokens"):
@@ -38,6 +38,27 @@ def serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
+
+
+def server_settings(args: argparse.Namespace, names: list[str], model_path: str):
+    """The HTTP settings of one model's app (or, with several models, of the dispatcher in front of them)."""
+    from tokenmill.server.app import ServerSettings
+    from tokenmill.server.lora_routes import parse_lora_modules
+
+    return ServerSettings(names, model_path=model_path,
+                          api_key=args.api_key or None, admin_api_key=args.admin_api_key or None,
+                          metrics_api_key=args.metrics_api_key or None,
+                          client_priority_range=args.client_priority_range,
+                          max_request_bytes=args.max_request_bytes,
+                          max_stored_responses=args.max_stored_responses, pooling=args.pooling,
+                          runner=args.runner,
+                          ui=not args.no_ui, reasoning_parser=args.reasoning_parser,
+                          default_chat_template_kwargs=args.default_chat_template_kwargs or {},
+                          lora_modules=parse_lora_modules(getattr(args, "lora_modules", None)))
+
+
+def serve(args: argparse.Namespace) -> int:
+    check_server_flags(args)
     config = EngineArgs.from_cli_args(args).create_engine_config()
     names = args.served_model_name or [default_served_name(args.model)]
 
@@ -48,7 +69,7 @@ def serve(args: argparse.Namespace) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
 
-    from tokenmill.server.app import ServerSettings, create_app
+    from tokenmill.server.app import create_app
     from tokenmill.server.metrics import ServerMetrics
 
     metrics = ServerMetrics(names[0], config.scheduler.slo_ttft_ms, config.scheduler.slo_itl_ms)
@@ -58,15 +79,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         info = engine.start()
         print(info.startup_summary, file=sys.stderr, flush=True)
-        settings = ServerSettings(names, model_path=str(args.model or default_served_name(None)),
-                                  api_key=args.api_key or None, admin_api_key=args.admin_api_key or None,
-                                  metrics_api_key=args.metrics_api_key or None,
-                                  client_priority_range=args.client_priority_range,
-                                  max_request_bytes=args.max_request_bytes,
-                                  max_stored_responses=args.max_stored_responses, pooling=args.pooling,
-                                  runner=args.runner,
-                                  ui=not args.no_ui, reasoning_parser=args.reasoning_parser,
-                                  default_chat_template_kwargs=args.default_chat_template_kwargs or {})
+        settings = server_settings(args, names, str(args.model or default_served_name(None)))
         app = create_app(engine, settings, metrics)
         # uvicorn's own timeout is only the backstop: Server ends what is left at --shutdown-timeout with a 503
         uconfig = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on",
