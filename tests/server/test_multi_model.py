@@ -136,7 +136,7 @@ def test_unloaded_models_leave_nothing_behind_in_the_server(server, http):
     complete(http, "llama")
     time.sleep(1.0)
     before = pipes(server)
-    for _ in range(3):
+    for _ in range(2):
         complete(http, "qwen")
         complete(http, "llama")
     time.sleep(1.0)

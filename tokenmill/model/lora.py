@@ -78,15 +78,13 @@ def attach_lora(model: nn.Module, num_slots: int, max_rank: int) -> LoRABatch:
     """Give every decoder layer's projections adapter slots (before the backend packs the weights: a fused gate/up
     then keeps its plain layout, since its adapter changes gate and up before SiLU). Returns the batch the runner
     sets each step; model.lora_batch holds it too."""
-    from tokenmill.model.linear import Linear
-
     batch = LoRABatch()
     dtype, device = model.norm.weight.dtype, model.norm.weight.device
     for layer in model.layers:
         for module in (layer.self_attn, layer.mlp):
             for name, parts in PARTS.items():
                 linear = getattr(module, name, None)
-                if not isinstance(linear, Linear):
+                if linear is None or not hasattr(linear, "output_sizes"):  # a model/linear.py Linear
                     continue
                 if len(linear.output_sizes) != len(parts):
                     raise ValueError(f"{name} has {len(linear.output_sizes)} parts, LoRA expects {len(parts)}")

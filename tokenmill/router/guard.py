@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.router.errors import error_body
-from tokenmill.server.asgi import bearer_matches, drain_body
+from tokenmill.server.asgi import bearer_matches, drain_body, replay
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # as `tokenmill serve --max-request-bytes`
 DEFAULT_MAX_CONNECTIONS = 1024
@@ -127,20 +127,6 @@ async def read_body(receive: Any, limit: int) -> bytes | Refusal | None:
         chunks.append(chunk)
         if not message.get("more_body"):
             return b"".join(chunks)
-
-
-def replay(body: bytes, receive: Any) -> Any:
-    """The app's receive: the body read here, in one message, then the client's own (its disconnect)."""
-    given = False
-
-    async def receive_replayed() -> dict:
-        nonlocal given
-        if not given:
-            given = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return receive_replayed
 
 
 async def reject(refusal: Refusal, receive: Any, send: Any, limit: int, drain: bool = True) -> None:

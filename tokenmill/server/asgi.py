@@ -26,3 +26,18 @@ async def drain_body(receive: Any, limit: int) -> bool:
         if not message.get("more_body"):
             return True
     return False
+
+
+def replay(body: bytes, receive: Any) -> Any:
+    """A receive for the app behind a layer that read the body first (the guard, the multi-model dispatcher): the
+    body in one message, then the client's own messages (its disconnect)."""
+    given = False
+
+    async def receive_replayed() -> dict:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return receive_replayed

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 import tokenmill
+from tokenmill.server.asgi import replay
 from tokenmill.server.errors import APIError, ModelNotFound, NotFound, classify_for
 from tokenmill.server.guard import GENERATE_PATHS, Guard
 from tokenmill.server.model_pool import ModelEntry, ModelPool
@@ -53,20 +54,6 @@ async def read_body(receive: Any) -> bytes | None:
         chunks.append(message.get("body", b""))
         if not message.get("more_body"):
             return b"".join(chunks)
-
-
-def replay(body: bytes, receive: Any) -> Any:
-    """A receive that gives `body` once, then the client's own messages (a disconnect)."""
-    given = False
-
-    async def inner() -> dict:
-        nonlocal given
-        if not given:
-            given = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return inner
 
 
 async def send_json(send: Any, status: int, body: Any, headers: list[tuple[bytes, bytes]] | None = None) -> None:
