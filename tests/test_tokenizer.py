@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -203,3 +204,33 @@ def test_bad_path(tmp_path: Path) -> None:
     garbage.write_bytes(b"not a gguf at all, just some bytes")
     with pytest.raises(ModelLoadError, match=r"x\.gguf.*not a GGUF file"):
         Tokenizer.load(garbage)
+
+
+def test_a_tokenizer_converted_from_gguf_is_kept_and_read_back(tmp_path, monkeypatch):
+    """transformers' GGUF conversion (the slow path: ~17 s for Gemma 3's vocabulary) runs once per file: the result
+    is saved under $TOKENMILL_CACHE keyed by the file's name, size and mtime, and a later load reads it back, the
+    same tokenizer."""
+    import shutil as sh
+
+    from tokenmill.model.paths import default_model_path
+    from tokenmill.tokenizer import _transformers_gguf_tokenizer, converted_tokenizer_dir
+
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    sh.copy(default_model_path(), gguf)
+    first = _transformers_gguf_tokenizer(gguf)
+    kept = converted_tokenizer_dir(gguf)
+    assert kept.parent == tmp_path / "cache" / "tokenizers" and (kept / "tokenizer.json").is_file()
+    import transformers
+
+    calls = []
+    load = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda *a, **kw: calls.append(kw.get("gguf_file")) or load(*a, **kw))
+    again = _transformers_gguf_tokenizer(gguf)
+    assert calls == [None] and not list(kept.parent.glob("*.tmp-*"))  # read back, not converted again
+    text = "Hello, world! ünïcödé 日本語 <|im_start|>user\n  two  spaces"
+    assert again.encode(text) == first.encode(text) and again.all_special_ids == first.all_special_ids
+    later = gguf.stat().st_mtime_ns + 10**9  # a rewritten file gets a new key
+    os.utime(gguf, ns=(later, later))
+    assert converted_tokenizer_dir(gguf) != kept

@@ -231,7 +231,7 @@ def write_gemma3_gguf(model_dir: Path, out: Path) -> Path:
 
 # ---- the real model -----------------------------------------------------------------------------------------
 
-REAL_TOKENS = 32
+REAL_TOKENS = 16
 # two short prompts, and one of ~670 tokens: its later tokens' local layers see the last 512 keys only
 REAL_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
                 " ".join(f"Shelf {i} holds {3 * i + 1} jars of {('plum', 'fig', 'pear', 'lime')[i % 4]} jam."
