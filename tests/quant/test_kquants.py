@@ -165,8 +165,9 @@ def test_gemma3_270m_kept_tracks_the_dequantized_model():
         assert (None in types) is (q == "none")
         outs[q] = llm.generate(REAL_PROMPTS, params, use_tqdm=False)
         llm.shutdown()
-    # measured at 24 tokens a prompt: the same 72 tokens, logprobs of the chosen tokens within 0.1 but one 0.31 (a token at -0.71 whose
-    # runner-up sat close); Gemma's 262k-token softmax moves more than SmolLM2's for the same logit error
+    # measured at 24 tokens a prompt: the same 72 tokens, logprobs of the chosen tokens within 0.1 but one 0.31 (a
+    # token at -0.71 whose runner-up sat close); Gemma's 262k-token softmax moves more than SmolLM2's for the same
+    # logit error
     assert_kept_tracks_dense(outs["none"], outs["gguf"], exact=False, close=0.5)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from typing import TYPE_CHECKING
 
-from tokenmill.lora.adapter import AdapterWeights, load_adapter_weights, read_adapter_config
+from tokenmill.lora.adapter import load_adapter_weights, read_adapter_config
 from tokenmill.model.lora import attach_lora, lora_slots
 
 if TYPE_CHECKING:
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from tokenmill.config import ModelConfig
     from tokenmill.engine.step_types import ScheduledRequest
+    from tokenmill.lora.adapter import AdapterWeights
     from tokenmill.lora.request import LoRARequest
 
 BASE = -1  # a request without an adapter: no slot

@@ -20,9 +20,12 @@ from typing import TYPE_CHECKING
 from tokenmill.errors import InvalidRequest
 
 if TYPE_CHECKING:
-    import torch  # noqa: F401 - AdapterWeights names it
+    import torch
 
     from tokenmill.config import ModelConfig
+
+    # {(layer, projection): (A [r, in], scaled B^T [r, out])}: what load_adapter_weights gives
+    AdapterWeights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 # the projections an adapter may change, as PEFT names them (our fused qkv_proj / gate_up_proj hold them as parts)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -90,7 +93,6 @@ def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
             "up_proj": (h, i), "down_proj": (i, h)}
 
 
-AdapterWeights = dict[tuple[int, str], tuple["torch.Tensor", "torch.Tensor"]]
 Plan = dict[tuple[int, str], tuple[str, str, int]]  # (layer, projection) -> its lora_A and lora_B names, its rank
 
 
