@@ -81,14 +81,27 @@ class LoRAPool:
             del self.weights[name]
 
     # ---- one step ------------------------------------------------------------------------------------------
-    def slot_of(self, request: ScheduledRequest | None) -> int:
-        lora = request.request.lora_request if request is not None else None
+    def slot_of(self, scheduled: ScheduledRequest) -> int:
+        lora = scheduled.request.lora_request
         return BASE if lora is None else self.names.index(lora.lora_name)
 
-    def bind(self, scheduled: list[ScheduledRequest]) -> None:
-        """Give each adapter of the step a slot, filling the slots of those not in one."""
-        wanted = list(dict.fromkeys(s.request.lora_request.lora_name for s in scheduled
+    def prepare(self, paged: list[ScheduledRequest], fresh: list[ScheduledRequest]
+                ) -> tuple[list[ScheduledRequest], list[ScheduledRequest]]:
+        """A step's requests (the paged ones, then the fresh ones, as the runner lays out rows): their adapters
+        bound to slots, each group ordered by slot (one run of rows per adapter), the runs set. A step without
+        adapters is left as it is."""
+        wanted = list(dict.fromkeys(s.request.lora_request.lora_name for s in (*paged, *fresh)
                                     if s.request.lora_request is not None))
+        if not wanted:
+            self.clear_runs()
+            return paged, fresh
+        self._bind(wanted)
+        paged, fresh = sorted(paged, key=self.slot_of), sorted(fresh, key=self.slot_of)
+        self._set_runs(paged + fresh)
+        return paged, fresh
+
+    def _bind(self, wanted: list[str]) -> None:
+        """Give each adapter of the step a slot, filling the slots of those not in one."""
         for name in wanted:
             if name in self.names:
                 slot = self.names.index(name)
@@ -101,7 +114,7 @@ class LoRAPool:
                 self._fill(slot, name)
             self.slot_use.move_to_end(slot)
 
-    def set_runs(self, ordered: list[ScheduledRequest]) -> None:
+    def _set_runs(self, ordered: list[ScheduledRequest]) -> None:
         """The step's rows, request after request in `ordered`, as runs of one slot each (BASE rows left out)."""
         runs: list[tuple[int, int, int]] = []
         row = 0

@@ -203,11 +203,8 @@ class ModelRunner(StepInputs, MultiStepRunner):
             paged = [s for s in out.scheduled if s.request.num_computed_tokens > 0 or s.num_new_tokens == 1]
             fresh = [s for s in out.scheduled if s.request.num_computed_tokens == 0 and s.num_new_tokens > 1]
         if self.lora is not None:  # requests of one adapter side by side: one run of rows each (model/lora.py)
-            self.lora.bind(out.scheduled)
-            paged, fresh = sorted(paged, key=self.lora.slot_of), sorted(fresh, key=self.lora.slot_of)
+            paged, fresh = self.lora.prepare(paged, fresh)
         ordered = paged + fresh
-        if self.lora is not None:
-            self.lora.set_runs(ordered)
         if self.pp is not None and self.pp.micro_batches > 1:
             # pipeline parallelism: the step in micro-batches (contiguous runs of its tokens, so the hidden states
             # come back in order), which the stages work on at once. Where every token reads its context through

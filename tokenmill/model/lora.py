@@ -25,14 +25,19 @@ class LoRABatch:
     the backend reads, and the slots they use; empty: none in the step, and the base's whole-layer fast paths
     stay open."""
 
+    NONE = torch.empty(0, 3, dtype=torch.int64)
+
     def __init__(self) -> None:
         self.runs: list[tuple[int, int, int]] = []
-        self.runs_tensor = torch.empty(0, 3, dtype=torch.int64)
+        self.runs_tensor = self.NONE
         self.slots: set[int] = set()
 
     def set(self, runs: list[tuple[int, int, int]]) -> None:
+        """This step's runs (a step without adapters, every step of a base-only load, builds no tensor)."""
+        if not runs and not self.runs:
+            return
         self.runs = runs
-        self.runs_tensor = torch.tensor(runs, dtype=torch.int64).reshape(-1, 3)
+        self.runs_tensor = torch.tensor(runs, dtype=torch.int64).reshape(-1, 3) if runs else self.NONE
         self.slots = {slot for _, _, slot in runs}
 
 
