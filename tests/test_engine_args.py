@@ -23,7 +23,7 @@ CHANGED = {"model": ("m.gguf", "m.gguf"), "tokenizer": ("tok", "tok"), "dtype": 
            "max_decode_slowdown": ("2.5", 2.5), "num_scheduler_steps": ("8", 8),
            "speculative_config": ('{"num_speculative_tokens": 3}', '{"num_speculative_tokens": 3}'),
            "priority_aging_s": ("5", 5.0), "new_token_ratio": ("0.5", 0.5), "slo_ttft_ms": ("800", 800.0),
-           "slo_itl_ms": ("150", 150.0), "tensor_parallel_size": ("2", 2),
+           "slo_itl_ms": ("150", 150.0), "tensor_parallel_size": ("2", 2), "enable_expert_parallel": (True, True),
            "pipeline_parallel_size": ("2", 2), "pipeline_micro_batches": ("4", 4),
            "distributed_executor_backend": ("ray", "ray"),
            "context_parallel_size": ("2", 2),

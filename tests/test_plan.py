@@ -362,3 +362,38 @@ def test_measure_runs_the_real_engine():
     assert m.measured_decode_step_ms > 0 and m.predicted_decode_step_ms > 0
     assert m.bandwidth_bytes_per_s > 1e8 and m.ratio == pytest.approx(
         m.measured_decode_step_ms / m.predicted_decode_step_ms)
+
+
+# -- mixtures of experts: memory by total parameters, decode bytes by the experts read ------------------------
+
+@pytest.mark.parametrize("name,total,active", [("mixtral-8x7b", 46.7e9, 12.9e9), ("qwen3-30b-a3b", 30.5e9, 3.3e9),
+                                               ("olmoe-1b-7b", 6.9e9, 1.3e9)])
+def test_moe_presets_count_total_and_active_parameters(name, total, active):
+    """The model cards' figures (Mixtral 46.7B / 12.9B active, Qwen3-30B-A3B 30.5B / 3.3B, OLMoE 6.9B / 1.3B)."""
+    m = PRESETS[name]
+    assert m.params == pytest.approx(total, rel=0.02) and m.active_params == pytest.approx(active, rel=0.04)
+    assert m.weight_bytes("bf16") == 2 * m.params  # memory holds every expert
+
+
+def test_moe_decode_reads_the_experts_its_tokens_use():
+    olmoe = PRESETS["olmoe-1b-7b"]
+    assert olmoe.experts_read(1) == pytest.approx(8) and olmoe.experts_read(10_000) == pytest.approx(64)
+    dense_twin = dataclasses.replace(olmoe, num_experts=0, intermediate_size=8 * 1024)  # the same active shape
+    assert dense_twin.params == pytest.approx(olmoe.active_params, rel=2e-3)  # the routers aside
+    one = plan(olmoe, Deployment(hardware=TWO_TB_S, context=128, batch=1, dtype="bf16"))
+    twin = plan(dense_twin, Deployment(hardware=TWO_TB_S, context=128, batch=1, dtype="bf16"))
+    many = plan(olmoe, Deployment(hardware=TWO_TB_S, context=128, batch=64, dtype="bf16"))
+    assert one.decode_step_ms == pytest.approx(twin.decode_step_ms, rel=0.02)  # one token: its 8 experts
+    assert many.decode_step_ms > 4 * one.decode_step_ms  # 64 tokens read nearly all 64 experts
+    assert one.weights_bytes == 2 * olmoe.params
+
+
+def test_moe_shape_from_a_config(tmp_path):
+    """config.json's expert fields, Qwen3-MoE's dense layers too (a GGUF file's: tests/model/test_moe.py)."""
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 4, "hidden_size": 64,
+           "intermediate_size": 256, "moe_intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "vocab_size": 1000, "num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [3]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = load_model(str(tmp_path))
+    assert (m.num_experts, m.experts_per_token, m.expert_intermediate_size, m.moe_layer_count) == (8, 2, 32, 3)
+    assert m.params - m.active_params == 3 * 6 * 3 * 64 * 32  # 6 idle experts in 3 MoE layers

@@ -8,15 +8,15 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.errors import ConfigError
-from tokenmill.family_config import (GEMMA3, gemma3_hf_fields, hf_gemma3_fields, hf_max_positions, hf_nope_layers,
-                                     hf_rope_scaling)
+from tokenmill.family_config import (GEMMA3, MOE_ARCHITECTURES, OLMOE, gemma3_hf_fields, hf_gemma3_fields,
+                                     hf_max_positions, hf_moe_fields, hf_nope_layers, hf_rope_scaling, moe_hf_fields)
 from tokenmill.json_flag import json_flag
 
 if TYPE_CHECKING:
     import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "SmolLM3ForCausalLM", GEMMA3)
+                           "Phi3ForCausalLM", "SmolLM3ForCausalLM", GEMMA3, *MOE_ARCHITECTURES)
 # A base model's architecture (no language-model head: an embedding checkpoint, e.g. Qwen3-Embedding's "Qwen3Model")
 # -> its family's; such a model serves embeddings only (ModelConfig.headless)
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -24,7 +24,8 @@ BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCaus
 # config.json `model_type` -> architecture, for configs without `architectures` (and back, for to_hf_dict)
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-               "gemma3_text": GEMMA3}
+               "gemma3_text": GEMMA3, "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+               "olmoe": OLMOE}
 
 
 @dataclass
@@ -45,7 +46,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v bias (Qwen2)
-    qk_norm: bool = False  # per-head RMSNorm of q and k before rotary (Qwen3's q_norm/k_norm)
+    qk_norm: bool = False  # RMSNorm of q and k before rotary: per head (Qwen3's q_norm/k_norm), or whole (OLMoE's)
     partial_rotary_factor: float = 1.0  # the share of head_dim that rotary turns (Phi-4-mini: 0.75)
     nope_layers: list[int] = field(default_factory=list)  # layers without rotary (SmolLM3's NoPE layers)
     # Gemma 3: in `sliding_layers` a token sees its last `sliding_window` keys (itself included), rotated with base
@@ -59,6 +60,18 @@ class ModelConfig:
     # a base model's checkpoint (BASE_MODELS): no head of its own, its weights named without the "model." prefix;
     # loaded with the embedding as its (tied) head, it serves embeddings only
     headless: bool = False
+    # mixture of experts (Mixtral, Qwen3-MoE, OLMoE): each token's MLP is the weighted sum of `num_experts_per_tok`
+    # of `num_experts` SwiGLU experts (moe_intermediate_size columns each), picked by a router's softmax, the top
+    # weights renormalised to sum to 1 where `norm_topk_prob`; `dense_layers` keep a plain MLP (Qwen3-MoE's
+    # mlp_only_layers). num_experts 0: a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: list[int] = field(default_factory=list)
+    clip_qkv: float | None = None  # OLMoE: q, k (after their norms) and v clamped to [-clip, clip]
+    # expert parallelism: the experts [start, start + count) this rank holds (parallel/layout.py); None: all
+    expert_range: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -67,9 +80,25 @@ class ModelConfig:
             )
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(f"num_experts_per_tok {self.num_experts_per_tok} must be in [1, num_experts "
+                              f"{self.num_experts}]")
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise ConfigError(f"partial_rotary_factor {self.partial_rotary_factor} of head_dim {self.head_dim} "
                               "does not give an even number of rotated dims")
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def local_experts(self) -> range:
+        """The experts this model (this rank's share of it, under expert parallelism) holds."""
+        start, count = self.expert_range or (0, self.num_experts)
+        return range(start, start + count)
 
     @property
     def rotary_dim(self) -> int:
@@ -98,6 +127,8 @@ class ModelConfig:
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
         family = hf_gemma3_fields(cfg) if arch == GEMMA3 else {"rope_scaling": hf_rope_scaling(cfg)}
+        if arch in MOE_ARCHITECTURES:
+            family.update(hf_moe_fields(arch, cfg))
         return cls(**{**dict(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -113,7 +144,7 @@ class ModelConfig:
             tie_word_embeddings=headless or cfg.get("tie_word_embeddings", False),
             headless=headless,
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", GEMMA3),
+            qk_norm=arch in ("Qwen3ForCausalLM", GEMMA3, "Qwen3MoeForCausalLM", OLMOE),
             partial_rotary_factor=float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor")
                                         or 1.0),
             nope_layers=hf_nope_layers(cfg) if arch == "SmolLM3ForCausalLM" else [],
@@ -134,6 +165,9 @@ class ModelConfig:
         if self.architecture == GEMMA3:
             family = gemma3_hf_fields(self.sliding_window, self.sliding_layers, self.num_layers,
                                       self.rope_local_theta, self.query_pre_attn_scalar)
+        if self.moe:
+            family = moe_hf_fields(self.architecture, self.num_experts, self.num_experts_per_tok,
+                                   self.moe_intermediate_size, self.norm_topk_prob, self.dense_layers, self.clip_qkv)
         return {"architectures": [self.architecture], "model_type": model_type,
                 "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
                 "intermediate_size": self.intermediate_size,
@@ -324,6 +358,7 @@ class EngineConfig:
     tokenizer: str | None = None
     num_threads: int | None = None  # compute threads (torch intra-op); None = torch's default (the cores)
     tensor_parallel_size: int = 1  # ranks (processes over torch.distributed) each holding a shard of every layer
+    enable_expert_parallel: bool = False  # a mixture of experts' experts split whole over those ranks
     pipeline_parallel_size: int = 1  # ranks each holding a contiguous range of the layers
     pipeline_micro_batches: int | None = None  # a step's micro-batches in flight (None: one per stage)
     context_parallel_size: int = 1  # ranks each holding the whole model and 1/C of every sequence's tokens and KV

@@ -144,6 +144,9 @@ class EngineArgs:
                                         "each hold a shard of every layer (Megatron style: heads, MLP columns and "
                                         "vocabulary split; two all-reduces per layer); threads per rank default to "
                                         "the cores / ranks", type=int)
+    enable_expert_parallel: bool = _opt(False, "a mixture-of-experts model's experts split whole over the "
+                                               "--tensor-parallel-size ranks (each runs its experts for the tokens "
+                                               "routed to them) instead of every expert's columns split")
     pipeline_parallel_size: int = _opt(1, "processes (ranks over torch.distributed) that each hold a contiguous range "
                                           "of the layers; a step's micro-batches flow through them stage to stage",
                                        type=int)

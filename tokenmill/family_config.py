@@ -1,6 +1,6 @@
 """What a config.json says about the model families' variations, read into ModelConfig's fields (config.py) and
 shared with the GGUF reader: rope scaling (llama3, Phi-3's long-rope), SmolLM3's NoPE layers, sliding windows
-(Gemma 3's local layers; refused or cut to the window elsewhere).
+(Gemma 3's local layers; refused or cut to the window elsewhere), mixtures of experts.
 Plain Python: the API process reads configs without the model stack."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def hf_max_positions(arch: str, cfg: dict[str, Any]) -> int:
     max_positions = cfg.get("max_position_embeddings", 2048)
     if arch == "Phi3ForCausalLM" and cfg.get("sliding_window"):
         return min(max_positions, cfg["sliding_window"])
-    if arch in ("Qwen3ForCausalLM", "SmolLM3ForCausalLM") and cfg.get("use_sliding_window"):
+    if arch in ("Qwen3ForCausalLM", "SmolLM3ForCausalLM", QWEN3_MOE) and cfg.get("use_sliding_window"):
         raise ConfigError(f"{arch} with use_sliding_window is not supported (no sliding-window attention)")
     return max_positions
 
@@ -62,6 +62,38 @@ def hf_nope_layers(cfg: dict[str, Any]) -> list[int]:
         every = cfg.get("no_rope_layer_interval", 4)
         flags = [int((i + 1) % every != 0) for i in range(cfg["num_hidden_layers"])]
     return [i for i, f in enumerate(flags) if not f]
+
+
+MIXTRAL, QWEN3_MOE, OLMOE = "MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"
+MOE_ARCHITECTURES = (MIXTRAL, QWEN3_MOE, OLMOE)
+
+
+def hf_moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A mixture-of-experts config.json's expert fields, each family's way: Mixtral always renormalises the top
+    weights and its experts are intermediate_size wide; Qwen3-MoE's are moe_intermediate_size wide, with dense
+    layers where `mlp_only_layers` lists them or `decoder_sparse_step` skips them; OLMoE may clip q, k and v."""
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not experts or not cfg.get("num_experts_per_tok"):
+        raise ConfigError(f"{arch} config lacks num_experts / num_experts_per_tok")
+    layers = cfg["num_hidden_layers"]
+    width = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    fields: dict[str, Any] = {"num_experts": int(experts), "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+                              "moe_intermediate_size": int(width),
+                              "norm_topk_prob": True if arch == MIXTRAL else bool(cfg.get("norm_topk_prob", False))}
+    if arch == QWEN3_MOE:
+        step, only = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or [])
+        fields["dense_layers"] = [i for i in range(layers) if i in only or (i + 1) % step]
+    if arch == OLMOE and cfg.get("clip_qkv") is not None:
+        fields["clip_qkv"] = float(cfg["clip_qkv"])
+    return fields
+
+
+def moe_hf_fields(arch: str, experts: int, per_token: int, width: int, norm_topk_prob: bool, dense_layers: list[int],
+                  clip_qkv: float | None) -> dict[str, Any]:
+    """The config.json keys hf_moe_fields reads back (ModelConfig.to_hf_dict)."""
+    return {"num_experts": experts, "num_local_experts": experts, "num_experts_per_tok": per_token,
+            "moe_intermediate_size": width, "norm_topk_prob": norm_topk_prob, "mlp_only_layers": dense_layers,
+            "decoder_sparse_step": 1, "clip_qkv": clip_qkv}
 
 
 GEMMA3 = "Gemma3ForCausalLM"

@@ -28,8 +28,8 @@ def smollm2_tokenizer() -> Any:
 
 
 def _hf_config(arch: str, **kw: Any) -> Any:
-    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
-                              SmolLM3Config)
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, OlmoeConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     if arch == "qwen3":
         return Qwen3Config(use_sliding_window=False, **kw)  # per-head q/k RMSNorm, head_dim as given
@@ -41,13 +41,20 @@ def _hf_config(arch: str, **kw: Any) -> Any:
         local = {"rope_type": "default", "rope_theta": kw.pop("rope_local_base_freq", 10000.0)}
         return Gemma3TextConfig(rope_parameters={"full_attention": kw.pop("rope_parameters"),
                                                  "sliding_attention": local}, **kw)
+    if arch == "mixtral":  # experts as wide as intermediate_size
+        return MixtralConfig(sliding_window=None, **kw)
+    if arch == "qwen3_moe":  # experts moe_intermediate_size wide; mlp_only_layers dense
+        return Qwen3MoeConfig(use_sliding_window=False, **kw)
+    if arch == "olmoe":  # q/k norms over the whole projection; clip_qkv
+        return OlmoeConfig(**kw)
     if arch == "llama":
         return LlamaConfig(**kw)
     if arch == "mistral":
         return MistralConfig(sliding_window=None, **kw)  # plain causal attention, like the engine
     if arch == "qwen2":
         return Qwen2Config(use_sliding_window=False, **kw)  # q/k/v always carry a bias
-    raise ValueError(f"unknown tiny arch {arch!r}; use llama, qwen2, mistral, qwen3, phi3, smollm3 or gemma3")
+    raise ValueError(f"unknown tiny arch {arch!r}; use llama, qwen2, mistral, qwen3, phi3, smollm3, gemma3, mixtral, "
+                     "qwen3_moe or olmoe")
 
 
 @torch.no_grad()
@@ -68,7 +75,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             p.copy_(0.1 * noise)
         elif "embed_tokens" in name or name.startswith("lm_head"):
             p.copy_(0.4 * noise)
-        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+        elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):  # MoE: stacked experts
             p.copy_(4.0 * noise / math.sqrt(p.shape[-1]))
         else:
             p.copy_(noise / math.sqrt(p.shape[-1]))

@@ -55,7 +55,8 @@ class EngineCore:
         mc, cc = self.model_config, config.cache
         self.cache_info = size_kv_cache(config, model_spec)
         num_blocks, pp_size = self.cache_info.num_blocks, config.pipeline_parallel_size
-        layout = TPLayout(mc, config.tensor_parallel_size, 0) if config.tensor_parallel_size > 1 else None
+        layout = (TPLayout(mc, config.tensor_parallel_size, 0, config.enable_expert_parallel)
+                  if config.tensor_parallel_size > 1 else None)
         max_len = config.scheduler.max_model_len or mc.max_position_embeddings
         if max_len > mc.max_position_embeddings:
             raise ConfigError(f"--max-model-len {max_len} exceeds the model's {mc.max_position_embeddings} positions")
@@ -179,7 +180,8 @@ class EngineCore:
         spec = f"\n{self.speculator.describe()}" if self.speculator is not None else ""
         tp, cfg = "", self.config
         if cfg.tensor_parallel_size > 1:
-            tp = (f"\n{TPLayout(self.model_config, cfg.tensor_parallel_size, 0).describe()}; "
+            layout = TPLayout(self.model_config, cfg.tensor_parallel_size, 0, cfg.enable_expert_parallel)
+            tp = (f"\n{layout.describe()}; "
                   f"{torch.get_num_threads()} threads each; weights and KV cache below are per rank")
         if cfg.pipeline_parallel_size > 1:
             tp += (f"\n{PPStage.describe(self.model_config, cfg.pipeline_parallel_size, self.runner.pp.micro_batches)}"

@@ -79,9 +79,12 @@ class ModelSpec:
                        else config.dtype]
         quantization = resolve_quantization(config.quantization, path, dtype, config.device)
         if config.tensor_parallel_size > 1:
-            check_tensor_parallel(mc, config.tensor_parallel_size)
+            check_tensor_parallel(mc, config.tensor_parallel_size, config.enable_expert_parallel)
         if config.pipeline_parallel_size > 1:
             check_pipeline_parallel(mc, config.pipeline_parallel_size)
+        if config.enable_lora and mc.moe:
+            raise ConfigError(f"--enable-lora does not serve mixture-of-experts models yet ({mc.architecture}: "
+                              "adapters of its experts have no slots); serve the model without it")
         if config.context_parallel_size > 1 and mc.architecture == GEMMA3:  # refused here, not at its first step
             raise ConfigError("--context-parallel-size does not serve Gemma 3 yet: its ring attention has neither a "
                               "sliding window nor a query_pre_attn_scalar scale; use --tensor-parallel-size or "
@@ -135,7 +138,7 @@ def size_kv_cache(config: EngineConfig, spec: ModelSpec) -> CacheInfo:
     parallelism a block is block_size tokens on each rank (parallel/context.py); the bytes per token are whole."""
     mc, cc = spec.config, config.cache
     tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
-    per_rank = TPLayout(mc, tp_size, 0).shard_config() if tp_size > 1 else mc
+    per_rank = TPLayout(mc, tp_size, 0, config.enable_expert_parallel).shard_config() if tp_size > 1 else mc
     if pp_size > 1:
         per_rank = PPStage.of(mc, pp_size, pp_size - 1).shard_config(per_rank)
     per_token = kv_bytes_per_token(per_rank, spec.kv_dtype)

@@ -29,18 +29,36 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (config.intermediate_size, h),
-            p + "mlp.up_proj.weight": (config.intermediate_size, h),
-            p + "mlp.down_proj.weight": (h, config.intermediate_size),
         })
+        shapes.update(_mlp_shapes(config, i))
         if config.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
         if config.architecture == "Gemma3ForCausalLM":  # sandwich norms: after attention, around the MLP
             shapes.update({p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)})
-        if config.qk_norm:
-            shapes.update({p + "self_attn.q_norm.weight": (config.head_dim,),
-                           p + "self_attn.k_norm.weight": (config.head_dim,)})
+        if config.qk_norm:  # per head, or (OLMoE) over the whole projection
+            whole = config.architecture == "OlmoeForCausalLM"
+            shapes.update({p + "self_attn.q_norm.weight": (q if whole else config.head_dim,),
+                           p + "self_attn.k_norm.weight": (kv if whole else config.head_dim,)})
+    return shapes
+
+
+def _mlp_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """Layer `layer`'s feed-forward tensors: a SwiGLU MLP's, or a mixture of experts' router and experts, named as
+    the family's checkpoints name them (Mixtral: `block_sparse_moe`, experts' w1/w3/w2 for gate/up/down)."""
+    h, p = config.hidden_size, f"model.layers.{layer}."
+    if not config.is_moe_layer(layer):
+        i = config.intermediate_size
+        return {p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i)}
+    m = config.moe_intermediate_size
+    mixtral = config.architecture == "MixtralForCausalLM"
+    block = p + ("block_sparse_moe." if mixtral else "mlp.")
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    shapes = {block + "gate.weight": (config.num_experts, h)}
+    for e in config.local_experts:
+        shapes.update({f"{block}experts.{e}.{gate}.weight": (m, h), f"{block}experts.{e}.{up}.weight": (m, h),
+                       f"{block}experts.{e}.{down}.weight": (h, m)})
     return shapes
 
 

@@ -14,11 +14,16 @@ from tokenmill.errors import ConfigError, ModelLoadError
 from tokenmill.family_config import longrope_scaling
 from tokenmill.model.checkpoint import Checkpoint, expected_shapes, fused_parts
 from tokenmill.quant.gguf import GGUFFile
-from tokenmill.quant.gguf_blocks import GGMLBlocks, kept_gguf_type
+from tokenmill.quant.gguf_blocks import GGMLBlocks, dequantize, kept_gguf_type
 from tokenmill.quant.kquants import TRANSCODED
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                      "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                      "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+# whether llama.cpp renormalises a mixture of experts' top weights, by architecture (unless the file says)
+_MOE_NORM_TOPK = {"llama": True, "qwen3moe": True, "olmoe": False}
+# one expert projection of every expert stacked [experts, rows, cols], as llama.cpp stores them
+_EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 # llama.cpp's converter reorders q/k rows for ggml's rope of these (LlamaModel and its subclasses), not the others
 PERMUTED_QK = ("llama", "smollm3")
 # tensors llama.cpp writes that the config reads (Phi-3's long-rope factors), not model weights
@@ -32,7 +37,9 @@ def gguf_architecture(gguf: GGUFFile) -> tuple[str, str]:
         raise ModelLoadError(f"GGUF file {gguf.path} has unsupported architecture {arch!r}; supported: "
                              f"{', '.join(GGUF_ARCHITECTURES)} (Mistral GGUFs are filed as llama)")
     hf_arch = GGUF_ARCHITECTURES[arch]
-    if arch == "llama" and "mistral" in str(gguf.get("general.name", "")).lower():
+    if arch == "llama" and gguf.get("llama.expert_count"):  # llama.cpp files Mixtral under `llama`, with experts
+        hf_arch = "MixtralForCausalLM"
+    elif arch == "llama" and "mistral" in str(gguf.get("general.name", "")).lower():
         hf_arch = "MistralForCausalLM"
     return arch, hf_arch
 
@@ -74,11 +81,13 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
     layers = int(need("block_count"))
     family = (_gguf_gemma3_fields(gguf, layers, int(head_dim or hidden // num_heads), hidden // num_heads)
               if arch == "gemma3" else {"rope_scaling": _gguf_rope_scaling(gguf, arch, context)})
+    moe = _gguf_moe_fields(gguf, arch, layers) if gguf.get(f"{arch}.expert_count") else {}
+    ffn = gguf.get(f"{arch}.feed_forward_length") or moe.get("moe_intermediate_size") or need("feed_forward_length")
     return ModelConfig(
         architecture=hf_arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
+        intermediate_size=int(ffn),
         num_layers=layers,
         num_heads=num_heads,
         num_kv_heads=int(num_kv),
@@ -89,14 +98,38 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
         max_position_embeddings=min(context, int(window)) if window else context,
         tie_word_embeddings="output.weight" not in gguf.tensors,
         attention_bias=hf_arch == "Qwen2ForCausalLM" or "blk.0.attn_q.bias" in gguf.tensors,
-        qk_norm=arch in ("qwen3", "gemma3"),
+        qk_norm=arch in ("qwen3", "gemma3", "qwen3moe", "olmoe"),
         partial_rotary_factor=partial,
         # llama.cpp has no key for SmolLM3's NoPE layers: it fixes every 4th (src/models/smollm3.cpp), as here
         nope_layers=[i for i in range(layers) if (i + 1) % 4 == 0] if arch == "smollm3" else [],
         bos_token_id=gguf.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=list(dict.fromkeys(int(i) for i in eos if i is not None)),
         **family,
+        **moe,
     )
+
+
+def _gguf_moe_fields(gguf: GGUFFile, arch: str, layers: int) -> dict[str, Any]:
+    """A mixture of experts' fields from llama.cpp's keys: expert counts, an expert's width (its own key, else the
+    feed-forward length), whether the top weights are renormalised (the file's key, else what llama.cpp does for the
+    architecture), OLMoE's clamp; a layer holding a plain MLP's tensors is a dense one."""
+    width = gguf.get(f"{arch}.expert_feed_forward_length") or gguf.get(f"{arch}.feed_forward_length")
+    norm = gguf.get(f"{arch}.expert_weights_norm")
+    clip = gguf.get(f"{arch}.attention.clamp_kqv")
+    return {"num_experts": int(gguf.get(f"{arch}.expert_count")),
+            "num_experts_per_tok": int(gguf.get(f"{arch}.expert_used_count", 0)),
+            "moe_intermediate_size": int(width or 0),
+            "norm_topk_prob": bool(_MOE_NORM_TOPK.get(arch, True) if norm is None else norm),
+            "dense_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate.weight" in gguf.tensors],
+            "clip_qkv": float(clip) if clip else None}
+
+
+def expert_hf_names(config: ModelConfig, layer: int, proj: str) -> list[str]:
+    """The HF names of every expert's `proj` (gate, up or down) in layer `layer`, in expert order."""
+    if config.architecture == "MixtralForCausalLM":
+        leaf = {"gate": "w1", "up": "w3", "down": "w2"}[proj]
+        return [f"model.layers.{layer}.block_sparse_moe.experts.{e}.{leaf}.weight" for e in range(config.num_experts)]
+    return [f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight" for e in range(config.num_experts)]
 
 
 def _gguf_gemma3_fields(gguf: GGUFFile, layers: int, head_dim: int, head_width: int) -> dict[str, Any]:
@@ -152,6 +185,7 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router (Mixtral's: block_sparse_moe.gate)
 }
 # Gemma 3's sandwich norms: llama.cpp's ffn_norm is the norm before the MLP, not after attention
 _GEMMA3_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
@@ -169,6 +203,8 @@ def hf_name_for_gguf(name: str, arch: str = "llama") -> str | None:
     if m:
         names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
         leaf = "mlp.gate_up_proj" if arch == "phi3" and m.group(2) == "ffn_up" else names.get(m.group(2))
+        if arch == "llama" and m.group(2) == "ffn_gate_inp":
+            leaf = "block_sparse_moe.gate"
         return f"model.layers.{m.group(1)}.{leaf}.{suffix}" if leaf else None
     leaf = _GGUF_GLOBAL_NAMES.get(base)
     return f"{leaf}.{suffix}" if leaf else None
@@ -198,8 +234,17 @@ class GGUFCheckpoint(Checkpoint):
         self._names: dict[str, str] = {}  # HF name -> GGUF name
         self._rope_heads: dict[str, int] = {}  # HF name -> heads, for the rows llama.cpp permuted
         self._shifted: set[str] = set()  # HF names of Gemma 3's norm weights, stored + 1
+        self._experts: dict[str, int] = {}  # HF name of one expert's projection -> its index in the stacked tensor
+        shapes: dict[str, tuple[int, ...]] = {}
         for name in gguf.tensors:
             if name in _CONFIG_TENSORS:
+                continue
+            stacked = _EXPERT_TENSOR.fullmatch(name)
+            if stacked is not None and config.moe:
+                info = gguf.tensors[name]
+                for e, hf_name in enumerate(expert_hf_names(config, int(stacked.group(1)), stacked.group(2))):
+                    if e < info.shape[0]:
+                        self._names[hf_name], self._experts[hf_name], shapes[hf_name] = name, e, info.shape[1:]
                 continue
             hf_name = hf_name_for_gguf(name, arch)
             if hf_name is None or (hf_name not in expected and fused_parts(hf_name, expected) is None
@@ -213,9 +258,14 @@ class GGUFCheckpoint(Checkpoint):
                 self._shifted.add(hf_name)
             if arch in PERMUTED_QK and (".attn_q." in name or ".attn_k." in name):
                 self._rope_heads[hf_name] = config.num_heads if ".attn_q." in name else config.num_kv_heads
-        super().__init__(path, config, dtype, {n: gguf.tensors[g].shape for n, g in self._names.items()})
+        shapes.update({n: gguf.tensors[g].shape for n, g in self._names.items() if n not in self._experts})
+        super().__init__(path, config, dtype, shapes)
 
     def _read(self, name: str) -> torch.Tensor:
+        if name in self._experts:  # one expert's slice of the stacked tensor, read and decoded alone
+            info = self._gguf.tensors[self._names[name]]
+            return dequantize(self._gguf.read_raw(info.name, self._experts[name]), info.ggml_type, info.shape[1:],
+                              self.dtype)
         if name in self._shifted:  # 1 + w in float32 (exactly w where w + 1 was exact), then the model's dtype
             return (self._gguf.read_tensor(self._names[name], torch.float32) - 1.0).to(self.dtype)
         w = self._gguf.read_tensor(self._names[name], self.dtype)
@@ -227,6 +277,11 @@ class GGUFCheckpoint(Checkpoint):
         its raw blocks, rows in HF order; any other tensor dequantized, as `self[name]`."""
         part = self._parts.get(name)  # a block of a fused tensor's rows (Phi-3's q/k/v, gate/up)
         info = self._gguf.tensors[self._names[part[0] if part else name]]
+        if name in self._experts:
+            if not (kept_gguf_type(info.ggml_type) or int(info.ggml_type) in TRANSCODED):
+                return self[name]
+            rows = self._gguf.read_raw(info.name, self._experts[name]).view(info.shape[1], -1)
+            return GGMLBlocks(info.ggml_type, rows, info.shape[1:])
         if len(info.shape) != 2 or not (kept_gguf_type(info.ggml_type) or int(info.ggml_type) in TRANSCODED):
             return self[name]
         rows = self._gguf.read_raw(info.name).view(info.shape[0], -1)

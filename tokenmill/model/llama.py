@@ -80,7 +80,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, dtype)
         self.self_attn = self.attention_class(cfg, backend, dtype, method, reduce, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, dtype)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, backend, dtype, method, reduce)
+        self.mlp = self.make_mlp(cfg, backend, dtype, method, reduce, layer_idx)
+
+    def make_mlp(self, cfg: ModelConfig, backend: Backend, dtype: torch.dtype | None, method: LinearMethod | None,
+                 reduce: Reduce | None, layer_idx: int) -> nn.Module:
+        """The layer's feed-forward block (model/moe.py's layers pick a mixture of experts)."""
+        return SwiGLU(cfg.hidden_size, cfg.intermediate_size, backend, dtype, method, reduce)
 
     def forward(self, x, cos, sin, meta, kv_cache):
         """Updates the residual stream `x` in place and returns it."""

@@ -8,8 +8,11 @@ from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.gemma3 import Gemma3ForCausalLM
 from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.mixtral import MixtralForCausalLM
+from tokenmill.model.olmoe import OlmoeForCausalLM
 from tokenmill.model.phi3 import Phi3ForCausalLM
 from tokenmill.model.qwen3 import Qwen3ForCausalLM
+from tokenmill.model.qwen3_moe import Qwen3MoeForCausalLM
 from tokenmill.model.smollm3 import SmolLM3ForCausalLM
 
 _REGISTRY: dict[str, type[nn.Module]] = {
@@ -20,6 +23,9 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
 }
 
 

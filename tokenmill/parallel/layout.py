@@ -9,6 +9,7 @@ whole model. Plain Python and torch slicing: no collectives here (parallel/group
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 
@@ -18,7 +19,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.errors import ConfigError
 
 
-def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
+def check_tensor_parallel(cfg: ModelConfig, size: int, expert_parallel: bool = False) -> None:
     """Refuse a layout the model cannot take, naming the fix."""
     if size < 1:
         raise ConfigError(f"--tensor-parallel-size must be >= 1, got {size}")
@@ -30,8 +31,14 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
     if kvh % size and size % kvh:
         raise ConfigError(f"--tensor-parallel-size {size} neither divides the model's {kvh} KV heads nor is a "
                           "multiple of them (each rank needs whole KV heads)")
-    if inter % size:
+    if (not cfg.moe or cfg.dense_layers) and inter % size:
         raise ConfigError(f"--tensor-parallel-size {size} does not divide the MLP's {inter} intermediate columns")
+    if cfg.moe and expert_parallel and cfg.num_experts % size:
+        raise ConfigError(f"--tensor-parallel-size {size} does not divide the model's {cfg.num_experts} experts "
+                          "(each rank holds as many under --enable-expert-parallel)")
+    if cfg.moe and not expert_parallel and cfg.moe_intermediate_size % size:
+        raise ConfigError(f"--tensor-parallel-size {size} does not divide the experts' {cfg.moe_intermediate_size} "
+                          "columns; try --enable-expert-parallel (whole experts per rank)")
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,9 @@ class TPLayout:
     cfg: ModelConfig
     size: int
     rank: int
+    # a mixture of experts' experts split whole among the ranks (vLLM's --enable-expert-parallel), rather than each
+    # expert's columns: each rank runs its experts for the tokens routed to them, and the MLP's all-reduce sums them
+    expert_parallel: bool = False
 
     @property
     def heads(self) -> int:
@@ -68,16 +78,36 @@ class TPLayout:
     def vocab_start(self) -> int:
         return self.rank * self.vocab
 
+    @property
+    def experts(self) -> range:
+        """The experts this rank holds (all of them, their columns split, without expert parallelism)."""
+        if not self.expert_parallel:
+            return range(self.cfg.num_experts)
+        n = self.cfg.num_experts // self.size
+        return range(self.rank * n, (self.rank + 1) * n)
+
+    @property
+    def expert_columns(self) -> int:
+        """Each held expert's intermediate columns on this rank."""
+        return self.cfg.moe_intermediate_size // (1 if self.expert_parallel else self.size)
+
     def shard_config(self) -> ModelConfig:
+        moe = {}
+        if self.cfg.moe:
+            moe = {"moe_intermediate_size": self.expert_columns,
+                   "expert_range": (self.experts.start, len(self.experts)) if self.expert_parallel else None}
         return replace(self.cfg, num_heads=self.heads, num_kv_heads=self.kv_heads,
-                       intermediate_size=self.intermediate, vocab_size=self.vocab)
+                       intermediate_size=self.intermediate, vocab_size=self.vocab, **moe)
 
     def describe(self) -> str:
         c = self.cfg
         return (f"tensor parallel: {self.size} ranks; each holds {self.heads} of {c.num_heads} query heads, "
                 f"{self.kv_heads} of {c.num_kv_heads} KV heads"
                 f"{' (replicated)' if self.size > c.num_kv_heads else ''}, {self.intermediate} of "
-                f"{c.intermediate_size} MLP columns, {self.vocab} of {c.vocab_size} vocabulary rows")
+                f"{c.intermediate_size} MLP columns, {self.vocab} of {c.vocab_size} vocabulary rows"
+                + (f"; experts {self.experts.start}-{self.experts.stop - 1} of {c.num_experts} whole"
+                   if c.moe and self.expert_parallel else
+                   f"; {self.expert_columns} of {c.moe_intermediate_size} columns of every expert" if c.moe else ""))
 
 
 class ShardedCheckpoint(Mapping):
@@ -86,21 +116,32 @@ class ShardedCheckpoint(Mapping):
 
     def __init__(self, weights: Mapping[str, torch.Tensor], layout: TPLayout):
         self.weights, self.layout = weights, layout
+        # expert parallelism: the other ranks' experts are not this rank's to load
+        self.names = [n for n in weights if _expert(n) is None or _expert(n)[0] in layout.experts]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.weights)
+        return iter(self.names)
 
     def __len__(self) -> int:
-        return len(self.weights)
+        return len(self.names)
 
     def __contains__(self, name: object) -> bool:
-        return name in self.weights
+        return name in self.weights and (not isinstance(name, str) or _expert(name) is None
+                                         or _expert(name)[0] in self.layout.experts)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         t = self.weights[name]
         lay, d = self.layout, self.layout.cfg.head_dim
+        expert = _expert(name)
+        if expert is not None:  # whole under expert parallelism, else its columns as a dense MLP's
+            cols = lay.expert_columns
+            if lay.expert_parallel:
+                return t
+            return t.narrow(1 if expert[1] in ("down_proj", "w2") else 0, lay.rank * cols, cols)
         leaf = name.rsplit(".", 2)
         proj = leaf[-2] if len(leaf) >= 2 else ""
+        if proj in ("q_norm", "k_norm") and t.shape[0] != d:  # OLMoE's norms span the whole projection
+            proj = proj[0] + "_proj"
         if proj == "q_proj":
             return t.narrow(0, lay.rank * lay.heads * d, lay.heads * d)
         if proj in ("k_proj", "v_proj"):
@@ -117,6 +158,15 @@ class ShardedCheckpoint(Mapping):
                 rows = torch.cat([rows, rows.new_zeros(lay.vocab - len(rows), t.shape[1])])
             return rows
         return t
+
+
+_EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
+
+
+def _expert(name: str) -> tuple[int, str] | None:
+    """(expert, projection) of an expert's tensor name; None for any other."""
+    m = _EXPERT_NAME.search(name)
+    return (int(m.group(1)), m.group(2)) if m else None
 
 
 def check_pipeline_parallel(cfg: ModelConfig, stages: int) -> None:
@@ -156,6 +206,7 @@ class PPStage:
     def shard_config(self, cfg: ModelConfig) -> ModelConfig:
         return replace(cfg, num_layers=self.end - self.start,
                        nope_layers=[i - self.start for i in cfg.nope_layers if self.start <= i < self.end],
+                       dense_layers=[i - self.start for i in cfg.dense_layers if self.start <= i < self.end],
                        sliding_layers=[i - self.start for i in cfg.sliding_layers if self.start <= i < self.end])
 
     @staticmethod

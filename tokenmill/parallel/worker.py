@@ -40,7 +40,8 @@ def run_worker(rank: int, size: int, init_method: str, backend: str, timeout_s: 
         torch.set_num_threads(threads_per_rank(config) or torch.get_num_threads())
         spec = ModelSpec.resolve(config)
         tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
-        tp = TensorParallel(group, TPLayout(spec.config, tp_size, rank % tp_size)) if tp_size > 1 else None
+        tp = (TensorParallel(group, TPLayout(spec.config, tp_size, rank % tp_size, config.enable_expert_parallel))
+              if tp_size > 1 else None)
         pp = (PipelineParallel(group, PPStage.of(spec.config, pp_size, rank // tp_size), 1) if pp_size > 1
               else None)
         cp = ContextParallel(group, config.cache.block_size, num_blocks) if config.context_parallel_size > 1 else None

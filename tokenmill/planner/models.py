@@ -1,7 +1,8 @@
 """Model shapes for the planner: built-in presets, Hugging Face config.json directories and GGUF files.
 
-Only the shape matters here (layers, widths, heads, vocabulary), so any Llama-family model (Llama, Mistral,
-Qwen2, SmolLM) is described by one dataclass; the parameter count is computed from it.
+Only the shape matters here (layers, widths, heads, vocabulary, experts), so any Llama-family model (Llama, Mistral,
+Qwen2, SmolLM) or mixture of experts (Mixtral, Qwen3-MoE, OLMoE) is described by one dataclass; the parameter
+counts are computed from it: the total (what memory holds) and the active ones (what a token computes).
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ class ModelShape:
     file_params: int | None = None
     file_weight_bytes: int | None = None
     file_format: str | None = None  # e.g. "GGUF Q4_1"
+    # a mixture of experts: `num_experts` SwiGLU experts of `expert_intermediate_size` columns in `moe_layers` of
+    # the layers (None: all), `experts_per_token` of them run for each token; 0 experts: a dense model
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    moe_layers: int | None = None
 
     def __post_init__(self) -> None:
         for field_name in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
@@ -58,30 +65,76 @@ class ModelShape:
         return self.vocab_size * self.hidden_size
 
     @property
-    def layer_params(self) -> int:
-        """One block: q/k/v/o projections (GQA: k and v have num_kv_heads), 3 SwiGLU matrices, 2 norms."""
+    def attention_params(self) -> int:
+        """q/k/v/o projections (GQA: k and v have num_kv_heads) and the 2 norms of one block."""
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h
         if self.attention_bias:
             attn += q + 2 * kv
-        mlp = 3 * h * self.intermediate_size
-        return attn + mlp + 2 * h
+        return attn + 2 * h
+
+    @property
+    def layer_params(self) -> int:
+        """One dense block: attention, 3 SwiGLU matrices, 2 norms."""
+        return self.attention_params + 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def moe_layer_count(self) -> int:
+        return 0 if not self.num_experts else self.num_layers if self.moe_layers is None else self.moe_layers
+
+    @property
+    def expert_params(self) -> int:
+        """One expert's 3 SwiGLU matrices."""
+        return 3 * self.hidden_size * self.expert_intermediate_size
+
+    @property
+    def moe_layer_params(self) -> int:
+        """One mixture-of-experts block: attention, the router, every expert."""
+        return self.attention_params + self.num_experts * (self.hidden_size + self.expert_params)
 
     @property
     def computed_params(self) -> int:
         """Embeddings + blocks + final norm + LM head (unless tied to the embeddings)."""
         lm_head = 0 if self.tie_word_embeddings else self.embedding_params
-        return self.embedding_params + self.num_layers * self.layer_params + self.hidden_size + lm_head
+        moe = self.moe_layer_count
+        return (self.embedding_params + (self.num_layers - moe) * self.layer_params + moe * self.moe_layer_params
+                + self.hidden_size + lm_head)
 
     @property
     def params(self) -> int:
         return self.file_params if self.file_params is not None else self.computed_params
 
+    def idle_expert_params(self, experts_read: float) -> float:
+        """Parameters of the experts a step does not touch when it reads `experts_read` per MoE layer."""
+        return self.moe_layer_count * (self.num_experts - experts_read) * self.expert_params
+
+    @property
+    def active_params(self) -> int:
+        """What one token computes: all but the experts it is not routed to (a dense model: all)."""
+        return self.params - round(self.idle_expert_params(self.experts_per_token))
+
+    def experts_read(self, tokens: int) -> float:
+        """Experts a step of `tokens` tokens reads per MoE layer, expected under even routing: each expert is
+        missed by every token with probability (1 - k / E) ** tokens."""
+        if not self.num_experts:
+            return 0.0
+        e, k = self.num_experts, self.experts_per_token
+        return e * (1 - (1 - k / e) ** max(tokens, 1))
+
     @property
     def decode_params(self) -> int:
-        """Parameters read by every decode step: all but an untied input-embedding table (only B rows of
+        """Parameters a decode step may read: all but an untied input-embedding table (only B rows of
         it are gathered). With tied embeddings the table is the LM head and is read in full."""
         return self.params - (0 if self.tie_word_embeddings else self.embedding_params)
+
+    def decode_params_read(self, batch: int) -> float:
+        """Parameters a decode step of `batch` tokens reads: decode_params less the experts none of them uses."""
+        return self.decode_params - self.idle_expert_params(self.experts_read(batch))
+
+    @property
+    def decode_active_params(self) -> int:
+        """Parameters each decoded token multiplies (its k experts, not all)."""
+        return self.decode_params - round(self.idle_expert_params(self.experts_per_token))
 
     @property
     def lm_head_params(self) -> int:
@@ -134,6 +187,18 @@ PRESETS: dict[str, ModelShape] = {
     # vocab 152064, hidden 8192, intermediate 29568, 80 layers, 64 heads, 8 KV heads, q/k/v bias, untied
     "qwen2.5-72b": ModelShape("qwen2.5-72b", 80, 8192, 29568, 64, 8, 128, 152064, False, attention_bias=True,
                               max_context=32768, source=_hf("Qwen/Qwen2.5-72B-Instruct")),
+    # vocab 32000, hidden 4096, 32 layers, 32 heads, 8 KV heads, untied; 8 experts of 14336 columns, 2 per token
+    "mixtral-8x7b": ModelShape("mixtral-8x7b", 32, 4096, 14336, 32, 8, 128, 32000, False, max_context=32768,
+                               source=_hf("mistralai/Mixtral-8x7B-v0.1"), num_experts=8, experts_per_token=2,
+                               expert_intermediate_size=14336),
+    # vocab 151936, hidden 2048, 48 layers, 32 heads, 4 KV heads x 128, untied; 128 experts of 768 columns, 8 per token
+    "qwen3-30b-a3b": ModelShape("qwen3-30b-a3b", 48, 2048, 6144, 32, 4, 128, 151936, False, max_context=40960,
+                                source=_hf("Qwen/Qwen3-30B-A3B"), num_experts=128, experts_per_token=8,
+                                expert_intermediate_size=768),
+    # vocab 50304, hidden 2048, 16 layers, 16 heads, 16 KV heads, untied; 64 experts of 1024 columns, 8 per token
+    "olmoe-1b-7b": ModelShape("olmoe-1b-7b", 16, 2048, 1024, 16, 16, 128, 50304, False, max_context=4096,
+                              source=_hf("allenai/OLMoE-1B-7B-0924"), num_experts=64, experts_per_token=8,
+                              expert_intermediate_size=1024),
     # vocab 49152, hidden 576, intermediate 1536, 30 layers, 9 heads, 3 KV heads, tied
     "smollm2-135m": ModelShape("smollm2-135m", 30, 576, 1536, 9, 3, 64, 49152, True,
                                max_context=8192, source=_hf("HuggingFaceTB/SmolLM2-135M")),
@@ -205,9 +270,23 @@ def from_hf_config(cfg: dict[str, Any], name: str, source: str = "") -> ModelSha
             max_context=cfg.get("max_position_embeddings"),
             source=source,
             default_dtype=dtype,
+            **_hf_experts(cfg),
         )
     except KeyError as e:
         raise PlanError(f"--model {name}: config.json lacks {e.args[0]!r}") from None
+
+
+def _hf_experts(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A mixture of experts' fields of config.json (Mixtral's num_local_experts, Qwen3-MoE's and OLMoE's
+    num_experts; Qwen3-MoE's dense layers); none for a dense model."""
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if not experts:
+        return {}
+    layers = int(cfg["num_hidden_layers"])
+    step, only = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or [])
+    return {"num_experts": experts, "experts_per_token": int(cfg["num_experts_per_tok"]),
+            "expert_intermediate_size": int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+            "moe_layers": sum(1 for i in range(layers) if i not in only and (i + 1) % step == 0)}
 
 
 def from_hf_dir(path: Path) -> ModelShape:
@@ -279,11 +358,18 @@ def _read_gguf(path: str, size: int, mtime_ns: int) -> ModelShape:
     for t in tensors:
         by_type[GGMLQuantizationType(t.ggml_type).name] += t.nbytes
     main_type = by_type.most_common(1)[0][0] if by_type else "?"
+    experts = _gguf_value(reader, f"{arch}.expert_count") or 0
+    moe = {} if not experts else {
+        "num_experts": int(experts), "experts_per_token": int(_gguf_value(reader, f"{arch}.expert_used_count") or 1),
+        "expert_intermediate_size": int(_gguf_value(reader, f"{arch}.expert_feed_forward_length")
+                                        or need("feed_forward_length")),
+        "moe_layers": sum(1 for n in names if n.endswith("ffn_gate_inp.weight"))}
     return ModelShape(
         name=os.path.basename(path),
         num_layers=need("block_count"),
         hidden_size=hidden,
-        intermediate_size=need("feed_forward_length"),
+        intermediate_size=int(_gguf_value(reader, f"{arch}.feed_forward_length")
+                              or _gguf_value(reader, f"{arch}.expert_feed_forward_length") or 0),
         num_heads=heads,
         num_kv_heads=int(kv_heads),
         head_dim=int(head_dim),
@@ -295,4 +381,5 @@ def _read_gguf(path: str, size: int, mtime_ns: int) -> ModelShape:
         file_params=sum(math.prod(t.shape) for t in tensors),
         file_weight_bytes=sum(t.nbytes for t in tensors),
         file_format=f"GGUF {main_type}" + (" (mixed)" if len(by_type) > 1 else ""),
+        **moe,
     )

@@ -43,6 +43,10 @@ def render_plan(console: Console, model: ModelShape, p: Plan) -> None:
     t = _kv_table(f"{p.model} on {p.n_gpus} x {p.gpu_name} (tp={p.tp}, pp={p.pp}{f', cp={p.cp}' if p.cp > 1 else ''})")
     t.add_row("parameters", f"{fmt_count(p.params)} ({model.num_layers} layers, hidden {model.hidden_size}, "
                             f"{model.num_heads} heads / {model.num_kv_heads} KV heads x {model.head_dim})")
+    if model.num_experts:
+        t.add_row("active parameters", f"{fmt_count(model.active_params)} a token ({model.experts_per_token} of "
+                                       f"{model.num_experts} experts in {model.moe_layer_count} layers): decode "
+                                       "reads the experts its tokens use, memory holds them all")
     t.add_row("weights", f"{fmt_bytes(p.weights_bytes)} at {p.dtype} "
                          f"({fmt_bytes(p.weights_bytes_per_gpu)} per GPU)")
     t.add_row("KV cache per token", f"{p.kv_bytes_per_token:,} B at {p.kv_dtype} "

@@ -200,17 +200,18 @@ def _rates(model: ModelShape, dep: Deployment) -> tuple[float, float]:
     return bw, peak
 
 
-def _decode_weight_bytes(model: ModelShape, dep: Deployment) -> float:
-    return model.weight_bytes(dep.dtype) * model.decode_params / model.params
+def _decode_weight_bytes(model: ModelShape, dep: Deployment, tokens: int) -> float:
+    """Weight bytes a step of `tokens` tokens reads (a mixture of experts: the experts they are routed to)."""
+    return model.weight_bytes(dep.dtype) * model.decode_params_read(tokens) / model.params
 
 
 def decode_cost(model: ModelShape, dep: Deployment, batch: int | None = None) -> tuple[float, float]:
     """(bytes, FLOPs) per device of one decode step, summed over the pipeline stages."""
     b = dep.batch if batch is None else batch
     kv_rank = kv_bytes_per_token_per_gpu(model, dep.tp, 1, dep.kv_dtype, dep.cp)
-    nbytes = _decode_weight_bytes(model, dep) / dep.tp + b * dep.context * kv_rank
+    nbytes = _decode_weight_bytes(model, dep, b) / dep.tp + b * dep.context * kv_rank
     attn = 4 * model.num_layers * model.num_heads * model.head_dim * dep.context * b / dep.cp
-    flops = (2 * model.decode_params * b + attn) / dep.tp
+    flops = (2 * model.decode_active_params * b + attn) / dep.tp
     return nbytes, flops
 
 
@@ -226,9 +227,10 @@ def prefill_seconds(model: ModelShape, dep: Deployment) -> tuple[float, str]:
     """(seconds, bound) of prefilling one prompt of `context` tokens."""
     n = dep.context
     attn = 2 * model.num_layers * model.num_heads * model.head_dim * n * n
-    flops = (2 * model.body_params * n + 2 * model.lm_head_params + attn) / dep.tp / dep.cp
+    body = model.body_params - (model.decode_params - model.decode_active_params)  # a token's k experts only
+    flops = (2 * body * n + 2 * model.lm_head_params + attn) / dep.tp / dep.cp
     kv_write = n * kv_bytes_per_token_per_gpu(model, dep.tp, 1, dep.kv_dtype, dep.cp)
-    nbytes = _decode_weight_bytes(model, dep) / dep.tp + kv_write
+    nbytes = _decode_weight_bytes(model, dep, n) / dep.tp + kv_write
     bw, peak = _rates(model, dep)
     t_mem, t_compute = nbytes / bw, flops / peak
     return (t_mem, "memory") if t_mem >= t_compute else (t_compute, "compute")

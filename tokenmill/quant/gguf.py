@@ -149,15 +149,20 @@ class GGUFFile:
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
 
-    def read_raw(self, name: str) -> torch.Tensor:
-        """The tensor's bytes as a writable uint8 tensor (a private copy: nothing pins the file)."""
+    def read_raw(self, name: str, index: int | None = None) -> torch.Tensor:
+        """The tensor's bytes as a writable uint8 tensor (a private copy: nothing pins the file); with `index`,
+        only those of its index-th slice along the first dimension (one expert of a stacked [E, rows, cols])."""
         import torch
         info = self.tensors[name]
-        buf = torch.empty(info.nbytes, dtype=torch.uint8)
+        nbytes, offset = info.nbytes, info.offset
+        if index is not None:
+            nbytes //= info.shape[0]
+            offset += index * nbytes
+        buf = torch.empty(nbytes, dtype=torch.uint8)
         with open(self.path, "rb") as f:
-            f.seek(info.offset)
+            f.seek(offset)
             got = f.readinto(buf.numpy())
-        if got != info.nbytes:
+        if got != nbytes:
             raise ModelLoadError(f"GGUF file {self.path} is truncated inside tensor {name!r}")
         return buf
 

@@ -137,6 +137,27 @@ class Backend(ABC):
         """silu(gate) * up of a fused gate/up projection of x: the layer, then silu_mul. A backend may fuse them."""
         return self.silu_mul(gate_up(x))
 
+    def moe_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: nn.ModuleList,
+                    first: int) -> torch.Tensor:
+        """A mixture of experts' output [T, hidden] in x's dtype: for each token, the sum over its k experts
+        (ids [T, k], global numbers; experts[i] is expert first + i, others add nothing) of weights [T, k] (float32)
+        times the expert's SwiGLU of the token. Grouped by expert: each expert's weights are read once, for all
+        of its tokens, through the layers' own matmuls (whatever their format). A token's k products are summed
+        in float32 in its own top-k order, so its result does not depend on the other tokens of the step."""
+        t, k = ids.shape
+        local = ids.flatten() - first
+        hit = (local >= 0) & (local < len(experts))
+        order = torch.argsort(torch.where(hit, local, len(experts)), stable=True)  # slots by expert, the rest last
+        counts = torch.bincount(local[hit], minlength=len(experts)).tolist()
+        products = x.new_zeros(t * k, x.shape[1])
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                slots = order[start:start + n]
+                products[slots] = experts[e](x[slots // k])
+                start += n
+        return (products.view(t, k, -1).float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+
     def prepack(self, model: nn.Module) -> bool:
         """Give each of `model.linear_layers()` the weight layout this backend multiplies fastest, once, after
         loading and the dtype cast. Returns whether anything was packed; the default keeps the plain weights."""

@@ -1,0 +1,108 @@
+"""Mixture-of-experts feed-forward blocks (Mixtral, Qwen3-MoE, OLMoE): a router picks each token's top-k experts,
+each a SwiGLU MLP, and the token's output is their weighted sum.
+
+The experts are ordinary `SwiGLU` modules, so every weight format (dense, int8, FP8, GGUF blocks) and every
+backend kernel serves them unchanged; how a step's tokens meet their experts is the backend's `moe_experts`
+(grouped by expert: each expert's weights read once per step, for all of its tokens)."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from tokenmill.model.layers import SwiGLU
+from tokenmill.model.linear import Linear
+
+if TYPE_CHECKING:
+    from tokenmill.config import ModelConfig
+    from tokenmill.model.backends import Backend
+    from tokenmill.model.linear import LinearMethod
+    from tokenmill.model.llama import Reduce
+
+# our names of an expert's projections (model/llama.py FUSED_SHARDS splits gate_up) -> Mixtral's
+MIXTRAL_EXPERT_NAMES = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(\w+)\.")
+
+
+class SparseMoE(nn.Module):
+    """Router + experts. `cfg.local_experts` are the experts this model holds (all of them, or this rank's range
+    under expert parallelism, where tokens routed elsewhere add nothing here and `reduce` sums the ranks' parts).
+    Under tensor parallelism without it, each expert's columns are split like a dense MLP's, and `reduce` sums the
+    partial products likewise."""
+
+    def __init__(self, cfg: ModelConfig, backend: Backend, dtype: torch.dtype | None = None,
+                 method: LinearMethod | None = None, reduce: Reduce | None = None,
+                 round_weights: bool = True):
+        super().__init__()
+        self.backend, self.reduce = backend, reduce
+        self.top_k, self.norm_topk_prob, self.round_weights = cfg.num_experts_per_tok, cfg.norm_topk_prob, round_weights
+        # the router stays dense in the model's dtype (llama.cpp keeps it unquantized too): it is E x hidden
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False, backend=backend, dtype=dtype)
+        self.first_expert = cfg.local_experts.start
+        self.experts = nn.ModuleList(SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size, backend, dtype, method)
+                                     for _ in cfg.local_experts)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts [T, k] (int64) and their float32 weights [T, k]: the softmax over every
+        expert, its top k, renormalised to sum to 1 where the family does (Mixtral always, Qwen3-MoE and OLMoE by
+        `norm_topk_prob`), rounded to the model's dtype where transformers rounds them (all but Mixtral)."""
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.round_weights:
+            weights = weights.to(x.dtype).float()
+        return ids, weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        out = self.backend.moe_experts(x, ids, weights, self.experts, self.first_expert)
+        return out if self.reduce is None else self.reduce(out)
+
+
+class MoELayerMixin:
+    """A decoder layer whose MLP is a SparseMoE, but in the config's dense layers (Qwen3-MoE's mlp_only_layers)."""
+
+    round_router_weights = True
+
+    def make_mlp(self, cfg, backend, dtype, method, reduce, layer_idx):
+        if not cfg.is_moe_layer(layer_idx):
+            return super().make_mlp(cfg, backend, dtype, method, reduce, layer_idx)
+        return SparseMoE(cfg, backend, dtype, method, reduce, self.round_router_weights)
+
+
+class MoEModelMixin:
+    """A model with SparseMoE layers: no backend's whole-layer Llama kernel computes them, so they run op by op;
+    checkpoint names number experts globally (a rank's first expert is `first_expert`), and a family may name
+    them its own way (Mixtral's `block_sparse_moe.experts.N.w1`)."""
+
+    whole_layer_kernels = False
+    expert_names: dict[str, str] | None = None  # our projection name -> the checkpoint's (None: the same)
+    moe_block_name = "mlp"  # the checkpoint's name of the MoE block (Mixtral: block_sparse_moe)
+
+    def weight_targets(self):
+        first = self.config.local_experts.start
+        targets = {}
+        for name, target in super().weight_targets().items():
+            if isinstance(self.get_submodule(_layer_module(name)), SparseMoE):
+                name = self.checkpoint_name(name, first)
+            targets[name] = target
+        return targets
+
+    def checkpoint_name(self, name: str, first: int) -> str:
+        """Our HF-style name of an MoE block's tensor -> the checkpoint's."""
+        m = _EXPERT.search(name)
+        if m is not None:
+            proj = m.group(2)
+            proj = self.expert_names.get(proj, proj) if self.expert_names else proj
+            name = f"{name[:m.start()]}.mlp.experts.{int(m.group(1)) + first}.{proj}.{name[m.end():]}"
+        return name.replace(".mlp.", f".{self.moe_block_name}.", 1)
+
+
+def _layer_module(hf_name: str) -> str:
+    """`model.layers.3.mlp.experts.0.gate_proj.weight` -> `layers.3.mlp` (the module holding the layer's MLP)."""
+    parts = hf_name.split(".")
+    return ".".join(parts[1:4]) if len(parts) > 4 and parts[1] == "layers" else "norm"
