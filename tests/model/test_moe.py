@@ -22,6 +22,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ConfigError
 from tokenmill.model.backends import CpuBackend, TorchBackend
+from tokenmill.model.backends.base import Backend
 from tokenmill.model.loader import load_model_config, load_weights
 from tokenmill.model.moe import SparseMoE
 from tokenmill.parallel.layout import ShardedCheckpoint, TPLayout, check_tensor_parallel
@@ -182,8 +183,8 @@ def test_expert_parallel_layout(families):
 @pytest.mark.parametrize("backend", ["reference", pytest.param("cpu", marks=needs_kernels)])
 def test_expert_rows_do_not_depend_on_the_step(families, backend, dtype):
     """On the CPU kernels a token's MoE output is the same bits alone and inside a step of 40 tokens routed every
-    which way (batch-invariant matmuls, each token's products summed in its own order); on either backend it equals
-    the plain per-token sum of its experts' outputs."""
+    which way (batch-invariant matmuls, the router's 4 rows padded into tiles, each token's products summed in its
+    own order); on either backend it equals the plain per-token sum of its experts' outputs."""
     from tokenmill.engine.runner import ModelRunner
 
     path = families["qwen3_moe"].path
@@ -200,8 +201,10 @@ def test_expert_rows_do_not_depend_on_the_step(families, backend, dtype):
         plain = torch.stack([sum(float(weights[t, j]) * moe.experts[int(ids[t, j])](x[t:t + 1])[0].float()
                                  for j in range(ids.shape[1])) for t in range(len(x))]).to(dtype)
     assert len(set(ids.flatten().tolist())) == 4  # every expert has tokens
-    if backend == "cpu":
+    if backend == "cpu":  # csrc/moe.cpp, the experts over the threads alone, one by one in the step: the same bits
         assert torch.equal(together, alone)
+        with torch.no_grad():  # and those of the grouped path in Python over the same kernels
+            assert torch.equal(together, Backend.moe_experts(runner.backend, x, ids, weights, moe.experts, 0))
     torch.testing.assert_close(together, alone, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-2)
     torch.testing.assert_close(together, plain, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-2)
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from tokenmill.errors import ModelLoadError
 from tokenmill.model.layers import SwiGLU
 from tokenmill.model.linear import Linear
 
@@ -22,9 +23,31 @@ if TYPE_CHECKING:
     from tokenmill.model.linear import LinearMethod
     from tokenmill.model.llama import Reduce
 
+ROUTER_ROWS = 16  # a router's rows are padded to a multiple of this (Router)
 # our names of an expert's projections (model/llama.py FUSED_SHARDS splits gate_up) -> Mixtral's
 MIXTRAL_EXPERT_NAMES = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(\w+)\.")
+
+
+class Router(Linear):
+    """The router's [E, hidden] weight, its rows padded with zeros to a multiple of 16 and their logits dropped: a
+    backend then packs it in the tiles its batch-invariant kernels read whatever E is (Mixtral's 8 experts), so a
+    token's routing, like the rest of its step, does not depend on the other tokens."""
+
+    def __init__(self, hidden: int, experts: int, backend: Backend, dtype: torch.dtype | None):
+        super().__init__(hidden, -(-experts // ROUTER_ROWS) * ROUTER_ROWS, bias=False, backend=backend, dtype=dtype)
+        self.num_experts = experts
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        if shard_id is not None or tuple(loaded.shape) != (self.num_experts, self.in_features):
+            raise ModelLoadError(f"a router of {self.num_experts} experts x {self.in_features} takes "
+                                 f"{[self.num_experts, self.in_features]}, not {list(loaded.shape)}")
+        with torch.no_grad():
+            param.zero_()
+            param[:self.num_experts].copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)[:, :self.num_experts]
 
 
 class SparseMoE(nn.Module):
@@ -40,7 +63,7 @@ class SparseMoE(nn.Module):
         self.backend, self.reduce = backend, reduce
         self.top_k, self.norm_topk_prob, self.round_weights = cfg.num_experts_per_tok, cfg.norm_topk_prob, round_weights
         # the router stays dense in the model's dtype (llama.cpp keeps it unquantized too): it is E x hidden
-        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False, backend=backend, dtype=dtype)
+        self.gate = Router(cfg.hidden_size, cfg.num_experts, backend, dtype)
         self.first_expert = cfg.local_experts.start
         self.experts = nn.ModuleList(SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size, backend, dtype, method)
                                      for _ in cfg.local_experts)

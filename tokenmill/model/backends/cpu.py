@@ -231,6 +231,15 @@ class CpuBackend(TorchBackend):
                 return self.ops.bf16_linear_silu(x, packed)  # SiLU-and-multiply in the matmul's epilogue
         return super().gate_up_silu(x, gate_up)
 
+    def moe_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: nn.ModuleList,
+                    first: int) -> torch.Tensor:
+        """csrc/moe.cpp: the grouped experts in one call (the experts spread over the threads while each has few
+        tokens), through the same linear kernels as the reference path, so the same bits."""
+        kernel = getattr(self.ops, "moe_experts", None)
+        if kernel is None or not _rows(x):
+            return super().moe_experts(x, ids, weights, experts, first)
+        return kernel(x, ids, weights, first, *_expert_tensors(experts))
+
     def pack_int8(self, q: torch.Tensor, silu_pairs: bool = False) -> torch.Tensor | None:
         """An int8 or FP8 weight (quant/int8.py, quant/fp8.py) in csrc/int8_linear.cpp's tile layout, where that
         kernel runs (AMX or AVX512-BF16, and the model computes in bfloat16); None keeps the weight for the
@@ -375,3 +384,27 @@ class CpuBackend(TorchBackend):
         if decoder is None:
             return None
         return decoder.logits(input_ids, positions, block_tables, [k for k, _ in kv_caches], [v for _, v in kv_caches])
+
+
+def _expert_tensors(experts: nn.ModuleList) -> tuple[list[torch.Tensor], ...]:
+    """Per expert, what csrc/moe.cpp's moe_experts takes: the gate/up weight, its packed copy and scales, then the
+    down projection's (empty tensors where a layer has none), as the whole-layer stack's _layer_weights gathers
+    them. Kept on the module list until its experts' packed weights are replaced (a reload packs them anew)."""
+    first = experts[0].gate_up_proj
+    cached = getattr(experts, "_kernel_tensors", None)
+    if cached is not None and cached[0] is first.packed_weight and cached[1] is first.weight:
+        return cached[2]
+    empty = torch.empty(0, dtype=experts[0].gate_up_proj.weight.dtype)
+
+    def packed(m: nn.Module) -> torch.Tensor:
+        return empty if m.packed_weight is None else m.packed_weight
+
+    def scale(m: nn.Module) -> torch.Tensor:
+        s = getattr(m, "weight_scale", None)
+        return s if s is not None and m.packed_weight is not None else empty
+
+    gate_up, down = [e.gate_up_proj for e in experts], [e.down_proj for e in experts]
+    tensors = ([m.weight for m in gate_up], [packed(m) for m in gate_up], [scale(m) for m in gate_up],
+               [m.weight for m in down], [packed(m) for m in down], [scale(m) for m in down])
+    experts._kernel_tensors = (first.packed_weight, first.weight, tensors)
+    return tensors

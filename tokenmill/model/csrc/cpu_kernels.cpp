@@ -1295,6 +1295,11 @@ class DecodeModel {
   int64_t num_heads_, num_kv_heads_;
 };
 
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, int64_t first,
+                       const std::vector<at::Tensor>& gate_up_w, const std::vector<at::Tensor>& gate_up_packed,
+                       const std::vector<at::Tensor>& gate_up_scale, const std::vector<at::Tensor>& down_w,
+                       const std::vector<at::Tensor>& down_packed, const std::vector<at::Tensor>& down_scale);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over block tables (CPU)");
   m.def("skinny_linear", &skinny_linear, "x @ w.T (+ b) for few rows, output features split over threads");
@@ -1334,6 +1339,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_avx2_linear_silu", &gguf_avx2_linear_silu, "gguf_vnni_linear_silu with AVX2 products");
   m.def("dpbf16_linear", &dpbf16_linear, "bf16_linear with AVX512-BF16 dot products");
   m.def("f32_panels_available", &f32_panels_available, "whether this build has the float32 panel matmul");
+  m.def("moe_experts", &moe_experts, "a mixture of experts' MLP: tokens grouped by expert, k products summed per token");
   m.def("lora_add", &lora_add, "y[run rows] += (x A_s^T) B_s per run and part: LoRA adapters (model/lora.py)");
   m.def("f32_pack", &f32_pack, "a [N, K] float32 weight in 16-feature panels [N/16, K, 16]");
   m.def("f32_linear", &f32_linear, "x @ w.T (+ b), w from f32_pack; batch-invariant");
