@@ -7,8 +7,8 @@ wide: the same 1.3B parameters a token multiplies), then served at 16 streams be
 
 Weights are written once under --work (bf16 safetensors, ~14 GB for the MoE): random, so only speed is measured,
 and the router spreads tokens over the experts as a trained one would on average. One-stream decode: a 32-token
-prompt, then 64 greedy tokens; the decode rate is (t(65 tokens) - t(1 token)) / 64, median of --runs, each model in
-its own process (one at a time: the machine holds one 14 GB model at once beside the other's peer).
+prompt, then 64 greedy tokens; the decode rate is (t(65 tokens) - t(1 token)) / 64. Both models are loaded in one
+process (per weight format) and measured in turn, --runs times; the ratio is taken per run, the median reported.
 """
 
 from __future__ import annotations
@@ -86,26 +86,32 @@ def write_random_model(out: Path, cfg: dict, seed: int = 0) -> Path:
     return out
 
 
-def decode_rate(path: Path, dtype: str, quantization: str | None, runs: int, threads: int) -> list[float]:
-    """Tokens/s of one-stream decode, `runs` times, in this process."""
+def decode_rates(paths: list[Path], dtype: str, quantization: str | None, runs: int, threads: int
+                 ) -> list[list[float]]:
+    """Tokens/s of one-stream decode of each model, `runs` times, the models loaded side by side in this process
+    and measured in turn (a slow spell of the machine falls on both)."""
     import torch
 
     from tokenmill import LLM, SamplingParams
 
     torch.set_num_threads(threads)
-    llm = LLM(str(path), dtype=dtype, quantization=quantization, kv_cache_memory=512 << 20, num_threads=threads)
+    llms = [LLM(str(p), dtype=dtype, quantization=quantization, kv_cache_memory=512 << 20, num_threads=threads)
+            for p in paths]
     prompt = [{"prompt_token_ids": list(range(100, 132))}]
 
-    def timed(n: int) -> float:
+    def timed(llm, n: int) -> float:
         start = time.perf_counter()
         llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
         return time.perf_counter() - start
 
-    timed(8)  # warm-up
-    rates = []
+    for llm in llms:  # warm-up
+        timed(llm, 65)
+        timed(llm, 65)
+    rates: list[list[float]] = [[] for _ in llms]
     for _ in range(runs):
-        one, many = timed(1), timed(65)
-        rates.append(64 / (many - one))
+        for llm, out in zip(llms, rates):
+            one, many = timed(llm, 1), timed(llm, 65)
+            out.append(64 / (many - one))
     return rates
 
 
@@ -114,20 +120,22 @@ def one_stream(args: argparse.Namespace, moe: Path, dense: Path) -> None:
     rows = []
     for fmt in args.formats.split(","):
         dtype, quant = ("bfloat16", None) if fmt == "bf16" else ("bfloat16", fmt)
-        rates = {}
-        for label, path in (("moe", moe), ("dense", dense)):
-            proc = subprocess.run([sys.executable, __file__, "--child", str(path), "--child-dtype", dtype,
-                                   "--child-quant", quant or "", "--runs", str(args.runs), "--threads",
-                                   str(args.threads)], capture_output=True, text=True, check=False)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{label} {fmt} failed: {proc.stderr[-3000:]}")
-            rates[label] = json.loads(proc.stdout.strip().splitlines()[-1])
-            print(f"  {fmt} {label}: {', '.join(f'{r:.2f}' for r in rates[label])} tok/s", flush=True)
-        m, d = statistics.median(rates["moe"]), statistics.median(rates["dense"])
-        rows.append((fmt, m, d))
-    print("\n| weights | MoE (6.9B, 1.3B active) tok/s | dense 1.3B tok/s | dense / MoE time |\n|---|---:|---:|---:|")
-    for fmt, m, d in rows:
-        print(f"| {fmt} | {m:.2f} | {d:.2f} | {d / m:.2f}x |", flush=True)
+        proc = subprocess.run([sys.executable, __file__, "--child", f"{moe},{dense}", "--child-dtype", dtype,
+                               "--child-quant", quant or "", "--runs", str(args.runs), "--threads",
+                               str(args.threads)], capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{fmt} failed: {proc.stderr[-3000:]}")
+        m, d = json.loads(proc.stdout.strip().splitlines()[-1])
+        ratios = [b / a for a, b in zip(m, d)]
+        print(f"  {fmt}: MoE {', '.join(f'{r:.2f}' for r in m)} tok/s; dense {', '.join(f'{r:.2f}' for r in d)} "
+              f"tok/s; MoE time / dense {', '.join(f'{r:.2f}' for r in ratios)}", flush=True)
+        rows.append((fmt, statistics.median(m), statistics.median(d), statistics.median(ratios), min(ratios),
+                     max(ratios)))
+        save(args, "single", fmt, {"moe": m, "dense": d})
+    print("\n| weights | MoE (6.9B, 1.3B active) tok/s | dense 1.3B tok/s | MoE time / dense, per run (median) |"
+          "\n|---|---:|---:|---:|")
+    for fmt, m, d, ratio, lo, hi in rows:
+        print(f"| {fmt} | {m:.2f} | {d:.2f} | {ratio:.2f}x ({lo:.2f}-{hi:.2f}) |", flush=True)
 
 
 def serve(args: argparse.Namespace, moe: Path, work: Path) -> None:
@@ -158,9 +166,21 @@ def serve(args: argparse.Namespace, moe: Path, work: Path) -> None:
                 print(f"  {peer.label} round {r + 1}: failed ({str(e)[:600]})", flush=True)
                 continue
             print(f"  {peer.label} round {r + 1}: {results[peer.name][-1]:.1f} output tok/s", flush=True)
+    save(args, "serve", f"{args.streams}_streams", results)
     print("\n| server | output tok/s (median) |\n|---|---:|")
     for name, values in results.items():
         print(f"| {name} | {statistics.median(values):.1f} |" if values else f"| {name} | did not run |", flush=True)
+
+
+def save(args: argparse.Namespace, part: str, key: str, value: object) -> None:
+    """Merge one result into --save's JSON (the docs' plot reads it), with the CPU it ran on."""
+    if not args.save:
+        return
+    path = Path(args.save)
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data.setdefault(part, {})[key] = value
+    data["cpu"] = cpu_line()
+    path.write_text(json.dumps(data, indent=1) + "\n")
 
 
 def main() -> int:
@@ -173,13 +193,15 @@ def main() -> int:
     p.add_argument("--max-output", type=int, default=128)
     p.add_argument("--work", default="/tmp/tokenmill-moe-bench", help="where the random models are written")
     p.add_argument("--vllm-venv", default=None)
+    p.add_argument("--save", default=str(Path(__file__).resolve().parent / "results" / "moe.json"),
+                   help="merge the results into this JSON file ('' : don't)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-dtype", default="bfloat16", help=argparse.SUPPRESS)
     p.add_argument("--child-quant", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(decode_rate(Path(args.child), args.child_dtype, args.child_quant or None, args.runs,
-                                     args.threads)))
+        print(json.dumps(decode_rates([Path(p) for p in args.child.split(",")], args.child_dtype,
+                                      args.child_quant or None, args.runs, args.threads)))
         return 0
     work = Path(args.work)
     moe = write_random_model(work / "olmoe-1b-7b-random", OLMOE_1B_7B)

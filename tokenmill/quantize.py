@@ -77,6 +77,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
     path = resolve_model_path(args.model)
     cfg = load_model_config(path)
+    if cfg.moe:
+        raise ConfigError(f"tokenmill quantize writes dense layers' INT4 checkpoints; {cfg.architecture} is a mixture "
+                          "of experts: serve it with --quantization int8, int4 or fp8 (quantized at load), or as a "
+                          "GGUF file")
     group = choose_group_size(cfg, args.group_size)
     start = time.perf_counter()
     llm = LLM(str(path), dtype="float32", quantization="none", batch_invariant=False, enable_prefix_caching=False)

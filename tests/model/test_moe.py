@@ -32,7 +32,7 @@ VARIANTS = {
     # experts named block_sparse_moe.experts.N.w1/w2/w3, top weights always renormalised (kept in float32)
     "mixtral": dict(arch="mixtral", num_local_experts=4, num_experts_per_tok=2),
     # per-head q/k norms, experts narrower than the dense layer 1 (mlp_only_layers), renormalised top weights
-    "qwen3_moe": dict(arch="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+    "qwen3_moe": dict(arch="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                       norm_topk_prob=True, mlp_only_layers=[1], head_dim=32, num_layers=3),
     # q/k norms over the whole projection, q/k/v clamped, top weights not renormalised
     "olmoe": dict(arch="olmoe", num_experts=4, num_experts_per_tok=2, clip_qkv=2.0),
@@ -179,9 +179,10 @@ def test_expert_parallel_layout(families):
         check_tensor_parallel(replace(cfg, moe_intermediate_size=126), 4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,quantization", [(torch.float32, None), (torch.bfloat16, None),
+                                                (torch.bfloat16, "int8")])
 @pytest.mark.parametrize("backend", ["reference", pytest.param("cpu", marks=needs_kernels)])
-def test_expert_rows_do_not_depend_on_the_step(families, backend, dtype):
+def test_expert_rows_do_not_depend_on_the_step(families, backend, dtype, quantization):
     """On the CPU kernels a token's MoE output is the same bits alone and inside a step of 40 tokens routed every
     which way (batch-invariant matmuls, the router's 4 rows padded into tiles, each token's products summed in its
     own order); on either backend it equals the plain per-token sum of its experts' outputs."""
@@ -190,9 +191,11 @@ def test_expert_rows_do_not_depend_on_the_step(families, backend, dtype):
     path = families["qwen3_moe"].path
     cfg = load_model_config(path)
     runner = ModelRunner(cfg, load_weights(path, cfg), dtype, "cpu", num_blocks=8, block_size=4,
-                         use_kernel=backend == "cpu", batch_invariant=True)
+                         use_kernel=backend == "cpu", batch_invariant=True, quantization=quantization)
     assert isinstance(runner.backend, CpuBackend if backend == "cpu" else TorchBackend)
     moe = runner.model.layers[0].mlp
+    assert (getattr(moe.experts[0].down_proj, "qweight", None) is not None
+            or moe.experts[0].down_proj.packed_weight is not None) == (quantization is not None or backend == "cpu")
     x = torch.randn(40, cfg.hidden_size, generator=torch.Generator().manual_seed(1)).to(dtype)
     with torch.no_grad():
         together = moe(x)
@@ -214,7 +217,7 @@ def test_moe_configs_round_trip(families):
         cfg = load_model_config(families[variant].path)
         assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
     qwen = load_model_config(families["qwen3_moe"].path)
-    assert (qwen.dense_layers, qwen.moe_intermediate_size, qwen.intermediate_size) == ([1], 48, 128)
+    assert (qwen.dense_layers, qwen.moe_intermediate_size, qwen.intermediate_size) == ([1], 64, 128)
     with pytest.raises(ConfigError, match="num_experts_per_tok 5"):
         ModelConfig.from_hf_dict({**qwen.to_hf_dict(), "num_experts_per_tok": 5})
 
@@ -282,9 +285,22 @@ def write_moe_gguf(model_dir: Path, out: Path, variant: str, qtype=None) -> Path
     return out
 
 
-def test_lora_is_refused_on_moe_models(families):
+def test_lora_and_int4_checkpoints_are_refused_on_moe_models(families, tmp_path):
+    from tokenmill.cli import build_parser
+    from tokenmill.quantize import cmd_quantize
+
     with pytest.raises(ConfigError, match="--enable-lora does not serve mixture-of-experts"):
         LLM(str(families["olmoe"].path), dtype="float32", kv_cache_memory=KV, enable_lora=True)
+    args = build_parser().parse_args(["quantize", "--model", str(families["olmoe"].path), "--out", str(tmp_path / "q")])
+    with pytest.raises(ConfigError, match="is a mixture of experts: serve it with --quantization"):
+        cmd_quantize(args)
+
+
+def test_startup_summary_names_the_experts_format(families):
+    """What `tokenmill serve` logs at start (it once looked for the first layer's down_proj, which an MoE lacks)."""
+    llm = LLM(str(families["qwen3_moe"].path), dtype="bfloat16", kv_cache_memory=KV, quantization="int8")
+    summary = llm.engine.core.startup_summary()
+    assert "weights: int8 (bfloat16 compute)" in summary
 
 
 @pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe"])

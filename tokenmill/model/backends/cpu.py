@@ -236,9 +236,10 @@ class CpuBackend(TorchBackend):
         """csrc/moe.cpp: the grouped experts in one call (the experts spread over the threads while each has few
         tokens), through the same linear kernels as the reference path, so the same bits."""
         kernel = getattr(self.ops, "moe_experts", None)
-        if kernel is None or not _rows(x):
+        tensors = _expert_tensors(experts) if kernel is not None and _rows(x) else None
+        if tensors is None:
             return super().moe_experts(x, ids, weights, experts, first)
-        return kernel(x, ids, weights, first, *_expert_tensors(experts))
+        return kernel(x, ids, weights, first, *tensors)
 
     def pack_int8(self, q: torch.Tensor, silu_pairs: bool = False) -> torch.Tensor | None:
         """An int8 or FP8 weight (quant/int8.py, quant/fp8.py) in csrc/int8_linear.cpp's tile layout, where that
@@ -386,14 +387,20 @@ class CpuBackend(TorchBackend):
         return decoder.logits(input_ids, positions, block_tables, [k for k, _ in kv_caches], [v for _, v in kv_caches])
 
 
-def _expert_tensors(experts: nn.ModuleList) -> tuple[list[torch.Tensor], ...]:
+def _expert_tensors(experts: nn.ModuleList) -> tuple[list[torch.Tensor], ...] | None:
     """Per expert, what csrc/moe.cpp's moe_experts takes: the gate/up weight, its packed copy and scales, then the
     down projection's (empty tensors where a layer has none), as the whole-layer stack's _layer_weights gathers
-    them. Kept on the module list until its experts' packed weights are replaced (a reload packs them anew)."""
+    them; None where a quantized weight has no packed copy (the C++ linear reads those only packed). Kept on the
+    module list until its experts' packed weights are replaced (a reload packs them anew)."""
     first = experts[0].gate_up_proj
     cached = getattr(experts, "_kernel_tensors", None)
     if cached is not None and cached[0] is first.packed_weight and cached[1] is first.weight:
         return cached[2]
+    layers = [m for e in experts for m in (e.gate_up_proj, e.down_proj)]
+    if any((getattr(m, "qweight", None) is not None or getattr(m, "gguf_type", None) is not None)
+           and m.packed_weight is None for m in layers):
+        experts._kernel_tensors = (first.packed_weight, first.weight, None)
+        return None
     empty = torch.empty(0, dtype=experts[0].gate_up_proj.weight.dtype)
 
     def packed(m: nn.Module) -> torch.Tensor:

@@ -1339,7 +1339,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_avx2_linear_silu", &gguf_avx2_linear_silu, "gguf_vnni_linear_silu with AVX2 products");
   m.def("dpbf16_linear", &dpbf16_linear, "bf16_linear with AVX512-BF16 dot products");
   m.def("f32_panels_available", &f32_panels_available, "whether this build has the float32 panel matmul");
-  m.def("moe_experts", &moe_experts, "a mixture of experts' MLP: tokens grouped by expert, k products summed per token");
+  // without the GIL: its threads run ATen ops, and one that dispatches to Python (a meta tensor's) would wait on it
+  m.def("moe_experts", &moe_experts, "a mixture of experts' MLP: tokens grouped by expert, k products summed per token",
+        py::call_guard<py::gil_scoped_release>());
   m.def("lora_add", &lora_add, "y[run rows] += (x A_s^T) B_s per run and part: LoRA adapters (model/lora.py)");
   m.def("f32_pack", &f32_pack, "a [N, K] float32 weight in 16-feature panels [N/16, K, 16]");
   m.def("f32_linear", &f32_linear, "x @ w.T (+ b), w from f32_pack; batch-invariant");
