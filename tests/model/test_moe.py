@@ -161,6 +161,41 @@ def test_two_ranks_match_transformers(families, variant, expert_parallel):
         llm.shutdown()
 
 
+@pytest.mark.slow
+def test_gguf_over_two_expert_parallel_ranks(families):
+    """A GGUF file's experts (Mixtral's: its q/k rows permuted, its experts stacked) split over two ranks."""
+    family = families["mixtral"]
+    llm = LLM(str(family.gguf()), tokenizer=str(family.path), dtype="float32", kv_cache_memory=KV,
+              tensor_parallel_size=2, enable_expert_parallel=True)
+    try:
+        assert len(llm.engine.core.runner.model.layers[1].mlp.experts) == 2
+        check_greedy(llm, family.case)
+    finally:
+        llm.shutdown()
+
+
+@needs_kernels
+def test_kept_gguf_experts_in_one_call(families):
+    """Kept Q8_0 expert blocks on the CPU kernels: csrc/moe.cpp's one call gives the bits of the grouped path in
+    Python over the same block kernels, alone or in a step of 40 tokens."""
+    from gguf import GGMLQuantizationType as T
+
+    family = families["qwen3_moe"]
+    llm = LLM(str(family.gguf(T.Q8_0)), tokenizer=str(family.path), dtype="bfloat16", kv_cache_memory=KV,
+              quantization="gguf")
+    moe = llm.engine.core.runner.model.layers[0].mlp
+    backend = moe.backend
+    assert isinstance(backend, CpuBackend) and moe.experts[0].down_proj.gguf_type == T.Q8_0
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    with torch.no_grad():
+        ids, weights = moe.route(x)
+        together = backend.moe_experts(x, ids, weights, moe.experts, 0)
+        alone = torch.cat([backend.moe_experts(x[i:i + 1], ids[i:i + 1], weights[i:i + 1], moe.experts, 0)
+                           for i in range(len(x))])
+        grouped = Backend.moe_experts(backend, x, ids, weights, moe.experts, 0)
+    assert torch.equal(together, grouped) and torch.equal(together, alone)
+
+
 def test_expert_parallel_layout(families):
     """Rank 1's share under expert parallelism: experts 2-3 under their own numbers, nothing of rank 0's; without
     it, each expert's rows (gate, up) or columns (down) split; a layout that cannot split is refused by name."""
