@@ -59,18 +59,20 @@ class EngineArgs:
     quantization: str | None = _opt(None, "int8 / fp8: quantize the weights as they load (weight-only, one scale per "
                                           "output feature; half the bytes of bfloat16); int4: round-to-nearest in "
                                           "groups of 32 (Q4_1 blocks; 5 bits a weight); awq: an AWQ checkpoint's "
-                                          "4-bit groups (`tokenmill quantize`); gguf: keep a GGUF file's "
-                                          "Q4_0/Q4_1/Q8_0 blocks at run time (outputs bit for bit the dequantized "
-                                          "model's); none: dequantize. Default: awq for an AWQ checkpoint, gguf for "
-                                          "a GGUF file where its kernel runs (AMX, bfloat16), else none",
+                                          "4-bit groups (`tokenmill quantize`); gguf: keep a GGUF file's blocks "
+                                          "at run time (Q8_0, Q4_0, Q4_1, Q5_0, and Q4_K/Q5_K/Q6_K re-cut into "
+                                          "blocks of 32; AMX: bit for bit the dequantized model, VNNI or AVX2: "
+                                          "int8 activations as llama.cpp's); none: dequantize. Default: awq for an "
+                                          "AWQ checkpoint, gguf for a GGUF file where a kernel for its blocks runs "
+                                          "in the compute dtype, else none",
                                     choices=list(QUANTIZATION_CHOICES))
     batch_invariant: bool = _opt(True, "bit-for-bit the same output for a request whatever else is batched and "
                                        "however its prompt is chunked: matmul kernels whose rows do not depend on "
                                        "the batch (bfloat16 with AMX or AVX512-BF16, float32 with AVX2), and prompt "
                                        "tokens read their context through the paged-attention kernel like decodes. "
                                        "--no-batch-invariant: SDPA for a prompt's first chunk, and the skinny GEMV "
-                                       "+ oneDNN pair in float32 (a lone long prompt prefills up to 1.55x faster; "
-                                       "BENCHMARKS.md)")
+                                       "+ oneDNN pair in float32 (on the Xeon measured, a lone 512-token prompt's "
+                                       "first token 1.10x sooner; docs/performance/engine.md)")
     seed: int = _opt(0, "engine seed for unseeded sampling", type=int)
     num_threads: int | None = _opt(None, "compute threads (default: all cores). On a machine busy with other work, "
                                          "fewer threads than cores avoids stalls: a step waits for its slowest "
