@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from tests.greedy import assert_matches_reference, hf_greedy
 from tests.models.gguf_writer import llama_like_writer, write
-from tests.models.tiny import SMOLLM2_VOCAB, make_tiny_model
+from tests.models.tiny import SMOLLM2_VOCAB, BuiltOnFirstUse, make_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ModelConfig
 from tokenmill.engine import runner as runner_module
@@ -92,13 +92,7 @@ class Family:
 def families(tmp_path_factory) -> dict[str, Family]:
     """Each variant built on first use, once per module."""
     root = tmp_path_factory.mktemp("families")
-
-    class Built(dict):
-        def __missing__(self, variant: str) -> Family:
-            self[variant] = Family(root, variant)
-            return self[variant]
-
-    return Built()
+    return BuiltOnFirstUse(lambda variant: Family(root, variant))
 
 
 def make_llm(model: Path, backend: str, monkeypatch, **kwargs) -> LLM:

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from tests.greedy import assert_matches_reference, hf_greedy
 from tests.model.test_families import BACKENDS, Case, check_greedy, needs_kernels
 from tests.models.gguf_writer import llama_like_writer, write
-from tests.models.tiny import make_tiny_model
+from tests.models.tiny import BuiltOnFirstUse, make_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ConfigError
@@ -65,13 +65,7 @@ class Gemma:
 @pytest.fixture(scope="module")
 def gemmas(tmp_path_factory) -> dict[str, Gemma]:
     root = tmp_path_factory.mktemp("gemma3")
-
-    class Built(dict):
-        def __missing__(self, variant: str) -> Gemma:
-            self[variant] = Gemma(root, variant)
-            return self[variant]
-
-    return Built()
+    return BuiltOnFirstUse(lambda variant: Gemma(root, variant))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from tests.model.test_families import BACKENDS, NEW_TOKENS, Case, make_llm, needs_kernels
 from tests.greedy import assert_matches_reference, assert_same_greedy
 from tests.models.gguf_writer import llama_like_writer, write
-from tests.models.tiny import make_tiny_model
+from tests.models.tiny import BuiltOnFirstUse, make_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ConfigError
@@ -64,13 +64,7 @@ class MoEFamily:
 @pytest.fixture(scope="module")
 def families(tmp_path_factory) -> dict[str, MoEFamily]:
     root = tmp_path_factory.mktemp("moe")
-
-    class Built(dict):
-        def __missing__(self, variant: str) -> MoEFamily:
-            self[variant] = MoEFamily(root, variant)
-            return self[variant]
-
-    return Built()
+    return BuiltOnFirstUse(lambda variant: MoEFamily(root, variant))
 
 
 def check_greedy(llm: LLM, case: Case) -> None:

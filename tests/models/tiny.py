@@ -8,6 +8,7 @@ and transformers can run the same model as a reference.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,18 @@ def smollm2_tokenizer() -> Any:
     from tokenmill.tokenizer import Tokenizer
 
     return Tokenizer.load(default_model_path()).hf_tokenizer
+
+
+class BuiltOnFirstUse(dict):
+    """key -> factory(key), built the first time a test asks for it and kept (a module fixture's models)."""
+
+    def __init__(self, factory: Callable[[str], Any]):
+        super().__init__()
+        self.factory = factory
+
+    def __missing__(self, key: str) -> Any:
+        self[key] = value = self.factory(key)
+        return value
 
 
 def _hf_config(arch: str, **kw: Any) -> Any:
