@@ -112,13 +112,18 @@ def check_greedy(model: Path, backend: str, monkeypatch, family: Family, **kwarg
     """Every case of the family served from `model`: greedy tokens as transformers'. Returns the last LLM."""
     for case in family.cases:
         llm = make_llm(model, backend, monkeypatch, **case.llm_kwargs, **kwargs)
-        outs = llm.generate([{"prompt_token_ids": p} for p in case.prompts],
-                            SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
-        for out, (ref, logits) in zip(outs, case.reference):
-            assert len(out.outputs[0].token_ids) == NEW_TOKENS
-            assert_matches_reference(out.outputs[0].token_ids, ref, logits)
-        llm.engine.core.check_idle_invariants()
+        check_case(llm, case)
     return llm
+
+
+def check_case(llm: LLM, case: Case) -> None:
+    """The case's prompts served by `llm`: transformers' greedy tokens, and the engine idle with nothing held after."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in case.prompts],
+                        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+    for out, (ref, logits) in zip(outs, case.reference):
+        assert len(out.outputs[0].token_ids) == NEW_TOKENS
+        assert_matches_reference(out.outputs[0].token_ids, ref, logits)
+    llm.engine.core.check_idle_invariants()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.model.test_families import BACKENDS, NEW_TOKENS, Case, make_llm, needs_kernels
-from tests.greedy import assert_matches_reference, assert_same_greedy
+from tests.model.test_families import BACKENDS, NEW_TOKENS, Case, check_case, make_llm, needs_kernels
+from tests.greedy import assert_same_greedy
 from tests.models.gguf_writer import llama_like_writer, write
 from tests.models.tiny import BuiltOnFirstUse, make_tiny_model
 from tokenmill import LLM, SamplingParams
@@ -67,21 +67,12 @@ def families(tmp_path_factory) -> dict[str, MoEFamily]:
     return BuiltOnFirstUse(lambda variant: MoEFamily(root, variant))
 
 
-def check_greedy(llm: LLM, case: Case) -> None:
-    outs = llm.generate([{"prompt_token_ids": p} for p in case.prompts],
-                        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
-    for out, (ref, logits) in zip(outs, case.reference):
-        assert len(out.outputs[0].token_ids) == NEW_TOKENS
-        assert_matches_reference(out.outputs[0].token_ids, ref, logits)
-    llm.engine.core.check_idle_invariants()
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_hf_directory_greedy_matches_transformers(families, variant, backend, monkeypatch):
     family = families[variant]
     llm = make_llm(family.path, backend, monkeypatch)
-    check_greedy(llm, family.case)
+    check_case(llm, family.case)
     model = llm.engine.core.runner.model
     moe_layers = [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, SparseMoE)]
     assert moe_layers == ([0, 2] if variant == "qwen3_moe" else [0, 1])
@@ -92,7 +83,7 @@ def test_hf_directory_greedy_matches_transformers(families, variant, backend, mo
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_gguf_greedy_matches_transformers(families, variant, backend, monkeypatch):
     family = families[variant]
-    check_greedy(make_llm(family.gguf(), backend, monkeypatch, tokenizer=str(family.path)), family.case)
+    check_case(make_llm(family.gguf(), backend, monkeypatch, tokenizer=str(family.path)), family.case)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -150,7 +141,7 @@ def test_two_ranks_match_transformers(families, variant, expert_parallel):
         assert (len(moe.experts), moe.first_expert) == ((2, 0) if expert_parallel else (4, 0))
         width = VARIANTS[variant].get("moe_intermediate_size", 128)
         assert moe.experts[0].down_proj.in_features == (width if expert_parallel else width // 2)
-        check_greedy(llm, family.case)
+        check_case(llm, family.case)
     finally:
         llm.shutdown()
 
@@ -163,7 +154,7 @@ def test_gguf_over_two_expert_parallel_ranks(families):
               tensor_parallel_size=2, enable_expert_parallel=True)
     try:
         assert len(llm.engine.core.runner.model.layers[1].mlp.experts) == 2
-        check_greedy(llm, family.case)
+        check_case(llm, family.case)
     finally:
         llm.shutdown()
 
