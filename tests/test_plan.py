@@ -391,8 +391,8 @@ def test_moe_decode_reads_the_experts_its_tokens_use():
 def test_moe_shape_from_a_config(tmp_path):
     """config.json's expert fields, Qwen3-MoE's dense layers too (a GGUF file's: tests/model/test_moe.py)."""
     cfg = {"architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 4, "hidden_size": 64,
-           "intermediate_size": 256, "moe_intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-           "vocab_size": 1000, "num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [3]}
+           "intermediate_size": 256, "moe_intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "vocab_size": 1000, "num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [3]}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     m = load_model(str(tmp_path))
     assert (m.num_experts, m.experts_per_token, m.expert_intermediate_size, m.moe_layer_count) == (8, 2, 32, 3)

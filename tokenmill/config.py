@@ -394,7 +394,8 @@ class EngineConfig:
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.num_threads}")
         if not isinstance(self.tensor_parallel_size, int) or not 1 <= self.tensor_parallel_size <= 64:
-            raise ConfigError(f"--tensor-parallel-size must be an integer in [1, 64], got {self.tensor_parallel_size!r}")
+            raise ConfigError("--tensor-parallel-size must be an integer in [1, 64], got "
+                              f"{self.tensor_parallel_size!r}")
         if not isinstance(self.pipeline_parallel_size, int) or not 1 <= self.pipeline_parallel_size <= 64:
             raise ConfigError("--pipeline-parallel-size must be an integer in [1, 64], got "
                               f"{self.pipeline_parallel_size!r}")

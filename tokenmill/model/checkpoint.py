@@ -52,14 +52,22 @@ def _mlp_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
         return {p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
                 p + "mlp.down_proj.weight": (h, i)}
     m = config.moe_intermediate_size
-    mixtral = config.architecture == "MixtralForCausalLM"
-    block = p + ("block_sparse_moe." if mixtral else "mlp.")
-    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    block = p + ("block_sparse_moe." if config.architecture == "MixtralForCausalLM" else "mlp.")
     shapes = {block + "gate.weight": (config.num_experts, h)}
     for e in config.local_experts:
-        shapes.update({f"{block}experts.{e}.{gate}.weight": (m, h), f"{block}experts.{e}.{up}.weight": (m, h),
-                       f"{block}experts.{e}.{down}.weight": (h, m)})
+        shapes.update({expert_tensor_name(config, layer, e, "gate"): (m, h),
+                       expert_tensor_name(config, layer, e, "up"): (m, h),
+                       expert_tensor_name(config, layer, e, "down"): (h, m)})
     return shapes
+
+
+def expert_tensor_name(config: ModelConfig, layer: int, expert: int, proj: str) -> str:
+    """The HF name of an expert's `proj` (gate, up or down): Mixtral's `block_sparse_moe.experts.E.w1` (w3, w2),
+    the others' `mlp.experts.E.gate_proj` (up_proj, down_proj)."""
+    if config.architecture == "MixtralForCausalLM":
+        leaf = {"gate": "w1", "up": "w3", "down": "w2"}[proj]
+        return f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{leaf}.weight"
+    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight"
 
 
 # a fused checkpoint tensor (Phi-3's) -> the tensors it stacks, in row order

@@ -12,7 +12,7 @@ import torch
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ConfigError, ModelLoadError
 from tokenmill.family_config import longrope_scaling
-from tokenmill.model.checkpoint import Checkpoint, expected_shapes, fused_parts
+from tokenmill.model.checkpoint import Checkpoint, expected_shapes, expert_tensor_name, fused_parts
 from tokenmill.quant.gguf import GGUFFile
 from tokenmill.quant.gguf_blocks import GGMLBlocks, dequantize, kept_gguf_type
 from tokenmill.quant.kquants import TRANSCODED
@@ -122,14 +122,6 @@ def _gguf_moe_fields(gguf: GGUFFile, arch: str, layers: int) -> dict[str, Any]:
             "norm_topk_prob": bool(_MOE_NORM_TOPK.get(arch, True) if norm is None else norm),
             "dense_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate.weight" in gguf.tensors],
             "clip_qkv": float(clip) if clip else None}
-
-
-def expert_hf_names(config: ModelConfig, layer: int, proj: str) -> list[str]:
-    """The HF names of every expert's `proj` (gate, up or down) in layer `layer`, in expert order."""
-    if config.architecture == "MixtralForCausalLM":
-        leaf = {"gate": "w1", "up": "w3", "down": "w2"}[proj]
-        return [f"model.layers.{layer}.block_sparse_moe.experts.{e}.{leaf}.weight" for e in range(config.num_experts)]
-    return [f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight" for e in range(config.num_experts)]
 
 
 def _gguf_gemma3_fields(gguf: GGUFFile, layers: int, head_dim: int, head_width: int) -> dict[str, Any]:
@@ -242,9 +234,9 @@ class GGUFCheckpoint(Checkpoint):
             stacked = _EXPERT_TENSOR.fullmatch(name)
             if stacked is not None and config.moe:
                 info = gguf.tensors[name]
-                for e, hf_name in enumerate(expert_hf_names(config, int(stacked.group(1)), stacked.group(2))):
-                    if e < info.shape[0]:
-                        self._names[hf_name], self._experts[hf_name], shapes[hf_name] = name, e, info.shape[1:]
+                for e in range(min(info.shape[0], config.num_experts)):
+                    hf_name = expert_tensor_name(config, int(stacked.group(1)), e, stacked.group(2))
+                    self._names[hf_name], self._experts[hf_name], shapes[hf_name] = name, e, info.shape[1:]
                 continue
             hf_name = hf_name_for_gguf(name, arch)
             if hf_name is None or (hf_name not in expected and fused_parts(hf_name, expected) is None
