@@ -52,13 +52,19 @@ def _mlp_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
         return {p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
                 p + "mlp.down_proj.weight": (h, i)}
     m = config.moe_intermediate_size
-    block = p + ("block_sparse_moe." if config.architecture == "MixtralForCausalLM" else "mlp.")
-    shapes = {block + "gate.weight": (config.num_experts, h)}
+    shapes = {router_tensor_name(config, layer): (config.num_experts, h)}
     for e in config.local_experts:
         shapes.update({expert_tensor_name(config, layer, e, "gate"): (m, h),
                        expert_tensor_name(config, layer, e, "up"): (m, h),
                        expert_tensor_name(config, layer, e, "down"): (h, m)})
     return shapes
+
+
+def router_tensor_name(config: ModelConfig, layer: int) -> str:
+    """The HF name of a mixture of experts' router weight (Mixtral's `block_sparse_moe.gate`, the others'
+    `mlp.gate`)."""
+    block = "block_sparse_moe" if config.architecture == "MixtralForCausalLM" else "mlp"
+    return f"model.layers.{layer}.{block}.gate.weight"
 
 
 def expert_tensor_name(config: ModelConfig, layer: int, expert: int, proj: str) -> str:

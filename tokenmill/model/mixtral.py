@@ -4,7 +4,7 @@ w1/w3/w2 for gate/up/down), the top weights always renormalised and kept in floa
 from __future__ import annotations
 
 from tokenmill.model.llama import DecoderLayer, LlamaForCausalLM
-from tokenmill.model.moe import MIXTRAL_EXPERT_NAMES, MoELayerMixin, MoEModelMixin
+from tokenmill.model.moe import MoELayerMixin, MoEModelMixin
 
 
 class MixtralDecoderLayer(MoELayerMixin, DecoderLayer):
@@ -13,5 +13,3 @@ class MixtralDecoderLayer(MoELayerMixin, DecoderLayer):
 
 class MixtralForCausalLM(MoEModelMixin, LlamaForCausalLM):
     layer_class = MixtralDecoderLayer
-    expert_names = MIXTRAL_EXPERT_NAMES
-    moe_block_name = "block_sparse_moe"

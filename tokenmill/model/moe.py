@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tokenmill.errors import ModelLoadError
+from tokenmill.model.checkpoint import expert_tensor_name, router_tensor_name
 from tokenmill.model.layers import SwiGLU
 from tokenmill.model.linear import Linear
 
@@ -24,9 +25,9 @@ if TYPE_CHECKING:
     from tokenmill.model.llama import Reduce
 
 ROUTER_ROWS = 16  # a router's rows are padded to a multiple of this (Router)
-# our names of an expert's projections (model/llama.py FUSED_SHARDS splits gate_up) -> Mixtral's
-MIXTRAL_EXPERT_NAMES = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
-_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(\w+)\.")
+# our HF-style names of an MoE block's tensors (model/llama.py FUSED_SHARDS splits gate_up into gate and up)
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+_ROUTER = re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.weight")
 
 
 class Router(Linear):
@@ -99,33 +100,22 @@ class MoELayerMixin:
 
 class MoEModelMixin:
     """A model with SparseMoE layers: no backend's whole-layer Llama kernel computes them, so they run op by op;
-    checkpoint names number experts globally (a rank's first expert is `first_expert`), and a family may name
-    them its own way (Mixtral's `block_sparse_moe.experts.N.w1`)."""
+    their tensors take the checkpoint's names (model/checkpoint.py: Mixtral's `block_sparse_moe.experts.N.w1`),
+    experts numbered globally (a rank's first is `first_expert`)."""
 
     whole_layer_kernels = False
-    expert_names: dict[str, str] | None = None  # our projection name -> the checkpoint's (None: the same)
-    moe_block_name = "mlp"  # the checkpoint's name of the MoE block (Mixtral: block_sparse_moe)
 
     def weight_targets(self):
         first = self.config.local_experts.start
-        targets = {}
-        for name, target in super().weight_targets().items():
-            if isinstance(self.get_submodule(_layer_module(name)), SparseMoE):
-                name = self.checkpoint_name(name, first)
-            targets[name] = target
-        return targets
+        return {self.checkpoint_name(name, first): target for name, target in super().weight_targets().items()}
 
     def checkpoint_name(self, name: str, first: int) -> str:
-        """Our HF-style name of an MoE block's tensor -> the checkpoint's."""
-        m = _EXPERT.search(name)
-        if m is not None:
-            proj = m.group(2)
-            proj = self.expert_names.get(proj, proj) if self.expert_names else proj
-            name = f"{name[:m.start()]}.mlp.experts.{int(m.group(1)) + first}.{proj}.{name[m.end():]}"
-        return name.replace(".mlp.", f".{self.moe_block_name}.", 1)
-
-
-def _layer_module(hf_name: str) -> str:
-    """`model.layers.3.mlp.experts.0.gate_proj.weight` -> `layers.3.mlp` (the module holding the layer's MLP)."""
-    parts = hf_name.split(".")
-    return ".".join(parts[1:4]) if len(parts) > 4 and parts[1] == "layers" else "norm"
+        """Our HF-style name of a tensor -> the checkpoint's (only an MoE block's differ)."""
+        expert = _EXPERT.fullmatch(name)
+        if expert is not None:
+            layer, e, proj = expert.groups()
+            return expert_tensor_name(self.config, int(layer), int(e) + first, proj)
+        router = _ROUTER.fullmatch(name)
+        if router is not None and self.config.is_moe_layer(int(router.group(1))):
+            return router_tensor_name(self.config, int(router.group(1)))
+        return name
