@@ -1,7 +1,8 @@
 """The AVX2 kernel of kept GGUF blocks (csrc/gguf_avx2.cpp), built wherever the CPU has AVX2, so an AVX-512 machine
 tests it too: for bfloat16 x it is the VNNI kernel bit for bit (the same int8 rounding of x, exact integer sums,
 the same float32 steps); for float32 x (an AVX2 CPU's models) it is the dequantized weight times x rounded to int8
-blocks, at odd shapes, with and without bias, in gate/up pairs, whatever the batch and the threads. Every type the
+blocks split in two (each int8 block plus one of what it left), at odd shapes, with and without bias, in gate/up
+pairs, whatever the batch and the threads. Every type the
 quads layout holds: Q4_0, Q4_1, Q8_0 (its sign moved to x: VPMADDUBSW's pairs would saturate), AWQ's Q4_Z, Q5_0 and
 the re-cut K-quants. tests/model/test_isa_builds.py runs it from a build for an AVX2-only CPU."""
 
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
-from tests.quant.test_gguf_linear import AVX2, KEPT, blocks_of, int8_blocks, needs_avx2, ops
+from tests.quant.test_gguf_linear import AVX2, KEPT, blocks_of, int8_blocks, needs_avx2, ops, split_int8_blocks
 from tests.quant.test_kquants import kept_blocks
 from tokenmill.quant.gguf_blocks import Q4_Z, dequantize
 from tokenmill.quant.gguf_tiles import gguf_pack
@@ -31,7 +32,7 @@ def weight(qtype: T | int, n: int, k: int, seed: int) -> tuple[int, torch.Tensor
 
 @pytest.mark.parametrize("qtype", QUADS_TYPES)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 17])
-def test_float32_rows_are_the_dequantized_weight_times_int8_blocks_of_x(qtype, m):
+def test_float32_rows_are_the_dequantized_weight_times_x_in_two_int8_blocks(qtype, m):
     n, k = 80, 512  # 5 tiles of 16 features: two column pairs and a lone column
     kept, raw = weight(qtype, n, k, seed=m)
     dense = dequantize(raw, kept, (n, k))
@@ -43,9 +44,14 @@ def test_float32_rows_are_the_dequantized_weight_times_int8_blocks_of_x(qtype, m
     for b in (None, bias):
         got = ops.gguf_avx2_linear(x, packed, b)
         assert got.dtype == torch.float32 and got.shape == (m, n)
-        exact = F.linear(int8_blocks(x).double(), dense.double(), None if b is None else b.double())
+        exact = F.linear(split_int8_blocks(x), dense.double(), None if b is None else b.double())
         # the integer sums are exact: float32 scaling and block-by-block accumulation remain
         torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+        # and x itself is that close: the float32 product of the dequantized weight, to float32's own error
+        dense_product = F.linear(x.double(), dense.double(), None if b is None else b.double())
+        torch.testing.assert_close(got.double(), dense_product, rtol=1e-4, atol=1e-4 * exact.abs().max().item())
+        one_rounding = F.linear(int8_blocks(x).double(), dense.double(), None if b is None else b.double())
+        assert (got.double() - dense_product).abs().max() < (one_rounding - dense_product).abs().max() / 20
 
 
 @pytest.mark.skipif(KEPT != "vnni", reason="the VNNI kernel to compare with runs where AVX512-VNNI is and AMX is not")
@@ -100,7 +106,7 @@ def test_q8_0_extremes_do_not_saturate():
     raw = raw.view(n, -1).contiguous()
     x = torch.stack([torch.tensor([-1.0, 1.0]).repeat(k // 2), torch.full((k,), -1.0)])
     got = ops.gguf_avx2_linear(x, gguf_pack(raw, int(T.Q8_0), layout="quads"), None).double()
-    exact = F.linear(int8_blocks(x).double(), dequantize(raw, int(T.Q8_0), (n, k)).double())
+    exact = F.linear(split_int8_blocks(x), dequantize(raw, int(T.Q8_0), (n, k)).double())
     assert exact[0, 0] == pytest.approx(2 * 16 * (128 + 127)) and exact[1, -1] == pytest.approx(2 * 32 * 128)
     torch.testing.assert_close(got, exact, rtol=1e-6, atol=0)
 
@@ -116,4 +122,4 @@ def test_refuses_other_shapes_and_dtypes():
         ops.gguf_avx2_linear(torch.zeros(1, 64), packed[..., :100].contiguous(), None)
 
 
-assert AVX2 or not torch.backends.cpu.get_cpu_capability().startswith("AVX2")  # noqa: S101 - the flag is not stale
+assert AVX2 or not torch.backends.cpu.get_cpu_capability().startswith("AVX2")

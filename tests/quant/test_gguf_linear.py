@@ -19,10 +19,9 @@ from tests.quant.common import assert_kept_tracks_dense
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.backends import CpuBackend, TorchBackend
 from tokenmill.model.backends.cpu_decode import decode_model
-from tokenmill.model.cpu_kernels import _extension
+from tokenmill.model.cpu_kernels import _extension, cpu_isa
 from tokenmill.quant.awq_format import quantize_groups
 from tokenmill.quant.gguf_blocks import Q4_Z, dequantize
-from tokenmill.model.cpu_kernels import cpu_isa
 from tokenmill.quant.gguf_tiles import gguf_pack, gguf_unpack_rows, kernel_dtypes, kernel_layout
 
 ops = _extension()
@@ -100,6 +99,13 @@ def int8_blocks(x: torch.Tensor) -> torch.Tensor:
     amax = blocks.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, 0)  # a true division (127 / t is 127 * (1 / t))
     return (torch.round(blocks * inv) * (amax / 127)).view(m, k)
+
+
+def split_int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """float32 x as csrc/gguf_quads.h's split rounding sees it: its int8 blocks plus the int8 blocks of what they
+    left (the residual in double, as the kernel's one-rounding x - q dx keeps it)."""
+    high = int8_blocks(x)
+    return high.double() + int8_blocks((x.double() - high.double()).float()).double()
 
 
 @needs_vnni
@@ -252,7 +258,10 @@ def test_tiny_gguf_kept_tracks_the_dequantized_model(tmp_path, qtype, dtype):
     assert torch.equal(model.embed_tokens(ids), dense.engine.core.runner.model.embed_tokens(ids))
     assert_kept_tracks_dense(dense.generate(batch, params, use_tqdm=False),
                              kept.generate(batch, params, use_tqdm=False), exact=KEPT == "amx")
-    assert decode_model(ops, model, torch.tensor([1])) is not None  # whole decode steps in C++, kept head included
+    # whole decode steps in C++, kept head included; but a 4-bit head in AMX's tiles (its nibbles regrouped: no
+    # one-gather row lookup, backends/cpu_rows.py) leaves its steps' lookups to Python
+    regrouped = kernel_layout(KEPT, qtype) == "tiles" and qtype in (T.Q4_0, T.Q4_1)
+    assert (decode_model(ops, model, torch.tensor([1])) is not None) == (not regrouped)
     kept.engine.core.check_idle_invariants()
 
 
@@ -290,9 +299,12 @@ def test_gguf_blocks_are_kept_by_default_only_where_their_kernel_runs(tmp_path):
 
     gguf = default_model_path()
     assert resolve_quantization(None, gguf, torch.bfloat16, "cpu") == ("gguf" if KEPT else None)
-    # float32 by default only where it is the CPU's own compute dtype (AVX2); asked for, the AVX2 kernel takes it
+    # float32 by default only where it is the CPU's own compute dtype (AVX2); with --quantization gguf the AVX2
+    # kernel takes it; float32 asked for by name is the dequantized reference on every CPU
     assert resolve_quantization(None, gguf, torch.float32, "cpu") == ("gguf" if KEPT == "avx2" else None)
+    assert resolve_quantization(None, gguf, torch.float32, "cpu", dtype_asked=True) is None
     assert resolve_quantization("gguf", gguf, torch.float32, "cpu") == "gguf"
+    assert resolve_quantization("gguf", gguf, torch.float32, "cpu", dtype_asked=True) == "gguf"
     assert resolve_quantization(None, tmp_path, torch.bfloat16, "cpu") is None  # a Hugging Face directory
     assert resolve_quantization("none", gguf, torch.bfloat16, "cpu") is None
     assert resolve_quantization("int8", gguf, torch.bfloat16, "cpu") == "int8"

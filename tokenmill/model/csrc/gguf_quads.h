@@ -1,6 +1,7 @@
 // What the int8-activation kernels of kept GGUF blocks share (gguf_vnni.cpp: AVX512-VNNI; gguf_avx2.cpp: AVX2):
 // the block types they multiply, their tiles' sizes in the "quads" layout (quant/gguf_tiles.py), and x's rounding
-// to int8 blocks of 32 (llama.cpp's Q8 activations). One rounding for both kernels, so they agree bit for bit.
+// to int8 blocks of 32 (llama.cpp's Q8 activations; for float32 x, split in two: quantize_rows). One rounding for
+// both kernels, so they agree bit for bit.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -88,22 +89,51 @@ inline float hmax_ps(__m256 v) {
 
 // Built without -ffast-math: 127 / max|x| must be a true division (not a reciprocal estimate), so x's rounding
 // is reproducible (a value at k + 0.5 rounds the same here and in a reference). x is bfloat16 or float32.
+//
+// `split`: each row of x becomes two rows of int8 blocks, row 2m its rounding as above and row 2m + 1 the rounding
+// of what that left (x - q dx, at most dx / 2 a value, so its own step is ~254x finer). A kernel that multiplies
+// both and adds each pair's results has x to ~3e-5 of a block's largest value instead of ~4e-3: float32 models
+// then track their dequantized weights as closely as float32 itself does, for twice the integer products on the
+// same weight bytes (an AVX2 CPU's default path, where a model computes in float32).
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math")
-inline QuantizedRows quantize_rows(const at::Tensor& x) {
+inline QuantizedRows quantize_rows(const at::Tensor& x, bool split = false) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "[M, K] bfloat16 or float32 input");
-  const int64_t M = x.size(0), K = x.size(1), KB = K / 32;
+  const int64_t M = x.size(0), K = x.size(1), KB = K / 32, rows = split ? 2 * M : M;
   const auto xs = x.stride(1) == 1 ? x : x.contiguous();
   const bool bf16 = xs.scalar_type() == at::kBFloat16;
   const char* xp = static_cast<const char*>(xs.data_ptr());
   const int64_t row_bytes = xs.stride(0) * xs.element_size();
-  const int64_t panel = std::min<int64_t>(M, kPanelRows), blocks = (M + panel - 1) / panel * panel * KB;  // tail unused
+  const int64_t panel = std::min<int64_t>(rows, kPanelRows), blocks = (rows + panel - 1) / panel * panel * KB;
   QuantizedRows out{KB, panel, std::vector<int8_t>(blocks * 32), std::vector<float>(blocks),
                     std::vector<int32_t>(blocks), std::vector<int32_t>(blocks), std::vector<float>(blocks)};
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+  // one block of 32 values (v) of row `row` rounded into `out`; v becomes what the rounding left
+  const auto round_block = [&out](__m256 (&v)[4], int64_t row, int64_t kb) {
     const __m256 sign = _mm256_set1_ps(-0.f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // packs' lane-wise order back to K order
+    const __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                     _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    const float amax = hmax_ps(top);
+    const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    // nearest, ties to even (the default rounding mode); |x| * 127 / amax rounds to at most 127
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) {
+      q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+      v[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q[i]), _mm256_set1_ps(d), v[i]);  // one rounding: x - q d
+    }
+    const __m256i bytes = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+    const int64_t at = out.block(row, kb);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + at * 32), bytes);
+    const int32_t sum_lo = hsum_epi32(_mm256_add_epi32(q[0], q[1]));
+    const int32_t sum = sum_lo + hsum_epi32(_mm256_add_epi32(q[2], q[3]));
+    out.scale[at] = d;
+    out.sum[at] = sum;
+    out.sum_lo[at] = sum_lo;
+    out.scaled_sum[at] = d * static_cast<float>(sum);
+  };
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       for (int64_t kb = 0; kb < KB; ++kb) {
         __m256 v[4];
@@ -112,23 +142,8 @@ inline QuantizedRows quantize_rows(const at::Tensor& x) {
           v[i] = bf16 ? bf16x8_to_ps(xp + m * row_bytes + 2 * k)
                       : _mm256_loadu_ps(reinterpret_cast<const float*>(xp + m * row_bytes) + k);
         }
-        const __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                         _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-        const float amax = hmax_ps(top);
-        const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        // nearest, ties to even (the default rounding mode); |x| * 127 / amax rounds to at most 127
-        __m256i q[4];
-        for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
-        const __m256i bytes = _mm256_permutevar8x32_epi32(
-            _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
-        const int64_t at = out.block(m, kb);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + at * 32), bytes);
-        const int32_t sum_lo = hsum_epi32(_mm256_add_epi32(q[0], q[1]));
-        const int32_t sum = sum_lo + hsum_epi32(_mm256_add_epi32(q[2], q[3]));
-        out.scale[at] = d;
-        out.sum[at] = sum;
-        out.sum_lo[at] = sum_lo;
-        out.scaled_sum[at] = d * static_cast<float>(sum);
+        round_block(v, split ? 2 * m : m, kb);
+        if (split) round_block(v, 2 * m + 1, kb);
       }
     }
   });
