@@ -77,7 +77,8 @@ class ModelSpec:
         stored = checkpoint_quantization(path)  # an AWQ checkpoint computes as --quantization awq would
         dtype = DTYPES[auto_dtype(config.device, config.quantization or stored) if config.dtype == "auto"
                        else config.dtype]
-        quantization = resolve_quantization(config.quantization, path, dtype, config.device)
+        quantization = resolve_quantization(config.quantization, path, dtype, config.device,
+                                            dtype_asked=config.dtype != "auto")
         if config.tensor_parallel_size > 1:
             check_tensor_parallel(mc, config.tensor_parallel_size, config.enable_expert_parallel)
         if config.pipeline_parallel_size > 1:

@@ -22,12 +22,13 @@ def checkpoint_quantization(model_path: str | Path) -> str | None:
 
 
 def resolve_quantization(requested: str | None, model_path: str | Path, dtype: torch.dtype,
-                         device: str | torch.device) -> str | None:
+                         device: str | torch.device, dtype_asked: bool = False) -> str | None:
     """The weight format to serve: what was asked; by default an AWQ checkpoint's own groups, or a GGUF file's
     blocks kept where their kernel runs in `dtype`, the CPU's own compute dtype (AMX tiles: the same outputs, bit
-    for bit, in a third of the memory; AVX512-VNNI or AVX2: int8 products as llama.cpp's, BENCHMARKS.md
-    "Quantized serving"; gguf_tiles.py default_kept_dtypes), else the dequantized weights (None). `none` asks for
-    the dequantized weights."""
+    for bit, in a third of the memory; AVX512-VNNI: int8 products as llama.cpp's; AVX2: float32 rows split in two
+    int8 parts, as close to the dequantized weights as float32 is; docs/models/quality.md; gguf_tiles.py
+    default_kept_dtypes), else the dequantized weights (None). `none` asks for the dequantized weights, and so
+    does float32 asked for by name (`dtype_asked`): it means the reference, whatever this CPU's kernels."""
     stored = checkpoint_quantization(model_path)
     if requested == "gguf" and not is_gguf(Path(model_path)):
         raise ConfigError(f"--quantization gguf keeps a GGUF file's blocks, and {model_path} is not a .gguf file; "
@@ -39,7 +40,7 @@ def resolve_quantization(requested: str | None, model_path: str | Path, dtype: t
         return None if requested == "none" else requested
     if stored is not None:
         return stored
-    if not is_gguf(Path(model_path)) or torch.device(device).type != "cpu":
+    if not is_gguf(Path(model_path)) or torch.device(device).type != "cpu" or (dtype_asked and dtype == torch.float32):
         return None
     ops = cpu_kernels._extension()
     return "gguf" if ops is not None and dtype in default_kept_dtypes(ops.gguf_kernel()) else None
