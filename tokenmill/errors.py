@@ -33,6 +33,15 @@ class ServerOverloaded(TokenmillError):
         self.retry_after = retry_after  # seconds, for the Retry-After header
 
 
+class ServerBusy(TokenmillError):
+    """The engine could not do this request's work in time because it is busy now (a grammar build under load); the
+    same request may well succeed later (HTTP 503 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after  # seconds, for the Retry-After header
+
+
 class ParallelFailure(TokenmillError, RuntimeError):
     """A tensor-parallel rank failed, hung or fell out of step: the engine cannot go on (it stops and says so)."""
 

@@ -10,7 +10,7 @@ from tests.engine.recorder import Recorder
 from tokenmill.engine.messages import EngineCoreOutput, EngineOutputs, ErrorInfo, FinishRequest
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.step_types import SchedulerStats
-from tokenmill.errors import ContextTooLong, RequestFailed
+from tokenmill.errors import ContextTooLong, RequestFailed, ServerBusy
 from tokenmill.sampling_params import SamplingParams
 
 EOS = 2
@@ -149,6 +149,19 @@ def test_a_sample_the_engine_could_not_run_fails_its_request():
     assert state.error is None
     proc.process(step(EngineCoreOutput("r", [], None, "error", None, "RuntimeError: kernel fault")))
     assert state.finished and isinstance(state.error, RequestFailed) and "kernel fault" in str(state.error)
+
+
+def test_a_sample_the_busy_engine_could_not_run_in_time_is_a_503_with_retry_after():
+    """A grammar not built in time on a busy server: ServerBusy (503, Retry-After), not an internal error."""
+    from tokenmill.server.errors import error_response
+
+    proc = OutputProcessor(CharDecoder(), frozenset({EOS}))
+    state, _ = add(proc)
+    proc.process(step(EngineCoreOutput("r", [], None, "error", None, "grammar not built in time", retry_after=10)))
+    assert isinstance(state.error, ServerBusy) and state.error.retry_after == 10
+    response = error_response(state.error)
+    assert response.status_code == 503 and response.headers["retry-after"] == "10"
+    assert b"grammar not built in time" in response.body and b"service_unavailable" in response.body
 
 
 def test_per_request_metrics_and_their_hooks():

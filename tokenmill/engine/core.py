@@ -16,9 +16,9 @@ from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.disagg.engine_hooks import KVTransferHooks
 from tokenmill.engine.hooks import RequestHooks
 from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.lora_hooks import LoRAHooks
 from tokenmill.engine.messages import AddRequest, EngineCoreOutput, EngineOutputs
 from tokenmill.engine.model_spec import ModelSpec, size_kv_cache, threads_per_rank
-from tokenmill.engine.lora_hooks import LoRAHooks
 from tokenmill.engine.multi_step_hook import MultiStepDecode
 from tokenmill.engine.pooling import embedding
 from tokenmill.engine.scheduler import Scheduler
@@ -224,7 +224,8 @@ class EngineCore:
             for rid, why in hook.before_schedule(self.scheduler):
                 log.warning("request %s failed: %s", rid, why)
                 self._end(rid)
-                outputs.append(EngineCoreOutput(rid, [], None, "error", None, why))
+                outputs.append(EngineCoreOutput(rid, [], None, "error", None, str(why),
+                                                retry_after=getattr(why, "retry_after", None)))
         sched = self.scheduler.schedule()
         if sched.empty:
             return EngineOutputs(self._on_outputs(outputs, idle=True))

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from tokenmill.engine.messages import AddRequest, EngineCoreOutput
     from tokenmill.engine.scheduler import Scheduler
     from tokenmill.engine.step_types import SchedulerOutput, StepResult
+    from tokenmill.errors import ServerBusy
     from tokenmill.request import Request
 
 
@@ -26,9 +27,9 @@ class RequestHooks:
         `before_schedule`); raising refuses it (the core releases it)."""
         return False
 
-    def before_schedule(self, scheduler: Scheduler) -> list[tuple[str, str]]:
+    def before_schedule(self, scheduler: Scheduler) -> list[tuple[str, str | ServerBusy]]:
         """Before each schedule: hand held sequences to the scheduler; returns (sequence id, why) for those that
-        failed while held (the core ends them with an error)."""
+        failed while held (the core ends them with an error; a ServerBusy why says a retry may succeed)."""
         return []
 
     def before_execute(self, sched: SchedulerOutput) -> None:

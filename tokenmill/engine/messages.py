@@ -95,7 +95,7 @@ class ErrorInfo(msgspec.Struct, array_like=True, omit_defaults=True):
             return None
         if issubclass(kind, errors.InvalidRequest):
             return kind(self.message, param=self.param)
-        if issubclass(kind, errors.ServerOverloaded):
+        if issubclass(kind, (errors.ServerOverloaded, errors.ServerBusy)):
             return kind(self.message, retry_after=self.retry_after or 1)
         try:
             return kind(self.message)
@@ -141,6 +141,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None  # finish_reason "error": why this sequence could not be run
+    # finish_reason "error" because the engine was busy (a grammar not built in time): worth retrying after this
+    # many seconds (the server answers 503 with Retry-After rather than 500)
+    retry_after: int | None = None
     num_preemptions: int = 0  # times the sequence was preempted (and recomputed) so far
     # params.prompt_logprobs: the next prompt tokens' logprobs ({token: logprob}, that token first), continuing
     # where the last output left off; a prefill chunk that samples nothing sends only these

@@ -18,7 +18,7 @@ from tokenmill.disagg.transfer import KVTransferParams, KVTransferStats
 from tokenmill.engine.detokenizer import Decoder, IncrementalDetokenizer
 from tokenmill.engine.messages import AddRequest, EngineCoreOutput, EngineOutputs, FinishRequest
 from tokenmill.engine.step_types import SchedulerStats
-from tokenmill.errors import RequestFailed, TokenmillError
+from tokenmill.errors import RequestFailed, ServerBusy, TokenmillError
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -63,6 +63,7 @@ class SampleState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    retry_after: int | None = None  # the error was the engine being busy: a retry may succeed (ServerBusy)
     num_preemptions: int = 0
     last_token_time: float | None = None
     # what `delta` has handed out so far: characters of visible text, tokens, and whether the end
@@ -117,10 +118,15 @@ class RequestState:
         return all(s.finished for s in self.samples)
 
     @property
-    def error(self) -> RequestFailed | None:
-        """Why the engine could not run one of the samples, if it could not."""
-        failed = next((s.error for s in self.samples if s.error is not None), None)
-        return RequestFailed(f"the engine could not run this request: {failed}") if failed else None
+    def error(self) -> RequestFailed | ServerBusy | None:
+        """Why the engine could not run one of the samples, if it could not: ServerBusy where it was too busy then
+        (a retry may succeed), else RequestFailed."""
+        failed = next((s for s in self.samples if s.error is not None), None)
+        if failed is None:
+            return None
+        if failed.retry_after is not None:
+            return ServerBusy(f"the engine could not run this request now: {failed.error}", failed.retry_after)
+        return RequestFailed(f"the engine could not run this request: {failed.error}")
 
     def output(self) -> RequestOutput:
         """The whole result so far, all n samples (offline use)."""
@@ -325,3 +331,4 @@ class OutputProcessor:
                 stops.append(FinishRequest(sample.core_id, stop))
         elif out.finish_reason is not None:
             sample.finish_reason, sample.stop_reason, sample.error = out.finish_reason, out.stop_reason, out.error
+            sample.retry_after = out.retry_after

@@ -16,6 +16,7 @@ from tokenmill.errors import (
     ContextTooLong,
     InvalidRequest,
     RequestFailed,
+    ServerBusy,
     ServerOverloaded,
     ServerShuttingDown,
     TokenmillError,
@@ -70,6 +71,7 @@ _MAPPING: list[tuple[type[BaseException], int, str, str | None]] = [
     (InvalidRequest, 400, "invalid_request_error", "invalid_value"),
     (ServerOverloaded, 429, "server_overloaded", "server_overloaded"),
     (EngineDeadError, 503, "service_unavailable", "engine_dead"),
+    (ServerBusy, 503, "service_unavailable", "server_busy"),
     (ServerShuttingDown, 503, "service_unavailable", "server_shutting_down"),
     (RequestFailed, 500, "internal_error", "request_failed"),
 ]

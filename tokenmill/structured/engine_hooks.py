@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from tokenmill.engine.runner import ModelRunner
     from tokenmill.engine.scheduler import Scheduler
     from tokenmill.engine.step_types import SchedulerOutput, StepResult
+    from tokenmill.errors import ServerBusy
     from tokenmill.request import Request
     from tokenmill.structured.manager import StructuredOutputs
 
@@ -44,7 +45,7 @@ class ConstrainedDecoding(RequestHooks):
         self._manager().submit(request, msg.grammar)
         return True
 
-    def before_schedule(self, scheduler: Scheduler) -> list[tuple[str, str]]:
+    def before_schedule(self, scheduler: Scheduler) -> list[tuple[str, str | ServerBusy]]:
         """Sequences whose matcher is built join the scheduler; with nothing else to run, waits a little for a
         build rather than spin."""
         m = self.manager

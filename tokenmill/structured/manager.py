@@ -19,12 +19,17 @@ from typing import Any
 
 import torch
 
-from tokenmill.structured.backend import GrammarCache, MatcherFactory
+from tokenmill.errors import ServerBusy
+from tokenmill.structured.backend import GrammarCache, MatcherFactory, grammar_text
+from tokenmill.structured.params import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)
-BUILD_TIMEOUT_S = 10.0  # a matcher not built by then fails its request
+BUILD_TIMEOUT_S = 10.0  # a matcher not built by then fails its request (503: a retry may find it built)
+FACTORY_TIMEOUT_S = 60.0  # the tokenizer's matcher tables, loaded once at the first constrained request
+# grammars built with the tables, before any request waits for them: what clients send most
+COMMON = (StructuredOutputsParams(json_object=True),)
 BUILD_WORKERS = 2  # matchers built at once: one slow grammar leaves the other builder to the requests behind it
 
 
@@ -70,7 +75,10 @@ class StructuredOutputs:
     `timeout_s` fails at once and its build, if not started, never runs; a build already running finishes its work,
     bounded by llguidance's limits (and, behind a server, by the API process's check of the same grammar, of a
     like cost, having passed the same time limit), and its outcome is kept for the next request with that
-    grammar."""
+    grammar. A request's time limit counts from when the tokenizer's tables are loaded (once, at the first
+    constrained request, bounded by FACTORY_TIMEOUT_S), so a busy CPU slowing that load fails no grammar; the common
+    grammars (COMMON) are built with the tables. A request past its limit fails as ServerBusy (HTTP 503 with
+    Retry-After): its grammar may be built by the time it is sent again."""
 
     def __init__(self, vocab_size: int, load_tokenizer: Callable[[], Any], timeout_s: float = BUILD_TIMEOUT_S,
                  workers: int = BUILD_WORKERS):
@@ -78,6 +86,7 @@ class StructuredOutputs:
         self.timeout_s = timeout_s
         self._load_tokenizer = load_tokenizer
         self._factory: MatcherFactory | None = None
+        self._factory_at: float | None = None  # when the tables were loaded (time.monotonic())
         self._factory_lock = threading.Lock()
         self._grammars = GrammarCache()
         self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar")
@@ -114,14 +123,25 @@ class StructuredOutputs:
     def _matcher_factory(self) -> MatcherFactory:
         with self._factory_lock:  # the builders share one (loading the tokenizer takes a while)
             if self._factory is None:
-                self._factory = MatcherFactory(self._load_tokenizer(), self.vocab_size)
+                factory = MatcherFactory(self._load_tokenizer(), self.vocab_size)
+                for spec in COMMON:
+                    factory.matcher(grammar_text(spec))
+                self._factory, self._factory_at = factory, time.monotonic()
         return self._factory
+
+    def _overdue(self, since: float, now: float) -> bool:
+        """Whether a request waiting since `since` has waited too long: BUILD_TIMEOUT_S from when the tables were
+        loaded (or from its submission, if later), FACTORY_TIMEOUT_S while they are still loading."""
+        loaded_at = self._factory_at
+        if loaded_at is None:
+            return now - since > FACTORY_TIMEOUT_S
+        return now - max(since, loaded_at) > self.timeout_s
 
     @property
     def num_pending(self) -> int:
         return len(self._pending)
 
-    def ready(self, wait_s: float = 0.0) -> tuple[list[Any], list[tuple[Any, str]]]:
+    def ready(self, wait_s: float = 0.0) -> tuple[list[Any], list[tuple[Any, str | ServerBusy]]]:
         """Requests whose matcher is built (now constrained here: schedule them) and those that failed, with why
         (their grammar did not build, or not within `timeout_s` of their submission); waits up to `wait_s` for
         the first to finish when none has. Each request leaves the pending set in exactly one of the two lists,
@@ -130,13 +150,14 @@ class StructuredOutputs:
             cf.wait([f for _, f, _ in self._pending.values()], timeout=wait_s, return_when=cf.FIRST_COMPLETED)
         ok, failed, now = [], [], time.monotonic()
         for rid, (request, future, since) in list(self._pending.items()):
-            if not future.done() and now - since <= self.timeout_s:
+            if not future.done() and not self._overdue(since, now):
                 continue
             del self._pending[rid]
             self._builds.leave(future, cancel=True)
             if not future.done() or future.cancelled():
-                failed.append((request, f"structured output: the grammar did not build within {self.timeout_s:g} s;"
-                                        " simplify it"))
+                failed.append((request, ServerBusy(f"structured output: the grammar was not built within "
+                                                   f"{self.timeout_s:g} s on this busy server; retry, or simplify it",
+                                                   retry_after=max(1, round(self.timeout_s)))))
                 continue
             try:
                 self._matchers[rid] = future.result().deep_copy()  # its own: the build may be shared
