@@ -103,15 +103,16 @@ def test_written_checkpoint_is_autoawq_layout_and_reloads_to_the_same_outputs(tm
 
 @pytest.mark.skipif(not KEPT, reason="no kept-block kernel here (AMX or AVX512-VNNI); the dequantizing reference")
 def test_kept_awq_groups_track_the_dequantized_checkpoint(tmp_path):
-    """Bit for bit on AMX tiles; to int8 rounding of x on VNNI."""
+    """Bit for bit on AMX tiles; to int8 rounding of x on VNNI; to x's two int8 parts in float32 on AVX2."""
     _, out = rtn_checkpoint(tmp_path)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
     batch = [{"prompt_token_ids": list(range(7, 7 + n))} for n in (3, 17, 40)]
-    kept = LLM(str(out), kv_cache_memory=KV)  # an AWQ checkpoint serves as awq by default, in bfloat16 here
-    assert kept.engine.core.quantization == "awq" and "awq (bfloat16" in kept.engine.core.runner.weight_summary()
+    kept = LLM(str(out), kv_cache_memory=KV)  # an AWQ checkpoint serves as awq by default, in the CPU's dtype
+    dtype = "bfloat16" if ops.bf16_kernel() else "float32"  # model/backends/__init__.py auto_dtype
+    assert kept.engine.core.quantization == "awq" and f"awq ({dtype}" in kept.engine.core.runner.weight_summary()
     layer = kept.engine.core.runner.model.layers[0]
     assert layer.mlp.gate_up_proj.packed_weight.shape[-1] == ops.gguf_tile_bytes(Q4_Z)
-    dense = LLM(str(out), dtype="bfloat16", quantization="none", kv_cache_memory=KV)
+    dense = LLM(str(out), dtype=dtype, quantization="none", kv_cache_memory=KV)
     assert_kept_tracks_dense(dense.generate(batch, params, use_tqdm=False),
                              kept.generate(batch, params, use_tqdm=False), exact=KEPT == "amx")
     kept.engine.core.check_idle_invariants()
