@@ -4,6 +4,11 @@ serving: quality"), all in one process on the same held-out samples:
     python benchmarks/quality.py --num-samples 200 --formats int8,gguf
     python benchmarks/quality.py --formats rtn=DIR1,awq=DIR2   # checkpoints (`tokenmill quantize --out DIR`)
     python benchmarks/quality.py --formats none:kv-fp8,gguf:kv-fp8   # an FP8 KV cache (--kv-cache-dtype fp8)
+    python benchmarks/quality.py --reference none@float32 --formats auto@auto,gguf@float32 --json out.json
+
+A format may name its compute dtype after an @ (else --dtype); `auto` is the engine's own choice (no --quantization),
+so `auto@auto` is the model as served by default on this CPU. benchmarks/quality_per_cpu.py runs this script once
+per CPU kind this machine builds kernels for (docs/models/quality.md).
 
 - perplexity on held-out ShareGPT text (tokenmill.eval: the half calibration never sees), with its bootstrap 95%
   interval, and the change against the reference with a *paired* bootstrap interval (the same samples resampled
@@ -15,6 +20,7 @@ serving: quality"), all in one process on the same held-out samples:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -63,17 +69,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--greedy-prompts", type=int, default=32)
     p.add_argument("--greedy-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reference", default="none", help="the format the others are compared with (default: the "
+                                                        "weights dequantized to --dtype)")
+    p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
 
     results = {}
     for fmt in ["reference", *args.formats.split(",")]:
-        weights, _, kv = fmt.partition(":kv-")  # e.g. none:kv-fp8: the dequantized weights with an FP8 KV cache
+        spec = args.reference if fmt == "reference" else fmt
+        weights, _, kv = spec.partition(":kv-")  # e.g. none:kv-fp8: the dequantized weights with an FP8 KV cache
+        weights, _, dtype = weights.partition("@")
+        dtype = dtype or args.dtype
         _, is_path, path = weights.partition("=")
         kv_dtype = kv or "auto"
         if is_path:  # a checkpoint served in its own format (e.g. an AWQ directory)
-            llm = LLM(path, dtype=args.dtype, kv_cache_dtype=kv_dtype)
+            llm = LLM(path, dtype=dtype, kv_cache_dtype=kv_dtype)
         else:
-            llm = LLM(args.model, dtype=args.dtype, quantization="none" if fmt == "reference" else weights,
+            llm = LLM(args.model, dtype=dtype, quantization=None if weights == "auto" else weights,
                       kv_cache_dtype=kv_dtype)
         if fmt == "reference":
             samples = heldout_samples(llm.get_tokenizer(), args.num_samples, args.seed, args.max_tokens_per_sample)
@@ -86,12 +98,19 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(prompts)} prompts x {args.greedy_tokens} tokens")
     print("format | weights | perplexity (95% CI) | change vs reference (paired 95% CI) | greedy identical | "
           "mean common prefix")
+    rows = []
     for fmt, (ppl, outs, weights) in results.items():
         change, lo, hi = paired_change(ref.sample_nlls, ppl.sample_nlls, ref.sample_tokens)
         same = sum(o == r for o, r in zip(outs, ref_greedy))
         prefix = statistics.mean(common_prefix(o, r) for o, r in zip(outs, ref_greedy))
         print(f"{fmt} | {weights} | {ppl.perplexity:.3f} ({ppl.ci95[0]:.3f}-{ppl.ci95[1]:.3f}) | "
               f"{change:+.2%} ({lo:+.2%} to {hi:+.2%}) | {same}/{len(outs)} | {prefix:.1f}")
+        rows.append({"format": args.reference if fmt == "reference" else fmt, "weights": weights,
+                     "perplexity": ppl.perplexity, "ci95": list(ppl.ci95), "change": change, "change_ci95": [lo, hi],
+                     "greedy_identical": same, "greedy_prompts": len(outs), "mean_common_prefix": prefix})
+    if args.json:
+        Path(args.json).write_text(json.dumps({"samples": ref.num_samples, "tokens": ref.num_tokens,
+                                               "greedy_tokens": args.greedy_tokens, "rows": rows}, indent=1))
     return 0
 
 
