@@ -107,7 +107,7 @@ class ModelConfig:
 
     def serving(self, max_model_len: int | None) -> ModelConfig:
         """This config for an engine serving sequences of up to `max_model_len` tokens (None: the model's
-        positions): long-rope fixes its factor set for that context (model/layers.py rope_angles says why)."""
+        positions): long-rope fixes its factor set for that context (model/layers.py rope_frequencies says why)."""
         scaling = self.rope_scaling
         if not scaling or scaling.get("rope_type") != "longrope":
             return self

@@ -28,7 +28,7 @@ from tokenmill.parallel.layout import PPStage
 
 KV = 64 << 20
 NEW_TOKENS = 24
-# Long-rope: tokenmill fixes the factor set for the context it serves (layers.rope_angles), transformers by each
+# Long-rope: tokenmill fixes the factor set for the context it serves (layers.rope_frequencies), transformers by each
 # sequence's length: they agree on sequences that fit the original context (32) when that is the context served
 # (short factors), and on prompts longer than it when more is served (long factors).
 LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.3, 1.7, 2.2, 2.9, 3.5, 4.1, 5.0],

@@ -59,7 +59,7 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling is None or scaling.get("rope_type") == "longrope":  # longrope: per position, rope_angles
+    if scaling is None or scaling.get("rope_type") == "longrope":  # longrope: rope_frequencies
         return inv_freq
     if scaling.get("rope_type") == "linear":  # positions divided by `factor` (Gemma 3's global layers)
         return inv_freq / scaling["factor"]
@@ -76,52 +76,78 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_angles(dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
-                ) -> tuple[torch.Tensor, float]:
-    """The rotary angles [positions, dim / 2] and the scale of cos and sin (1 but for long-rope).
+def rope_frequencies(dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
+                     ) -> tuple[torch.Tensor, float]:
+    """The rotary frequencies [dim / 2] (a position's angles are position x these) and the scale of cos and sin (1
+    but for long-rope).
 
     Long-rope (Phi-3): the frequencies divided by `short_factor` or `long_factor`, cos and sin scaled by
     `attention_factor`, as transformers computes them. Transformers picks the set by a sequence's length so far
     and, once a sequence grows past the original context, recomputes its whole cache with the long factors
     (Phi3ForCausalLM.prepare_inputs_for_generation). A cache that is never recomputed must hold one set, or a
-    sequence's keys would disagree on positions; so the set is chosen once, for the context served (`long`,
-    ModelConfig.serving), as llama.cpp chooses: long where sequences may grow past the original context.
-    Equal to transformers for every sequence when the served context fits the original one, and otherwise for
-    every sequence whose prompt is longer than it."""
-    positions = torch.arange(max_positions, dtype=torch.float32)
+    sequence's keys would disagree on positions; so the set is chosen once, for the context served
+    (`max_positions`; `long`, ModelConfig.serving), as llama.cpp chooses: long where sequences may grow past the
+    original context. Equal to transformers for every sequence when the served context fits the original one, and
+    otherwise for every sequence whose prompt is longer than it."""
     if scaling is None or scaling.get("rope_type") != "longrope":
-        return torch.outer(positions, rope_inv_freq(dim, theta, scaling)), 1.0
+        return rope_inv_freq(dim, theta, scaling), 1.0
     long = scaling.get("long", max_positions > scaling["original_max_position_embeddings"])
     factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
     inv_freq = 1.0 / (factors * theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    return torch.outer(positions, inv_freq), scaling["attention_factor"]
+    return inv_freq, scaling["attention_factor"]
+
+
+TABLE_POSITIONS = 4096  # rotary tables start this long and double as positions past them are served
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables over every position, computed once; rotation in the non-interleaved (HF) layout, of the
-    first `rotary_dim` dims of each head (all of head_dim unless the model rotates part of it, as Phi-4-mini)."""
+    """cos/sin tables, rotation in the non-interleaved (HF) layout, of the first `rotary_dim` dims of each head (all
+    of head_dim unless the model rotates part of it, as Phi-4-mini).
+
+    The tables cover the positions served so far, from TABLE_POSITIONS rows, doubling up to `max_positions` when a
+    step reaches past them (`cover`): whole tables for a 32k context are 64 MiB a table pair in float32 (Gemma 3
+    holds two pairs, 128 MiB beside a 241 MiB file). A position's row is the same whatever the tables' length (the
+    angle is position x frequency, elementwise), so growing changes no output."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
                  rotary_dim: int | None = None):
         super().__init__()
-        freqs, scale = rope_angles(rotary_dim or head_dim, max_positions, theta, scaling)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos(), emb.sin()
-        if scale != 1.0:  # as transformers: scaled in float32, rounded to the model's dtype afterwards
-            cos, sin = cos * scale, sin * scale
+        self.max_positions = max_positions
+        self.inv_freq, self.scale = rope_frequencies(rotary_dim or head_dim, max_positions, theta, scaling)
+        cos, sin = self._compute(min(max_positions, TABLE_POSITIONS), self.inv_freq.device)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self._rounded: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _compute(self, positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = torch.outer(torch.arange(positions, dtype=torch.float32), self.inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        if self.scale != 1.0:  # as transformers: scaled in float32, rounded to the model's dtype afterwards
+            cos, sin = cos * self.scale, sin * self.scale
+        return cos.to(device), sin.to(device)
+
+    def cover(self, positions: int) -> bool:
+        """Make the tables hold positions [0, positions) (at most max_positions); True if they grew (tables handed
+        out before, by `rounded`, are then too short)."""
+        held = self.cos.shape[0]
+        if positions <= held or held >= self.max_positions:
+            return False
+        self.cos, self.sin = self._compute(min(self.max_positions, max(positions, 2 * held)), self.cos.device)
+        self._rounded.clear()
+        return True
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, head_dim] cos and sin for the batch's positions, shared by every layer of one step. The whole
         tables are rounded to `dtype` once (the same values as rounding the rows picked), so a step indexes them
         and nothing more: a decode step ran ~6 torch ops here."""
+        if positions.numel():
+            self.cover(int(positions.max()) + 1)
         cos, sin = self.rounded(dtype)
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
     def rounded(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole [max positions, head_dim] cos and sin tables in `dtype`, rounded once."""
+        """The [positions covered, head_dim] cos and sin tables in `dtype`, rounded once."""
         key = (dtype, self.cos.device)
         tables = self._rounded.get(key)
         if tables is None:

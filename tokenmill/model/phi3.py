@@ -4,7 +4,7 @@
   weight formats see the usual q/k/v and gate/up shards;
 - Phi-4-mini rotates only the first `partial_rotary_factor` of each head (ModelConfig.rotary_dim; the backends'
   rotary_and_write_kv rotates what the cos/sin tables cover);
-- long-rope scaling (short and long factors, a cos/sin scale): layers.rope_angles.
+- long-rope scaling (short and long factors, a cos/sin scale): layers.rope_frequencies.
 """
 
 from __future__ import annotations

@@ -371,7 +371,7 @@ class CpuBackend(TorchBackend):
                       stop_ids: torch.Tensor) -> torch.Tensor | None:
         """The steps in one C++ call (`DecodeModel.run`): the embedding lookup, the layers, the final norm, the LM
         head and the argmax, each the op the Python step runs, so the same tokens."""
-        decoder = decode_model(self.ops, model, input_ids)
+        decoder = decode_model(self.ops, model, input_ids, int(positions.max()) + steps if positions.numel() else 1)
         if decoder is None:
             return None
         return decoder.run(input_ids, positions, block_tables, [k for k, _ in kv_caches], [v for _, v in kv_caches],
@@ -381,7 +381,7 @@ class CpuBackend(TorchBackend):
                       block_tables: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
                       ) -> torch.Tensor | None:
         """One step in one C++ call (`DecodeModel.logits`), the same logits as the modules and compute_logits."""
-        decoder = decode_model(self.ops, model, input_ids)
+        decoder = decode_model(self.ops, model, input_ids, int(positions.max()) + 1 if positions.numel() else 1)
         if decoder is None:
             return None
         return decoder.logits(input_ids, positions, block_tables, [k for k, _ in kv_caches], [v for _, v in kv_caches])

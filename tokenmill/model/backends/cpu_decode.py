@@ -19,11 +19,19 @@ LAYER_STACK = "cpu.decoder_stack"  # the same weights as one ops.DecoderStack
 DECODE_MODEL = "cpu.decode_model"  # the stack with the embedding, final norm and LM head: one ops.DecodeModel
 
 
-def decode_model(ops: Any, model: nn.Module, input_ids: torch.Tensor) -> Any:
-    """The model's ops.DecodeModel, built on first use; None where none can run it, or for inputs off the CPU."""
-    if DECODE_MODEL not in model.backend_cache:
-        model.backend_cache[DECODE_MODEL] = _build_decode_model(ops, model)
-    return model.backend_cache[DECODE_MODEL] if input_ids.device.type == "cpu" else None
+def decode_model(ops: Any, model: nn.Module, input_ids: torch.Tensor, reach: int = 1) -> Any:
+    """The model's ops.DecodeModel, built on first use; None where none can run it, or for inputs off the CPU.
+    `reach`: the call reads rotary rows of positions [0, reach): the tables grow to cover them (layers.py
+    RotaryEmbedding.cover), and a DecodeModel built on shorter tables is built again."""
+    rotary = getattr(model, "rotary", None)
+    tables = None
+    if rotary is not None:
+        rotary.cover(reach)
+        tables = rotary.rounded(model.norm.weight.dtype)[0]
+    built = model.backend_cache.get(DECODE_MODEL)
+    if built is None or (built[0] is not None and built[1] is not tables):
+        built = model.backend_cache[DECODE_MODEL] = (_build_decode_model(ops, model), tables)
+    return built[0] if input_ids.device.type == "cpu" else None
 
 
 def _build_decode_model(ops: Any, model: nn.Module) -> Any:
