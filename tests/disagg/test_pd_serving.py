@@ -108,8 +108,11 @@ def test_answers_are_the_colocated_answers_and_the_kv_is_shipped_not_computed(de
         assert got.headers["x-tokenmill-kv-transfer"] == "sent"
         assert got.json()["choices"] == ref.json()["choices"]
         assert got.json()["usage"]["prompt_tokens"] == ref.json()["usage"]["prompt_tokens"]
-    # each request computed only its last prompt token on the consumer (the n = 2 one: one per sample)
-    assert metric(consumer, "tokenmill_prefill_tokens_computed_total") - computed == 4
+    # each request computed only its last prompt token on the consumer (the n = 2 one: one per sample); if not, what
+    # the consumer's connector saw says why (a claim missed or refused, a transfer dropped)
+    outcomes = {o: metric(consumer, "tokenmill_kv_transfers_total", outcome=o)
+                for o in ("received", "missed", "refused_claim", "dropped")}
+    assert metric(consumer, "tokenmill_prefill_tokens_computed_total") - computed == 4, outcomes
     sent = metric(producer, "tokenmill_kv_transfer_bytes_total", direction="sent")
     assert sent > 0 and sent == metric(consumer, "tokenmill_kv_transfer_bytes_total", direction="received")
     assert metric(consumer, "tokenmill_kv_transfer_loaded_tokens_total") > 0
