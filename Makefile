@@ -34,15 +34,18 @@ test: setup browser docs
 	$(MAKE) --no-print-directory test-avx2
 
 # On a CPU with AVX-512, the paths an AVX2-only CPU takes, tested again so they cannot break unseen: the kernels built
-# for -march=haswell, torch and oneDNN capped at AVX2; the kernel, model and engine tests. A stand-in computes what
-# the AVX2 CPU computes (not its speed). An AVX2-only CPU runs those paths in the first pass and skips this one.
-AVX2_ENV := TOKENMILL_KERNEL_MARCH=haswell ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+# for -march=haswell, torch and oneDNN capped at AVX2; the kernel, model and engine tests, the real model's parity
+# with transformers and the quickstart's answer on the default path. A stand-in computes what the AVX2 CPU
+# computes (not its speed). An AVX2-only CPU runs those paths in the first pass and skips this one.
+AVX2_ENV := TOKENMILL_KERNEL_MARCH=haswell ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 HF_HUB_OFFLINE=1
+AVX2_PYTEST := $(AVX2_ENV) $(BIN)/python -m pytest -q -p no:cacheprovider
 test-avx2: setup
 	@if grep -qw avx512f /proc/cpuinfo; then \
 		echo "AVX2 pass: kernels built for -march=haswell, torch and oneDNN capped at AVX2"; \
 		$(AVX2_ENV) $(BIN)/python -m tokenmill.model.cpu_kernels && \
-		$(AVX2_ENV) HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" \
-			tests/quant tests/model tests/engine; \
+		$(AVX2_PYTEST) -m "not slow" tests/quant tests/model tests/engine && \
+		$(AVX2_PYTEST) tests/engine/test_parity.py \
+			tests/test_cli.py::test_chat_over_stdin_answers_the_quickstart_questions_on_the_default_path; \
 	else echo "AVX2 pass: this CPU has no AVX-512, the first pass ran its AVX2 paths"; fi
 
 # The quick loop: everything but the tests marked slow (real servers, the real model, the fuzzer). `make test` runs all.
