@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         results[kind]["stands_in"] = kind != own
         results[kind]["cpu_kind"] = KINDS[kind][2]
     data = {
-        "topic": "Quality per CPU kind", "page": "../models/quality.md",
+        "topic": "Quality per CPU kind", "page": "quantization.md",
         "cpu": f"2 cores of an {model}; other kinds stand-ins built for them (quality only)",
         "date": datetime.date.today().isoformat(),
         "command": "python benchmarks/quality_per_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
