@@ -44,6 +44,8 @@ KINDS = {
              "AVX2 only (Zen 3, Haswell to Alder Lake)"),
 }
 PATHS = ("auto@auto", "gguf@bfloat16", "gguf@float32", "none@bfloat16")
+LABELS = {"auto@auto": "the default (dtype auto)", "gguf@bfloat16": "kept blocks, bfloat16 x",
+          "gguf@float32": "kept blocks, float32 x", "none@bfloat16": "dequantized, bfloat16"}
 OUT = ROOT / "docs" / "performance" / "data" / "quality-per-cpu.json"
 
 
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         results[kind]["cpu_kind"] = KINDS[kind][2]
     data = {
         "topic": "Quality per CPU kind", "page": "quantization.md",
-        "cpu": f"2 cores of an {model}; other kinds stand-ins built for them (quality only)",
+        "cpu": f"2-core {model} ({own}); other kinds are stand-ins built on it (quality only)",
         "date": datetime.date.today().isoformat(),
         "command": "python benchmarks/quality_per_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "results": results,
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                      "dequantized float32 model",
             "ylabel": f"of {args.greedy_prompts} prompts", "fmt": "{:.0f}",
             "categories": [KINDS[k][2].split(" (")[0] for k in results],
-            "series": [{"label": path, "values": [next(r["greedy_identical"] for r in results[k]["rows"]
+            "series": [{"label": LABELS[path], "values": [next(r["greedy_identical"] for r in results[k]["rows"]
                                                        if r["format"] == path) for k in results]}
                        for path in PATHS],
         }],
