@@ -1,5 +1,5 @@
 """The server's grammar checks (tokenmill/structured/checker.py, AsyncEngine.check_grammar): a check past its time
-limit is refused and its worker process killed, so it holds no thread (the default pool, which tokenization
+limit is refused as ServerBusy (503) and its worker process killed, so it holds no thread (the default pool, which tokenization
 shares, stays free) and no CPU after the limit; checks waiting for a worker past their limit never run; outcomes
 are cached; a worker that dies is refused like a bad constraint and replaced."""
 
@@ -17,7 +17,7 @@ from tests.structured.grammars import slow_spec
 from tokenmill.config import EngineConfig
 from tokenmill.engine import async_engine
 from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.errors import InvalidRequest
+from tokenmill.errors import InvalidRequest, ServerBusy
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured import checker as checker_module
 from tokenmill.structured.checker import GrammarChecker
@@ -62,7 +62,7 @@ def test_check_grammar_past_its_limit_leaves_no_thread_or_cpu_behind(monkeypatch
         results = await asyncio.gather(*(engine.check_grammar(p) for p in slow), return_exceptions=True)
         monkeypatch.undo()
         for r in results:
-            assert isinstance(r, InvalidRequest) and f"did not compile within {LIMIT_S:g} s" in str(r), r
+            assert isinstance(r, ServerBusy) and f"did not compile within {LIMIT_S:g} s" in str(r), r  # a 503
         started = time.monotonic()
         await asyncio.to_thread(lambda: None)
         assert time.monotonic() - started < 1.0, "the default thread pool is still busy with grammar checks"
@@ -142,4 +142,12 @@ def test_close_stops_the_workers() -> None:
     c.submit(StructuredOutputsParams(regex="z+"), 30).result()
     assert len(workers_alive()) == 1
     c.close()
+    assert workers_alive() == []
+
+
+def test_common_constraints_are_answered_at_once_without_a_worker(checker: GrammarChecker) -> None:
+    """json_object is checked when the checker is made, in this process: its first request on a busy server waits
+    for no worker process to start (a spawn that once took a loaded CPU past the limit)."""
+    future = checker.submit(StructuredOutputsParams(json_object=True), 0.001)
+    assert future.done() and future.result()
     assert workers_alive() == []

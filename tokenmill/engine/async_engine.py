@@ -30,7 +30,7 @@ from tokenmill.engine.policy import ITL_STEP_SHARE, aged_level
 from tokenmill.engine.process_client import EngineDeadError, EngineProcessClient
 from tokenmill.engine.step_cost import predict_ttft, stretched_step_seconds
 from tokenmill.engine.step_types import SchedulerStats
-from tokenmill.errors import InvalidRequest, ServerOverloaded, TokenmillError
+from tokenmill.errors import InvalidRequest, ServerBusy, ServerOverloaded, TokenmillError
 from tokenmill.lora.request import LoRARequest
 from tokenmill.model.paths import resolve_model_path
 from tokenmill.sampling_params import SamplingParams
@@ -46,7 +46,9 @@ HEALTH_STALE_S = 10.0  # a heartbeat older than this (the loop is stuck) makes /
 TTFT_BIAS_RATE = 0.1
 TTFT_BIAS_CLIP_S = 0.5
 STREAM_UPDATE_LIMIT = 4096  # a request's updates its reader may leave unread (one a step) before it is aborted
-GRAMMAR_CHECK_TIMEOUT_S = 10.0  # a structured output constraint not checked by then is refused (400), its check killed
+# a structured output constraint not checked by then is refused (503: a busy server, or a grammar too costly), its
+# check killed
+GRAMMAR_CHECK_TIMEOUT_S = 10.0
 SLO_ADMISSION = ("off", "reject", "degrade")  # --slo-admission: what a request predicted to miss its TTFT target gets
 
 
@@ -236,7 +238,8 @@ class AsyncEngine:
     # ---- requests ----------------------------------------------------------------------------------------------
     async def check_grammar(self, params: SamplingParams) -> str | None:
         """The grammar text of a request's structured output constraint, checked in a grammar worker process under
-        a time limit (InvalidRequest naming the field for one that is wrong or too slow: the worker is killed at the
+        a time limit (InvalidRequest naming the field for one that is wrong; ServerBusy, a 503 with Retry-After, for
+        one not checked in time, which a busy CPU or a costly grammar causes alike: the worker is killed at the
         limit, so the check holds no thread and no CPU after it); None without one."""
         spec = params.structured_outputs
         if spec is None:
@@ -244,8 +247,9 @@ class AsyncEngine:
         try:
             return await asyncio.wrap_future(self.grammars.submit(spec, GRAMMAR_CHECK_TIMEOUT_S))
         except TimeoutError:
-            raise InvalidRequest(f"{spec.param}: the constraint did not compile within {GRAMMAR_CHECK_TIMEOUT_S:g} s"
-                                 "; simplify it", param=spec.param) from None
+            raise ServerBusy(f"{spec.param}: the constraint did not compile within {GRAMMAR_CHECK_TIMEOUT_S:g} s "
+                             "on this busy server; retry, or simplify it",
+                             retry_after=max(1, round(GRAMMAR_CHECK_TIMEOUT_S))) from None
 
     def add_requests(self, request_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
                      arrival_time: float | None = None, cache_salt: str | None = None,

@@ -22,7 +22,7 @@ from typing import Any
 from tokenmill.errors import InvalidRequest
 from tokenmill.structured import backend
 from tokenmill.structured.backend import Checked, GrammarCache, answer
-from tokenmill.structured.params import StructuredOutputsParams
+from tokenmill.structured.params import COMMON_CONSTRAINTS, StructuredOutputsParams
 
 CHECK_WORKERS = 2  # checks at once; those beyond wait their turn, their time limit running
 
@@ -63,10 +63,14 @@ class _Worker:
 class GrammarChecker:
     """Constraint -> checked grammar text, under a time limit: InvalidRequest naming the field for a constraint
     that is refused, TimeoutError for one not checked within its limit (its worker killed). Outcomes are cached
-    (a bounded LRU, as GrammarCache), time-outs not: under load a usable schema may pass next time."""
+    (a bounded LRU, as GrammarCache), time-outs not: under load a usable schema may pass next time. The common
+    constraints (params.COMMON_CONSTRAINTS, known to build in milliseconds) are checked here at once, in this
+    process: no worker has to start, on a busy CPU, before the first of them is answered."""
 
     def __init__(self, workers: int = CHECK_WORKERS):
         self.cache = GrammarCache()
+        for spec in COMMON_CONSTRAINTS:
+            self.cache.put(spec.key, backend._checked(spec))
         self._ctx = mp.get_context("spawn")
         self._threads = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar-check")
         self._lock = threading.Lock()

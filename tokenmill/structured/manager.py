@@ -21,15 +21,13 @@ import torch
 
 from tokenmill.errors import ServerBusy
 from tokenmill.structured.backend import GrammarCache, MatcherFactory, grammar_text
-from tokenmill.structured.params import StructuredOutputsParams
+from tokenmill.structured.params import COMMON_CONSTRAINTS
 
 log = logging.getLogger(__name__)
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 BUILD_TIMEOUT_S = 10.0  # a matcher not built by then fails its request (503: a retry may find it built)
 FACTORY_TIMEOUT_S = 60.0  # the tokenizer's matcher tables, loaded once at the first constrained request
-# grammars built with the tables, before any request waits for them: what clients send most
-COMMON = (StructuredOutputsParams(json_object=True),)
 BUILD_WORKERS = 2  # matchers built at once: one slow grammar leaves the other builder to the requests behind it
 
 
@@ -77,7 +75,7 @@ class StructuredOutputs:
     like cost, having passed the same time limit), and its outcome is kept for the next request with that
     grammar. A request's time limit counts from when the tokenizer's tables are loaded (once, at the first
     constrained request, bounded by FACTORY_TIMEOUT_S), so a busy CPU slowing that load fails no grammar; the common
-    grammars (COMMON) are built with the tables. A request past its limit fails as ServerBusy (HTTP 503 with
+    grammars (params.COMMON_CONSTRAINTS) are built with the tables. A request past its limit fails as ServerBusy (HTTP 503 with
     Retry-After): its grammar may be built by the time it is sent again."""
 
     def __init__(self, vocab_size: int, load_tokenizer: Callable[[], Any], timeout_s: float = BUILD_TIMEOUT_S,
@@ -124,7 +122,7 @@ class StructuredOutputs:
         with self._factory_lock:  # the builders share one (loading the tokenizer takes a while)
             if self._factory is None:
                 factory = MatcherFactory(self._load_tokenizer(), self.vocab_size)
-                for spec in COMMON:
+                for spec in COMMON_CONSTRAINTS:
                     factory.matcher(grammar_text(spec))
                 self._factory, self._factory_at = factory, time.monotonic()
         return self._factory

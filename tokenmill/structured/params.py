@@ -79,6 +79,10 @@ class StructuredOutputsParams:
         return kind, json.dumps(list(value)) if kind == "choice" else str(value)
 
 
+# what clients send most, whose grammar is known to build: checked (API process) and built (engine) before any
+# request waits for it, so a busy CPU never fails one
+COMMON_CONSTRAINTS = (StructuredOutputsParams(json_object=True),)
+
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _DATA_KEYS = ("const", "enum", "default", "examples")  # values, not schemas
 
