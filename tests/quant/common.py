@@ -22,8 +22,9 @@ def tiny_batch_and_dense(tmp_path, dtype: str, max_tokens: int) -> tuple[str, li
     return str(path), batch, params, dense
 
 
-# Where kept blocks run on VNNI (csrc/gguf_vnni.cpp), x is rounded to int8 blocks: a logit moves by about one
-# bfloat16 step (1/8-1/4 at SmolLM2's logit sizes), so greedy may swap a pair of tokens that close, no more.
+# Where kept blocks run on VNNI or AVX2 (csrc/gguf_vnni.cpp, gguf_avx2.cpp), x is rounded in two int8 blocks and
+# the products summed in another order than the dense matmul's: a logit moves by about one bfloat16 step (1/8-1/4 at
+# SmolLM2's logit sizes) at most, so greedy may swap a pair of tokens that close, no more.
 CLOSE_LOGPROB = 0.3
 SWAP_GAP = 0.5
 

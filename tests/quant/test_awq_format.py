@@ -103,7 +103,7 @@ def test_written_checkpoint_is_autoawq_layout_and_reloads_to_the_same_outputs(tm
 
 @pytest.mark.skipif(not KEPT, reason="no kept-block kernel here (AMX or AVX512-VNNI); the dequantizing reference")
 def test_kept_awq_groups_track_the_dequantized_checkpoint(tmp_path):
-    """Bit for bit on AMX tiles; to int8 rounding of x on VNNI; to x's two int8 parts in float32 on AVX2."""
+    """Bit for bit on AMX tiles; to x's rounding in two int8 parts on VNNI and AVX2."""
     _, out = rtn_checkpoint(tmp_path)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
     batch = [{"prompt_token_ids": list(range(7, 7 + n))} for n in (3, 17, 40)]

@@ -1,6 +1,6 @@
 """The AVX2 kernel of kept GGUF blocks (csrc/gguf_avx2.cpp), built wherever the CPU has AVX2, so an AVX-512 machine
-tests it too: for bfloat16 x it is the VNNI kernel bit for bit (the same int8 rounding of x, exact integer sums,
-the same float32 steps); for float32 x (an AVX2 CPU's models) it is the dequantized weight times x rounded to int8
+tests it too: for bfloat16 x it is the VNNI kernel bit for bit (the same two-part int8 rounding of x, exact integer
+sums, the same float32 steps); for float32 x (an AVX2 CPU's models) it is the dequantized weight times x rounded to int8
 blocks split in two (each int8 block plus one of what it left), at odd shapes, with and without bias, in gate/up
 pairs, whatever the batch and the threads. Every type the
 quads layout holds: Q4_0, Q4_1, Q8_0 (its sign moved to x: VPMADDUBSW's pairs would saturate), AWQ's Q4_Z, Q5_0 and

@@ -1,8 +1,8 @@
 """GGUF blocks kept at run time (quant/gguf_linear.py, quant/gguf_tiles.py, csrc/gguf_linear.cpp,
 csrc/gguf_vnni.cpp, csrc/gguf_avx2.cpp): the tile kernel widens blocks to exactly the bfloat16 weights the
 dequantize-at-load path loads, so every output is bit for bit the dequantized model's; the VNNI kernel (no AMX)
-and the AVX2 one multiply them with x rounded to int8 blocks, as llama.cpp does, so their outputs track the
-dequantized model's to that rounding (and agree with each other bit for bit)."""
+and the AVX2 one multiply them with x rounded in two int8 blocks (its int8 blocks, then those of what they left), so
+their outputs track the dequantized model's to that rounding (and agree with each other bit for bit)."""
 
 from __future__ import annotations
 
@@ -103,8 +103,8 @@ def int8_blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 def split_int8_blocks(x: torch.Tensor) -> torch.Tensor:
-    """float32 x as csrc/gguf_quads.h's split rounding sees it: its int8 blocks plus the int8 blocks of what they
-    left (the residual in double, as the kernel's one-rounding x - q dx keeps it)."""
+    """x as the int8 kernels see it (csrc/gguf_quads.h quantize_rows): its int8 blocks plus the int8 blocks of what
+    they left (the residual in double, as the kernel's one-rounding x - q dx keeps it)."""
     high = int8_blocks(x)
     return high.double() + int8_blocks((x.double() - high.double()).float()).double()
 
@@ -112,7 +112,7 @@ def split_int8_blocks(x: torch.Tensor) -> torch.Tensor:
 @needs_vnni
 @pytest.mark.parametrize("qtype", TILE_TYPES)
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 17, 100])
-def test_vnni_kernel_is_the_dequantized_weight_times_int8_blocks_of_x(qtype, m):
+def test_vnni_kernel_is_the_dequantized_weight_times_x_in_two_int8_blocks(qtype, m):
     g = torch.Generator().manual_seed(m + 11)
     n, k = 80, 96
     raw = blocks_of(torch.randn(n, k, generator=g) * 0.05, qtype)
@@ -123,7 +123,7 @@ def test_vnni_kernel_is_the_dequantized_weight_times_int8_blocks_of_x(qtype, m):
     packed = gguf_pack(raw, qtype, layout="quads")
     assert packed.shape == (n // 16, k // 32, ops.gguf_tile_bytes(qtype))
     for b in (None, bias):
-        exact = F.linear(int8_blocks(x).double(), dense.double(), None if b is None else b.double())
+        exact = F.linear(split_int8_blocks(x), dense.double(), None if b is None else b.double())
         # integer block sums are exact; float32 scaling and one bfloat16 rounding of the result remain
         torch.testing.assert_close(ops.gguf_vnni_linear(x, packed, b).double(), exact, rtol=2 ** -8, atol=1e-4)
 
@@ -166,7 +166,7 @@ def test_column_split_over_threads_changes_no_output(m):
     assert all(torch.equal(kept[0], other) for other in kept[1:])
     assert all(torch.equal(tiles[0], other) for other in tiles[1:])
     exact = F.linear(x.float(), dense.float())
-    torch.testing.assert_close(kept[0].float(), exact, atol=0.05, rtol=0.05)  # x's int8 blocks on VNNI
+    torch.testing.assert_close(kept[0].float(), exact, atol=0.05, rtol=0.05)  # bfloat16 output
     if TILES:
         torch.testing.assert_close(tiles[0].float(), exact, atol=2e-2, rtol=1e-2)
 

@@ -1,7 +1,7 @@
 """K-quants kept (quant/kquants.py, csrc/gguf_vnni.cpp): Q4_K, Q5_K and Q6_K re-cut into blocks of 32, and Q5_0
 as Q8_0, dequantize to exactly the gguf package's values (llama.cpp's dequantizers, in numpy), as do Q5_0's own
 blocks; the VNNI kernel multiplies them (Q5_0 in its own blocks) as it does Q4_0/Q8_0, the dequantized weight times
-x rounded to int8 blocks, at odd shapes, in gate/up pairs and whatever the batch; a fused layer of Q5_0 and Q8_0
+x rounded in two int8 blocks, at odd shapes, in gate/up pairs and whatever the batch; a fused layer of Q5_0 and Q8_0
 parts keeps Q8_0. (tests/quant/test_gguf_avx2.py: the AVX2 kernel on the same blocks.)"""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
-from tests.quant.test_gguf_linear import int8_blocks, needs_vnni, ops
+from tests.quant.test_gguf_linear import needs_vnni, ops, split_int8_blocks
 from tokenmill.quant.gguf_blocks import Q4_KS, Q5_KS, Q6_KS, dequantize
 from tokenmill.quant.gguf_tiles import gguf_pack, gguf_unpack_rows, kernel_layout
 from tokenmill.quant.kquants import transcode
@@ -79,7 +79,7 @@ def kept_blocks(qtype: T, n: int, k: int, seed: int) -> tuple[int, torch.Tensor]
 @needs_vnni
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0])
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 17, 100])
-def test_vnni_kernel_is_the_dequantized_weight_times_int8_blocks_of_x(qtype, m):
+def test_vnni_kernel_is_the_dequantized_weight_times_x_in_two_int8_blocks(qtype, m):
     n, k = 80, 512  # 5 tiles of 16 features: a column pair and a lone column
     kept, raw = kept_blocks(qtype, n, k, seed=m)
     dense = dequantize(raw, kept, (n, k))
@@ -90,7 +90,7 @@ def test_vnni_kernel_is_the_dequantized_weight_times_int8_blocks_of_x(qtype, m):
     packed = gguf_pack(raw, kept, layout="quads")
     assert packed.shape == (n // 16, k // 32, ops.gguf_tile_bytes(kept))
     for b in (None, bias):
-        exact = F.linear(int8_blocks(x).double(), dense.double(), None if b is None else b.double())
+        exact = F.linear(split_int8_blocks(x), dense.double(), None if b is None else b.double())
         got = ops.gguf_vnni_linear(x, packed, b).double()
         torch.testing.assert_close(got, exact, rtol=2 ** -8, atol=1e-3 * exact.abs().max().item())
 

@@ -3,8 +3,8 @@
 // instead of VPDPBUSD, on the same packed tiles (the "quads" layout: half a 64-byte vector is 8 features' quads)
 // and the same int8 rounding of x (gguf_quads.h). The integer sums are exact, and each block's float32 arithmetic
 // is gguf_vnni.cpp's in the same order, so for bfloat16 x the two kernels agree bit for bit; x may be float32
-// too (an AVX2 CPU runs models in float32: model/backends/__init__.py auto_dtype), y then float32, and then x is
-// rounded in two int8 parts (quantize_rows' split), so a float32 model tracks its dequantized weights.
+// too (an AVX2 CPU runs models in float32: model/backends/__init__.py auto_dtype), y then float32. Either way x is
+// rounded in two int8 parts (quantize_rows), so a model tracks its dequantized weights in x's dtype.
 //
 // VPMADDUBSW saturates its int16 pair sums. With x's quants in [-127, 127]: a 4-bit quant's pair is at most
 // 2 x 15 x 127 = 3810, so 8 of them add up in int16 before widening (30480 < 32767); Q5_0's and Q5_KS's 4 (31496),
@@ -209,7 +209,7 @@ void avx2_rows(const QuantizedRows& xq, int64_t m0, int64_t rows, bool two_cols,
 }
 
 // The loop over 32-feature column pairs and 4-row blocks of x [M, K]: float32 results of rows [m0, m0 + rows) and
-// column blocks nb, nb + 1 go to epilogue(c, m0, rows, nb, two_cols). Float32 x is rounded split in two
+// column blocks nb, nb + 1 go to epilogue(c, m0, rows, nb, two_cols). x is rounded in two int8 parts
 // (quantize_rows): rows 2m and 2m + 1 share each tile's unpacked quads, and their results are added before the
 // epilogue sees row m.
 template <typename Epilogue>
@@ -221,13 +221,12 @@ void avx2_tiles(const at::Tensor& x, const at::Tensor& packed, const Epilogue& e
   TORCH_CHECK(x.size(1) == packed.size(1) * 32, "input has ", x.size(1), " features, the weight ",
               packed.size(1) * 32);
   const int64_t NB = packed.size(0), KB = packed.size(1), tile_bytes = packed.size(2);
-  const bool split = x.scalar_type() == at::kFloat;
-  const int64_t M = split ? 2 * x.size(0) : x.size(0);  // rows of int8 blocks
+  const int64_t M = 2 * x.size(0);  // rows of int8 blocks
   static_assert(kAvx2Rows % 2 == 0, "a row's two halves in one block of rows");
   if (M == 0) return;
   with_quads_type(tile_bytes, [&](auto type) {
     constexpr int64_t Type = decltype(type)::value;
-    const QuantizedRows xq = quantize_rows(x, split);
+    const QuantizedRows xq = quantize_rows(x);
     const uint8_t* wp = packed.data_ptr<uint8_t>();
     const uint8_t* weight_end = wp + NB * KB * tile_bytes;
     parallel_take((NB + 1) / 2, 1, [&](WorkQueue& work) {
@@ -239,14 +238,7 @@ void avx2_tiles(const at::Tensor& x, const at::Tensor& packed, const Epilogue& e
           const int64_t rows = std::min(kAvx2Rows, M - m0);
           avx2_rows<Type>(xq, m0, rows, two_cols, wp + nb * KB * tile_bytes, KB, tile_bytes, c,
                           m0 == 0 ? weight_end : nullptr);  // the next pair's tiles, once
-          if (!split) {
-            epilogue(c, m0, rows, nb, two_cols);
-            continue;
-          }
-          for (int64_t r = 0; r < rows / 2; ++r)
-            for (int j = 0; j < 32; j += 8)
-              _mm256_storeu_ps(c + r * 32 + j, _mm256_add_ps(_mm256_loadu_ps(c + 2 * r * 32 + j),
-                                                             _mm256_loadu_ps(c + (2 * r + 1) * 32 + j)));
+          add_split_rows(c, rows);
           epilogue(c, m0 / 2, rows / 2, nb, two_cols);
         }
       }

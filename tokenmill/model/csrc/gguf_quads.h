@@ -1,7 +1,7 @@
 // What the int8-activation kernels of kept GGUF blocks share (gguf_vnni.cpp: AVX512-VNNI; gguf_avx2.cpp: AVX2):
 // the block types they multiply, their tiles' sizes in the "quads" layout (quant/gguf_tiles.py), and x's rounding
-// to int8 blocks of 32 (llama.cpp's Q8 activations; for float32 x, split in two: quantize_rows). One rounding for
-// both kernels, so they agree bit for bit.
+// to int8 blocks of 32 (llama.cpp's Q8 activations), split in two (quantize_rows). One rounding for both kernels,
+// so they agree bit for bit.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -90,17 +90,18 @@ inline float hmax_ps(__m256 v) {
 // Built without -ffast-math: 127 / max|x| must be a true division (not a reciprocal estimate), so x's rounding
 // is reproducible (a value at k + 0.5 rounds the same here and in a reference). x is bfloat16 or float32.
 //
-// `split`: each row of x becomes two rows of int8 blocks, row 2m its rounding as above and row 2m + 1 the rounding
-// of what that left (x - q dx, at most dx / 2 a value, so its own step is ~254x finer). A kernel that multiplies
-// both and adds each pair's results has x to ~3e-5 of a block's largest value instead of ~4e-3: float32 models
-// then track their dequantized weights as closely as float32 itself does, for twice the integer products on the
-// same weight bytes (an AVX2 CPU's default path, where a model computes in float32).
+// Each row of x becomes two rows of int8 blocks, row 2m its rounding as above and row 2m + 1 the rounding of what
+// that left (x - q dx, at most dx / 2 a value, so its own step is ~254x finer). A kernel that multiplies both and
+// adds each pair's results (add_split_rows) has x to ~3e-5 of a block's largest value instead of ~4e-3: the kept
+// blocks then track the dequantized weights as closely as x's own dtype does, for twice the integer products on
+// the same weight bytes. One rounding alone flipped the default model's first answer to a near-tie on AVX2 (float32
+// x) and on AVX512-VNNI (bfloat16 x) CPUs (docs/performance/quantization.md, quality per CPU kind).
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math")
-inline QuantizedRows quantize_rows(const at::Tensor& x, bool split = false) {
+inline QuantizedRows quantize_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "[M, K] bfloat16 or float32 input");
-  const int64_t M = x.size(0), K = x.size(1), KB = K / 32, rows = split ? 2 * M : M;
+  const int64_t M = x.size(0), K = x.size(1), KB = K / 32, rows = 2 * M;
   const auto xs = x.stride(1) == 1 ? x : x.contiguous();
   const bool bf16 = xs.scalar_type() == at::kBFloat16;
   const char* xp = static_cast<const char*>(xs.data_ptr());
@@ -142,13 +143,22 @@ inline QuantizedRows quantize_rows(const at::Tensor& x, bool split = false) {
           v[i] = bf16 ? bf16x8_to_ps(xp + m * row_bytes + 2 * k)
                       : _mm256_loadu_ps(reinterpret_cast<const float*>(xp + m * row_bytes) + k);
         }
-        round_block(v, split ? 2 * m : m, kb);
-        if (split) round_block(v, 2 * m + 1, kb);
+        round_block(v, 2 * m, kb);
+        round_block(v, 2 * m + 1, kb);
       }
     }
   });
   return out;
 }
 #pragma GCC pop_options
+
+// Results of `rows` rows of int8 blocks (quantize_rows' pairs; row stride 32 floats in c) as rows / 2 rows of x: row
+// r = row 2r + row 2r + 1, in place.
+inline void add_split_rows(float* c, int64_t rows) {
+  for (int64_t r = 0; r < rows / 2; ++r)
+    for (int j = 0; j < 32; j += 8)
+      _mm256_storeu_ps(c + r * 32 + j, _mm256_add_ps(_mm256_loadu_ps(c + 2 * r * 32 + j),
+                                                     _mm256_loadu_ps(c + (2 * r + 1) * 32 + j)));
+}
 
 #endif  // TOKENMILL_INT8_ROWS

@@ -14,8 +14,9 @@
 //                                                                       (a Q6_K block of 32: two scales of 16)
 // Widening every weight to bfloat16 (csrc/gguf_linear.cpp, bit for bit the dequantized model) costs ~16 vector ops
 // per 32 weights and made a one-row step slower than bfloat16's; this costs ~2, so a decode step is bound by
-// the bytes of the blocks (a third of bfloat16's). The price is x's rounding to 8 bits (measured in BENCHMARKS.md,
-// "Quantized serving"). Each output element is the same sequence of operations whatever the batch (the integer
+// the bytes of the blocks (a third of bfloat16's). x is rounded in two int8 parts, its int8 blocks and those of
+// what they left (gguf_quads.h quantize_rows), both multiplied on each tile's unpacked quads and added: one 8-bit
+// rounding alone flipped near-ties (docs/performance/quantization.md), two track bfloat16 x. Each output element is the same sequence of operations whatever the batch (the integer
 // sums are exact; the float32 ones run block after block), so a row's result never depends on its batch.
 //
 // Packed at load (quant/gguf_tiles.py, layout "quads") per 16 features x 32 K, with gguf_pack's fields:
@@ -254,10 +255,13 @@ void vnni_rows(const QuantizedRows& xq, int64_t m0, int64_t rows, const uint8_t*
 }
 
 // The loop over 32-feature column pairs and 8-row blocks of x [M, K], as dp_tiles: float32 results of rows
-// [m0, m0 + rows) and column blocks nb, nb + 1 go to epilogue(c, m0, rows, nb, two_cols).
+// [m0, m0 + rows) and column blocks nb, nb + 1 go to epilogue(c, m0, rows, nb, two_cols). x is rounded in two int8
+// parts (quantize_rows): rows 2m and 2m + 1 share each tile's unpacked quads, and their results are added before
+// the epilogue sees row m.
 template <int64_t Type, typename Epilogue>
 void vnni_tiles(const at::Tensor& x, const at::Tensor& packed, const Epilogue& epilogue) {
-  const int64_t M = x.size(0), NB = packed.size(0), KB = packed.size(1), tile_bytes = packed.size(2);
+  static_assert(kVnniRows % 2 == 0 && kVnniRowsSmallM % 2 == 0, "a row's two parts in one block of rows");
+  const int64_t M = 2 * x.size(0), NB = packed.size(0), KB = packed.size(1), tile_bytes = packed.size(2);
   if (M == 0) return;
   const QuantizedRows xq = quantize_rows(x);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
@@ -280,7 +284,8 @@ void vnni_tiles(const at::Tensor& x, const at::Tensor& packed, const Epilogue& e
         } else {
           vnni_rows<Type, 1>(xq, m0, rows, w0, KB, tile_bytes, c, until);
         }
-        epilogue(c, m0, rows, nb, two_cols);
+        add_split_rows(c, rows);
+        epilogue(c, m0 / 2, rows / 2, nb, two_cols);
       }
     }
   });
