@@ -300,9 +300,9 @@ def test_gguf_blocks_are_kept_by_default_only_where_their_kernel_runs(tmp_path):
 
     gguf = default_model_path()
     assert resolve_quantization(None, gguf, torch.bfloat16, "cpu") == ("gguf" if KEPT else None)
-    # float32 by default only where it is the CPU's own compute dtype (AVX2); with --quantization gguf the AVX2
-    # kernel takes it; float32 asked for by name is the dequantized reference on every CPU
-    assert resolve_quantization(None, gguf, torch.float32, "cpu") == ("gguf" if KEPT == "avx2" else None)
+    # float32 kept by default where the int8 kernels take its rows in two parts (AVX2, VNNI; not AMX's bfloat16
+    # tiles); float32 asked for by name is the dequantized reference on every CPU
+    assert resolve_quantization(None, gguf, torch.float32, "cpu") == ("gguf" if KEPT in ("avx2", "vnni") else None)
     assert resolve_quantization(None, gguf, torch.float32, "cpu", dtype_asked=True) is None
     assert resolve_quantization("gguf", gguf, torch.float32, "cpu") == "gguf"
     assert resolve_quantization("gguf", gguf, torch.float32, "cpu", dtype_asked=True) == "gguf"

@@ -30,12 +30,13 @@ def kernel_layout(kernel: str, ggml_type: int) -> str:
 
 
 def default_kept_dtypes(kernel: str) -> tuple[torch.dtype, ...]:
-    """The compute dtypes in which a GGUF file's blocks are kept by default: the CPU's own (`--dtype auto` picks
-    bfloat16 where AMX or AVX512-BF16 runs, float32 on an AVX2 CPU). A float32 model on a bfloat16 CPU is asked
-    for to match the dequantized weights exactly: it keeps them only with --quantization gguf."""
+    """The compute dtypes in which a GGUF file's blocks are kept by default: those whose rows the int8 kernels round
+    in two parts (float32-grade for float32 x, csrc/gguf_quads.h), so on AVX2 and AVX512-VNNI both dtypes `--dtype
+    auto` may pick; AMX's tiles widen to bfloat16 only. float32 asked for by name keeps none
+    (quant/methods.py resolve_quantization)."""
     if not kernel:
         return ()
-    return (torch.bfloat16, torch.float32) if kernel == "avx2" else (torch.bfloat16,)
+    return (torch.bfloat16,) if kernel == "amx" else (torch.bfloat16, torch.float32)
 
 
 def kernel_dtypes(kernel: str) -> tuple[torch.dtype, ...]:
