@@ -242,6 +242,11 @@ def test_auto_dtype_takes_the_faster_of_the_two_packed_kernels(monkeypatch, fast
     both = ops is not None and bool(ops.bf16_kernel()) and ops.f32_panels_available()
     assert auto_dtype("cpu") == (faster if both else "float32")
     assert auto_dtype("cuda") == "bfloat16"
+    # a GGUF file kept on the VNNI kernel computes in float32 (its blocks in bfloat16 flipped the quickstart's
+    # answer); AMX's tiles and AVX2's float32 follow the rule above
+    vnni = ops is not None and ops.gguf_kernel() == "vnni"
+    assert auto_dtype("cpu", gguf=True) == ("float32" if vnni else auto_dtype("cpu"))
+    assert auto_dtype("cpu", "none", gguf=True) == auto_dtype("cpu")  # dequantized: no kept blocks
 
 
 def test_dtype_probe_times_both_kernels():

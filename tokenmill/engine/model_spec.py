@@ -19,6 +19,7 @@ from tokenmill.errors import ConfigError
 from tokenmill.family_config import GEMMA3
 from tokenmill.model.backends import auto_dtype
 from tokenmill.model.loader import load_model_config, load_weights, resolve_model_path
+from tokenmill.model.paths import is_gguf
 from tokenmill.parallel.context import ContextParallel
 from tokenmill.parallel.group import PipelineParallel, TensorParallel, rank_device
 from tokenmill.parallel.layout import PPStage, TPLayout, check_pipeline_parallel, check_tensor_parallel
@@ -75,8 +76,8 @@ class ModelSpec:
         path = resolve_model_path(config.model)
         mc = load_model_config(path).serving(config.scheduler.max_model_len)
         stored = checkpoint_quantization(path)  # an AWQ checkpoint computes as --quantization awq would
-        dtype = DTYPES[auto_dtype(config.device, config.quantization or stored) if config.dtype == "auto"
-                       else config.dtype]
+        dtype = DTYPES[auto_dtype(config.device, config.quantization or stored, gguf=is_gguf(path))
+                       if config.dtype == "auto" else config.dtype]
         quantization = resolve_quantization(config.quantization, path, dtype, config.device,
                                             dtype_asked=config.dtype != "auto")
         if config.tensor_parallel_size > 1:

@@ -38,18 +38,24 @@ def select_backend(device: str | torch.device, use_kernels: bool = True, batch_i
     return backend
 
 
-def auto_dtype(device: str | torch.device, quantization: str | None = None) -> str:
+def auto_dtype(device: str | torch.device, quantization: str | None = None, gguf: bool = False) -> str:
     """bfloat16 on GPUs. On a CPU, float32 unless our bfloat16 matmul kernel runs (AMX or AVX512-BF16, kernels
     built): elsewhere bfloat16 would be emulated (about 2x slower, BENCHMARKS.md "dtype"), or run on oneDNN,
     whose result for a row changes with the batch size (csrc/bf16_linear.cpp says why). Where it runs, both dtypes
     keep a request's greedy output bit-for-bit the same whatever else is batched, and the faster one on this CPU,
     measured once per kernel build (model/backends/dtype_probe.py), wins. Quantized weights (`quantization`)
     compute in bfloat16 wherever their kernels (AMX tiles or AVX512-BF16) run: they are the only fast paths for
-    them here."""
+    them here. A GGUF file (`gguf`) whose blocks the VNNI kernel keeps computes in float32: in bfloat16 its kept
+    blocks flipped the default model's answer to the quickstart's first question, in float32 they track the
+    exact weights (docs/performance/quantization.md, quality per CPU kind); AMX's tiles are the bfloat16 weights
+    themselves, and answer it."""
     if torch.device(device).type != "cpu":
         return "bfloat16"
     ops = cpu_kernels._extension()
     if ops is None or not ops.bf16_kernel():
+        return "float32"
+    if gguf and quantization in (None, "gguf") and ops.gguf_kernel() == "vnni":
+        _log_once("--dtype auto: float32 (a GGUF file's blocks kept on VNNI: float32 tracks the exact weights)")
         return "float32"
     if quantization not in (None, "none"):
         return "bfloat16"
