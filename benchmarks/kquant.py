@@ -71,6 +71,7 @@ def weight_memory(model: str) -> dict:
             kinds[key] = kinds.get(key, 0) + 1
         weights = weight_bytes(m) / 2**20
         out[name] = {"weights_mib": weights, "x_file": weights * 2**20 / file_bytes, "rotary_mib": rot / 2**20,
+                     "x_file_less_rotary": (weights * 2**20 - rot) / file_bytes,
                      "matmuls_by_type": kinds}
         llm.shutdown()
     return out

@@ -21,4 +21,6 @@ def test_memory_part_counts_kept_and_dequantized_weights(tmp_path, monkeypatch):
     kept, dense = got["kept"], got["dequantized"]
     assert kept["matmuls_by_type"] == {str(int(T.Q8_0)): 2 * 4 + 1} and dense["matmuls_by_type"] == {"dense": 9}
     assert kept["weights_mib"] < dense["weights_mib"]
-    assert 0.95 <= kept["x_file"] < 1.05  # the blocks as the file has them; its float32 norms held in bfloat16
+    # the blocks as the file has them (its float32 norms held in bfloat16), beside the rotary tables, which a tiny
+    # model's weights do not outweigh; all of it is what the start-up line counts
+    assert 0.95 <= kept["x_file_less_rotary"] < 1.05 and kept["x_file"] > kept["x_file_less_rotary"]
