@@ -76,7 +76,8 @@ class ModelSpec:
         path = resolve_model_path(config.model)
         mc = load_model_config(path).serving(config.scheduler.max_model_len)
         stored = checkpoint_quantization(path)  # an AWQ checkpoint computes as --quantization awq would
-        dtype = DTYPES[auto_dtype(config.device, config.quantization or stored, gguf=is_gguf(path))
+        split = config.tensor_parallel_size * config.pipeline_parallel_size > 1  # GGUF blocks dequantized (below)
+        dtype = DTYPES[auto_dtype(config.device, config.quantization or stored, gguf=is_gguf(path) and not split)
                        if config.dtype == "auto" else config.dtype]
         quantization = resolve_quantization(config.quantization, path, dtype, config.device,
                                             dtype_asked=config.dtype != "auto")
