@@ -25,9 +25,9 @@ def resolve_quantization(requested: str | None, model_path: str | Path, dtype: t
                          device: str | torch.device, dtype_asked: bool = False) -> str | None:
     """The weight format to serve: what was asked; by default an AWQ checkpoint's own groups, or a GGUF file's
     blocks kept where their kernel runs in `dtype`, the CPU's own compute dtype (AMX tiles: the same outputs, bit
-    for bit, in a third of the memory; AVX512-VNNI: int8 products as llama.cpp's; AVX2: float32 rows split in two
-    int8 parts, as close to the dequantized weights as float32 is; docs/models/quality.md; gguf_tiles.py
-    default_kept_dtypes), else the dequantized weights (None). `none` asks for the dequantized weights, and so
+    for bit, in a third of the memory; AVX512-VNNI and AVX2: int8 products of x split in two int8 parts, as close
+    to the dequantized weights as x's dtype is; docs/models/quality.md; gguf_tiles.py default_kept_dtypes), else
+    the dequantized weights (None). `none` asks for the dequantized weights, and so
     does float32 asked for by name (`dtype_asked`): it means the reference, whatever this CPU's kernels."""
     stored = checkpoint_quantization(model_path)
     if requested == "gguf" and not is_gguf(Path(model_path)):
