@@ -141,7 +141,9 @@ class RotaryEmbedding(nn.Module):
         """[T, 1, head_dim] cos and sin for the batch's positions, shared by every layer of one step. The whole
         tables are rounded to `dtype` once (the same values as rounding the rows picked), so a step indexes them
         and nothing more: a decode step ran ~6 torch ops here."""
-        if positions.numel():
+        if positions.device.type != "cpu":
+            self.cover(self.max_positions)  # the whole tables once: no device sync per step to read a position
+        elif positions.numel():
             self.cover(int(positions.max()) + 1)
         cos, sin = self.rounded(dtype)
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
