@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.disagg.config import KVTransferConfig
@@ -17,6 +18,9 @@ if TYPE_CHECKING:
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "SmolLM3ForCausalLM", GEMMA3, *MOE_ARCHITECTURES)
+# Architectures of model classes registered from outside the package (model/registry.py register_model), read as
+# Llama-family configs -> the weights (HF name -> shape) a config of it needs
+REGISTERED_ARCHITECTURES: dict[str, Callable[[ModelConfig], dict[str, tuple[int, ...]]]] = {}
 # A base model's architecture (no language-model head: an embedding checkpoint, e.g. Qwen3-Embedding's "Qwen3Model")
 # -> its family's; such a model serves embeddings only (ModelConfig.headless)
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -74,7 +78,7 @@ class ModelConfig:
     expert_range: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        if self.architecture not in SUPPORTED_ARCHITECTURES and self.architecture not in REGISTERED_ARCHITECTURES:
             raise ConfigError(
                 f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )

@@ -46,6 +46,8 @@ class Request:
     # `num_window_released` blocks'
     window_pages: list[list[int] | None] = field(default_factory=list)
     num_window_released: int = 0
+    # a hybrid model's recurrent/convolution state (engine/state_slots.py): its slot while admitted, else None
+    state_slot: int | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     stop_reason: int | str | None = None

@@ -61,8 +61,8 @@ class EngineCore:
         if max_len > mc.max_position_embeddings:
             raise ConfigError(f"--max-model-len {max_len} exceeds the model's {mc.max_position_embeddings} positions")
         self.max_model_len = max_len
-        self.kv = KVCacheManager(num_blocks, config.kv_block_size, cc.enable_prefix_caching,
-                                 self.cache_info.layout)
+        self.kv = KVCacheManager(num_blocks, config.kv_block_size, self.cache_info.prefix_caching,
+                                 self.cache_info.layout, self.cache_info.state_slots)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.executor: Executor | None = None  # tensor-parallel ranks or pipeline stages 1..N-1
         tp = pp = cp = None

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from tokenmill.engine.block_pool import BlockPool
 from tokenmill.engine.kv_layout import KVLayout
 from tokenmill.engine.prefix_cache import PrefixMatch, RadixCache
+from tokenmill.engine.state_slots import StateSlots
 from tokenmill.engine.window_pages import WindowPages
 from tokenmill.request import Request
 
@@ -46,14 +47,20 @@ class KVCacheManager:
     With a hybrid layout (engine/kv_layout.py) the pool's unit is a page: a block takes one for its full-attention
     layers and `num_window_tables` more for its window layers while it is inside the window (`window`,
     engine/window_pages.py). Counts of free blocks are then counts of pages.
+
+    A layout with state layers (a hybrid model's recurrent or convolution layers) gives each admitted request a
+    state slot beside its blocks (`state`, engine/state_slots.py), `num_state_slots` of them, returned by `free`
+    with its blocks. A cached prefix holds no such state, so those models take no prefix hit.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 layout: KVLayout | None = None):
+                 layout: KVLayout | None = None, num_state_slots: int = 0):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
-        self.tree = RadixCache(block_size) if enable_prefix_caching else None
         self.layout = layout if layout is not None else KVLayout.uniform(1, block_size)
+        self.state = StateSlots(num_state_slots) if self.layout.state_layers else None
+        assert self.state is None or num_state_slots > 0, "a layout with state layers needs state slots"
+        self.tree = RadixCache(block_size) if enable_prefix_caching and self.state is None else None
         self.window = WindowPages(self.pool, self.layout) if self.layout.hybrid else None
         self.pages_per_block = self.layout.pages_per_block
         self.prefix_stats = PrefixCacheStats()
@@ -135,6 +142,8 @@ class KVCacheManager:
         need *= self.pages_per_block
         taken = (match.num_evictable + (self.window.idle_in_hit(hit) if self.window else 0)) if match else 0
         if need > self.num_free_blocks - taken:
+            return False
+        if self.state is not None and not self.state.take(request):
             return False
         if self.tree is not None:
             self.prefix_stats.queries += request.num_tokens
@@ -254,11 +263,15 @@ class KVCacheManager:
         blocks, request.block_ids = request.block_ids, []
         if blocks:
             self.pool.release(blocks)
+        if self.state is not None:
+            self.state.give_back(request)
         self._private.discard(request.request_id)
 
     def check_idle(self) -> None:
         """With no request holding anything: the pool is whole and the tree has no locks."""
         self.pool.check_whole()
+        if self.state is not None:
+            self.state.check_idle()
         assert not self._private, "a request's private mark outlived it"
         if self.tree is not None:
             self.tree.check()

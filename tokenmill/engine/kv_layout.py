@@ -11,40 +11,63 @@ the uniform layout would, long ones hold their window's pages only.
 
 Each layer reads its keys through its table's block table (the runner builds one per table per step) from the
 cache tensor of its slot; the layers of one slot share that tensor, each through its own table.
+
+A layer that keeps a fixed-size state per request instead of keys (model/layer_cache.py "state": a recurrent or
+convolution layer of a hybrid model) has no page slot: its state lives in one slot per running request
+(engine/state_slots.py), and it reads the step's metadata of table 0 (`state_spans` say where each request is).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenmill.model.layer_cache import LayerCache
+
 
 @dataclass(frozen=True)
 class KVLayout:
     block_size: int
-    layer_slots: tuple[int, ...]  # per layer: the page slot (cache tensor) holding it
-    layer_tables: tuple[int, ...]  # per layer: 0 the full-attention table, 1.. a window table
+    layer_slots: tuple[int | None, ...]  # per layer: the page slot (cache tensor) holding it; None: a state layer
+    layer_tables: tuple[int, ...]  # per layer: 0 the full-attention table (state layers too), 1.. a window table
     window: int | None = None  # keys a window layer sees (None: the uniform layout)
+    caches: tuple[LayerCache, ...] = ()  # what each layer keeps, as the model declares it (empty: attention)
 
     @classmethod
-    def uniform(cls, num_layers: int, block_size: int) -> KVLayout:
-        return cls(block_size, tuple(range(num_layers)), (0,) * num_layers)
+    def uniform(cls, num_layers: int, block_size: int, caches: list[LayerCache] | None = None) -> KVLayout:
+        """Every paged layer in a page of its own for every block (window layers keep all their blocks)."""
+        caches = caches or [LayerCache.attention()] * num_layers
+        paged = [i for i, c in enumerate(caches) if c.paged]
+        slots = [paged.index(i) if c.paged else None for i, c in enumerate(caches)]
+        return cls(block_size, tuple(slots), (0,) * num_layers, None, tuple(caches))
 
     @classmethod
     def for_model(cls, num_layers: int, sliding_layers: list[int], window: int | None, block_size: int,
                   max_model_len: int) -> KVLayout:
+        """The layout of attention layers, those in `sliding_layers` seeing their last `window` keys."""
+        caches = [LayerCache.sliding(window) if window and i in set(sliding_layers) else LayerCache.attention()
+                  for i in range(num_layers)]
+        return cls.for_layers(caches, block_size, max_model_len)
+
+    @classmethod
+    def for_layers(cls, caches: list[LayerCache], block_size: int, max_model_len: int) -> KVLayout:
         """Hybrid where it saves memory: window layers at least as many as the full ones (a window page holds
         `num_slots` of them, so fewer would leave slots empty) and a window shorter than the longest sequence;
-        otherwise uniform."""
-        local = [i for i in range(num_layers) if i in set(sliding_layers)]
-        full = [i for i in range(num_layers) if i not in set(sliding_layers)]
+        otherwise uniform. State layers take no page either way."""
+        local = [i for i, c in enumerate(caches) if c.kind == "window"]
+        full = [i for i, c in enumerate(caches) if c.kind == "attention"]
+        windows = {caches[i].window for i in local}
+        if len(windows) > 1:
+            raise ValueError(f"window layers of different windows {sorted(windows)}: one window per model")
+        window = windows.pop() if windows else None
         if not window or not full or len(local) < len(full) or window >= max_model_len:
-            return cls.uniform(num_layers, block_size)
-        slots, tables = [0] * num_layers, [0] * num_layers
+            return cls.uniform(len(caches), block_size, caches)
+        slots: list[int | None] = [None] * len(caches)
+        tables = [0] * len(caches)
         for i, layer in enumerate(full):
             slots[layer] = i
         for i, layer in enumerate(local):
             slots[layer], tables[layer] = i % len(full), 1 + i // len(full)
-        return cls(block_size, tuple(slots), tuple(tables), window)
+        return cls(block_size, tuple(slots), tuple(tables), window, tuple(caches))
 
     @property
     def hybrid(self) -> bool:
@@ -55,9 +78,24 @@ class KVLayout:
         return len(self.layer_slots)
 
     @property
+    def num_paged_layers(self) -> int:
+        """Layers whose keys and values live in the pages (attention and window layers)."""
+        return sum(1 for s in self.layer_slots if s is not None)
+
+    @property
+    def state_layers(self) -> list[int]:
+        """Layers keeping a fixed-size state per request (no pages)."""
+        return [i for i, s in enumerate(self.layer_slots) if s is None]
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one request's state, over every state layer."""
+        return sum(self.caches[i].state_bytes for i in self.state_layers)
+
+    @property
     def num_slots(self) -> int:
         """Layer slots per page: cache tensors the runner allocates."""
-        return max(self.layer_slots) + 1
+        return max((s for s in self.layer_slots if s is not None), default=-1) + 1
 
     @property
     def num_window_tables(self) -> int:
@@ -87,6 +125,13 @@ class KVLayout:
         span = self.window_span_blocks(max_chunk)
         return max((num_pages - self.num_window_tables * span) * self.block_size,
                    num_pages // self.pages_per_block * self.block_size)
+
+    def describe_groups(self) -> str:
+        """How many layers each cache group holds, e.g. "6 attention, 12 window (512 tokens), 18 state layers"."""
+        window = next((c.window for c in self.caches if c.kind == "window"), None)
+        counts = {kind: sum(1 for c in self.caches if c.kind == kind) for kind in ("attention", "window", "state")}
+        return ", ".join(f"{n} {kind}" + (f" ({window} tokens)" if kind == "window" else "")
+                         for kind, n in counts.items() if n) + " layers"
 
     def describe(self) -> str:
         if self.window is None:

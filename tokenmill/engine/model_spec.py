@@ -20,6 +20,7 @@ from tokenmill.family_config import GEMMA3
 from tokenmill.model.backends import auto_dtype
 from tokenmill.model.loader import load_model_config, load_weights, resolve_model_path
 from tokenmill.model.paths import is_gguf
+from tokenmill.model.registry import model_class
 from tokenmill.parallel.context import ContextParallel
 from tokenmill.parallel.group import PipelineParallel, TensorParallel, rank_device
 from tokenmill.parallel.layout import PPStage, TPLayout, check_pipeline_parallel, check_tensor_parallel
@@ -37,6 +38,9 @@ class CacheInfo:
     # how pages map onto layers (engine/kv_layout.py); with a hybrid one, `num_blocks` counts pages
     layout: KVLayout | None = None
     max_chunk: int = 0  # most tokens a request computes in one step (the scheduler's token budget)
+    # a hybrid model's state layers (engine/state_slots.py): one slot per running request, paid from the budget first
+    state_slots: int = 0
+    state_bytes: int = 0  # of one slot, over every state layer
 
     @property
     def token_capacity(self) -> int:
@@ -49,16 +53,24 @@ class CacheInfo:
     def page_bytes(self) -> int:
         """Bytes of one page (a block of every layer, or of a hybrid layout's `num_slots` layers)."""
         layout, whole = self.layout, self.kv_bytes_per_token * self.block_size
-        return whole if layout is None or not layout.hybrid else whole * layout.num_slots // layout.num_layers
+        return whole if layout is None or not layout.hybrid else whole * layout.num_slots // layout.num_paged_layers
 
     def describe(self) -> str:
         hybrid = self.layout is not None and self.layout.hybrid
         size = (f"{self.num_blocks} pages x {self.block_size} tokens, up to {self.token_capacity} tokens a request"
                 if hybrid else f"{self.num_blocks} blocks x {self.block_size} tokens = {self.token_capacity} tokens")
-        return (f"KV cache: {size}, {self.kv_bytes_per_token} bytes per token ({self.dtype}), "
+        groups = state = ""
+        if self.state_slots:
+            groups = f" ({self.layout.describe_groups()})"
+            state = (f"recurrent state: {self.state_slots} slots x {self.state_bytes / 2**20:.2f} MiB, "
+                     f"{self.state_slots * self.state_bytes / 2**20:.0f} MiB, one per running request "
+                     "(--max-num-seqs); ")
+        prefix = ("on" if self.prefix_caching else "off (a cached prefix holds no recurrent state)" if self.state_slots
+                  else "off (--no-prefix-caching)")
+        return (f"KV cache{groups}: {size}, {self.kv_bytes_per_token} bytes per token ({self.dtype}), "
                 f"{self.num_blocks * self.page_bytes / 2**20:.0f} MiB; "
-                + (f"{self.layout.describe()}; " if hybrid else "")
-                + f"prefix caching {'on' if self.prefix_caching else 'off (--no-prefix-caching)'}")
+                + (f"{self.layout.describe()}; " if hybrid else "") + state
+                + f"prefix caching {prefix}")
 
 
 @dataclass
@@ -98,7 +110,10 @@ class ModelSpec:
                 raise ConfigError(f"--quantization {quantization} keeps blocks that the parallel ranks cannot split "
                                   "yet; use none, int8 or fp8 with --tensor-parallel-size / --pipeline-parallel-size")
             quantization = None  # a GGUF file's blocks, dequantized: each rank takes its slice
-        return cls(path, mc, dtype, quantization, config.cache.cache_dtype(dtype))
+        spec = cls(path, mc, dtype, quantization, config.cache.cache_dtype(dtype))
+        if spec.layout(config).state_layers:
+            _check_state_layers(config)
+        return spec
 
     def build_runner(self, config: EngineConfig, num_blocks: int, tp: TensorParallel | None = None,
                      pp: PipelineParallel | None = None, cp: ContextParallel | None = None) -> ModelRunner:
@@ -108,23 +123,42 @@ class ModelSpec:
                   else config.device)
         return ModelRunner(self.config, weights, self.dtype, device, num_blocks, config.kv_block_size,
                            config.seed, batch_invariant=config.batch_invariant, quantization=self.quantization,
-                           kv_dtype=self.kv_dtype, tp=tp, pp=pp, cp=cp, kv_layout=self.kv_layout(config),
+                           kv_dtype=self.kv_dtype, tp=tp, pp=pp, cp=cp, kv_layout=self.layout(config),
                            lora_slots=(config.scheduler.max_loras, config.max_lora_rank) if config.enable_lora
-                           else None)
+                           else None, num_state_slots=state_slots(config, self.layout(config)))
 
-    def kv_layout(self, config: EngineConfig) -> KVLayout:
+    def layout(self, config: EngineConfig) -> KVLayout:
         """Hybrid (sliding-window layers give back the blocks that left their window) where the model has such
         layers and every reader of the KV cache reads it through the layers' own tables; uniform where something
         reads or writes a request's KV as whole layers of blocks: a pipeline stage's share of the layers, context
         parallelism's split blocks, a KV transfer (disaggregated prefill), a draft model's cache at the same block
         ids; or with --disable-hybrid-kv-cache-manager."""
         mc = self.config
+        caches = model_class(mc).layer_caches(mc)
         if (config.cache.disable_hybrid_kv_cache_manager or config.pipeline_parallel_size > 1
                 or config.context_parallel_size > 1 or config.kv_transfer is not None
                 or (config.speculative is not None and config.speculative.method == "draft_model")):
-            return KVLayout.uniform(mc.num_layers, config.kv_block_size)
-        return KVLayout.for_model(mc.num_layers, mc.sliding_layers, mc.sliding_window, config.kv_block_size,
-                                  config.scheduler.max_model_len or mc.max_position_embeddings)
+            return KVLayout.uniform(mc.num_layers, config.kv_block_size, caches)
+        return KVLayout.for_layers(caches, config.kv_block_size,
+                                   config.scheduler.max_model_len or mc.max_position_embeddings)
+
+
+def _check_state_layers(config: EngineConfig) -> None:
+    """What layers with recurrent state cannot be served with yet, refused at start-up with the flag to drop."""
+    refused = [flag for flag, on in (
+        ("--tensor-parallel-size", config.tensor_parallel_size > 1),
+        ("--pipeline-parallel-size", config.pipeline_parallel_size > 1),
+        ("--context-parallel-size", config.context_parallel_size > 1),
+        ("--kv-transfer-config", config.kv_transfer is not None),
+        ("--speculative-config", config.speculative is not None)) if on]
+    if refused:
+        raise ConfigError(f"this model's recurrent layers keep a state per request that {', '.join(refused)} "
+                          "cannot split, ship or roll back yet; serve it without")
+
+
+def state_slots(config: EngineConfig, layout: KVLayout) -> int:
+    """State slots a layout with state layers gets: one per request that may run at once."""
+    return config.scheduler.max_num_seqs if layout.state_layers else 0
 
 
 def threads_per_rank(config: EngineConfig) -> int | None:
@@ -149,12 +183,19 @@ def size_kv_cache(config: EngineConfig, spec: ModelSpec) -> CacheInfo:
     if config.speculative is not None and config.speculative.method == "draft_model":
         draft_per_token = kv_bytes_per_token(load_model_config(resolve_model_path(config.speculative.model)),
                                              spec.kv_dtype)
-    layout = spec.kv_layout(config)
-    per_page_token = per_token * layout.num_slots // layout.num_layers  # a hybrid page holds num_slots layers
+    layout = spec.layout(config)
+    per_token = per_token * layout.num_paged_layers // layout.num_layers  # state layers keep no keys
+    per_page_token = per_token * layout.num_slots // layout.num_paged_layers  # a hybrid page holds num_slots layers
+    slots = state_slots(config, layout)
     budget = cc.kv_cache_memory or default_kv_cache_memory()
-    num_blocks = cc.num_blocks or budget // ((per_page_token + draft_per_token) * cc.block_size)
+    pages_budget = budget - slots * layout.state_bytes  # the state of every request that may run, first
+    num_blocks = cc.num_blocks or max(0, pages_budget) // ((per_page_token + draft_per_token) * cc.block_size)
     if num_blocks < 1:
+        state = (f" after {slots} recurrent-state slots of {layout.state_bytes} bytes (lower --max-num-seqs)"
+                 if slots else "")
         raise ConfigError(f"--kv-cache-memory {budget} bytes holds no block of {cc.block_size} tokens "
-                          f"({per_page_token * cc.block_size} bytes); raise it")
+                          f"({per_page_token * cc.block_size} bytes){state}; raise it")
     return CacheInfo(num_blocks, config.kv_block_size, per_token, str(spec.kv_dtype).removeprefix("torch."),
-                     cc.enable_prefix_caching, layout=layout, max_chunk=config.scheduler.max_num_batched_tokens)
+                     cc.enable_prefix_caching and not slots, layout=layout,
+                     max_chunk=config.scheduler.max_num_batched_tokens, state_slots=slots,
+                     state_bytes=layout.state_bytes)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill.config import ModelConfig
+from tokenmill.engine.cache_tensors import CacheTensors, token_slots
 from tokenmill.engine.kv_layout import KVLayout
 from tokenmill.engine.lora_pool import LoRAPool
 from tokenmill.engine.multi_step_runner import MultiStepRunner, request_stop_ids
@@ -80,10 +81,9 @@ class ModelRunner(StepInputs, MultiStepRunner):
                  batch_invariant: bool = False, quantization: str | None = None,
                  kv_dtype: torch.dtype | None = None, tp: TensorParallel | None = None,
                  pp: PipelineParallel | None = None, cp: ContextParallel | None = None,
-                 kv_layout: KVLayout | None = None, lora_slots: tuple[int, int] | None = None):
+                 kv_layout: KVLayout | None = None, lora_slots: tuple[int, int] | None = None,
+                 num_state_slots: int = 0):
         self.use_kernel = use_kernel
-        # multi-step decode (execute with num_steps > 1) runs the model here, in one process, whole
-        self.multi_step = tp is None and pp is None and cp is None
         # batch_invariant: every prompt token reads its context through the block tables (its K/V written first),
         # so its attention is the same computation however the prompt was chunked and whatever shares the step,
         # and the backend picks matmul kernels whose rows do not depend on the batch. Otherwise a prompt's first
@@ -117,17 +117,17 @@ class ModelRunner(StepInputs, MultiStepRunner):
         # context parallelism: block_size / C tokens per block here, and a spare block (parallel/context.py)
         shape = ((num_blocks + 1, cp.block_size) if cp is not None else (num_blocks, block_size)) + (
             cfg.num_kv_heads, cfg.head_dim)
-        # Zeroed, not empty: masked-out slots are still multiplied by 0 and must not hold NaN bit patterns.
-        # kv_dtype: the model's dtype by default, or FP8 e4m3 (--kv-cache-dtype fp8; written clamped to +-448)
-        kv_dtype = kv_dtype or dtype
         # one cache tensor pair per page slot; a hybrid layout (engine/kv_layout.py) gives several layers one slot,
-        # each reading it through its own table
-        self.kv_layout = (kv_layout if kv_layout is not None and kv_layout.hybrid
+        # each reading it through its own table; a pipeline stage's layers are uniform (no state layers split yet)
+        self.kv_layout = (kv_layout if kv_layout is not None and (kv_layout.hybrid or kv_layout.state_layers)
                           else KVLayout.uniform(cfg.num_layers, block_size))
         assert self.kv_layout.num_layers == cfg.num_layers, "the KV layout is of another model"
-        slots = [(torch.zeros(shape, dtype=kv_dtype, device=self.device),
-                  torch.zeros(shape, dtype=kv_dtype, device=self.device)) for _ in range(self.kv_layout.num_slots)]
-        self.kv_caches = [slots[s] for s in self.kv_layout.layer_slots]
+        # kv_dtype: the model's dtype by default, or FP8 e4m3 (--kv-cache-dtype fp8; written clamped to +-448)
+        self.cache = CacheTensors(self.kv_layout, shape, kv_dtype or dtype, self.device, num_state_slots)
+        self.kv_caches = self.cache.per_layer
+        # multi-step decode (execute with num_steps > 1) runs the model here, in one process, whole, all of its
+        # layers paged (the C++ decode loop keeps no recurrent state)
+        self.multi_step = tp is None and pp is None and cp is None and not self.cache.has_state
         self.sampler = Sampler(self.backend)
         self.base_seeds: dict[str, int] = {}  # unseeded requests: a base seed drawn from the engine's seed
         self.structured: StructuredOutputs | None = None  # constrained requests' masks (engine/core.py sets it)
@@ -164,18 +164,14 @@ class ModelRunner(StepInputs, MultiStepRunner):
         self.base_seeds.pop(request_id, None)
 
     # ---- KV in and out (disaggregated prefill/decode: tokenmill/disagg/) ---------------------------------
-    def _token_slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
-        bs = self.block_size
-        return self._long([block_ids[p // bs] * bs + p % bs for p in range(start, end)])
-
     @torch.inference_mode()
     def read_kv(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         """A host copy of tokens [start, end)'s K/V, token-major: [tokens, layers, 2, kv heads, head dim]."""
-        slots = self._token_slots(block_ids, start, end)
+        slots = self._long(token_slots(block_ids, start, end, self.block_size))
         cfg = self.cfg
         out = torch.empty((end - start, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim),
                           dtype=self.kv_caches[0][0].dtype, device=self.device)
-        for layer, (k, v) in enumerate(self.kv_caches):
+        for layer, (k, v) in self.cache.paged_layers():
             out[:, layer, 0] = k.view(-1, cfg.num_kv_heads, cfg.head_dim).index_select(0, slots)
             out[:, layer, 1] = v.view(-1, cfg.num_kv_heads, cfg.head_dim).index_select(0, slots)
         return out.cpu()
@@ -183,10 +179,10 @@ class ModelRunner(StepInputs, MultiStepRunner):
     @torch.inference_mode()
     def write_kv(self, block_ids: list[int], start: int, kv: torch.Tensor) -> None:
         """Write `kv` ([tokens, layers, 2, kv heads, head dim], as read_kv gives it) at tokens [start, ...)."""
-        slots = self._token_slots(block_ids, start, start + len(kv))
+        slots = self._long(token_slots(block_ids, start, start + len(kv), self.block_size))
         kv = kv.to(self.device)
         cfg = self.cfg
-        for layer, (k, v) in enumerate(self.kv_caches):
+        for layer, (k, v) in self.cache.paged_layers():
             k.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, slots, kv[:, layer, 0])
             v.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, slots, kv[:, layer, 1])
 
@@ -197,6 +193,20 @@ class ModelRunner(StepInputs, MultiStepRunner):
             self.lora.clear_runs()
         if out.num_steps > 1:
             return self._execute_run(out)
+        if not self.cache.has_state:
+            return self._execute_step(out)
+        # State layers update their requests' slots in place: a step that fails puts them back, as the core runs
+        # its requests again one by one; a request starting at position 0 starts from a zero state.
+        saved = self.cache.save_states([s.request.state_slot for s in out.scheduled
+                                        if s.request.num_computed_tokens])
+        self.cache.reset_states([s.request.state_slot for s in out.scheduled if not s.request.num_computed_tokens])
+        try:
+            return self._execute_step(out)
+        except BaseException:
+            self.cache.restore_states(saved)
+            raise
+
+    def _execute_step(self, out: SchedulerOutput) -> StepResult:
         # Paged tokens (decodes, later prefill chunks) first, then fresh prefills: see model/attention.py.
         if self.batch_invariant:
             paged, fresh = list(out.scheduled), []
@@ -346,13 +356,11 @@ class ModelRunner(StepInputs, MultiStepRunner):
         """Logits of each span's last token; a span is (block ids, first position, its tokens), each reading
         its context through the block tables and writing its K/V there. For a draft model, which runs spans of
         its own beside the scheduler's steps (spec/draft_model.py)."""
-        bs = self.block_size
         input_ids, positions, slots, last_rows = [], [], [], []
         for block_ids, start, tokens in spans:
             input_ids.extend(tokens)
-            for p in range(start, start + len(tokens)):
-                positions.append(p)
-                slots.append(block_ids[p // bs] * bs + p % bs)
+            positions.extend(range(start, start + len(tokens)))
+            slots.extend(token_slots(block_ids, start, start + len(tokens), self.block_size))
             last_rows.append(len(input_ids) - 1)
         meta = AttentionMetadata(slot_mapping=self._long(slots))
         self._paged_metadata(meta, [(b, start, len(t)) for b, start, t in spans])

@@ -8,6 +8,7 @@ import torch
 
 from typing import TYPE_CHECKING
 
+from tokenmill.engine.cache_tensors import token_slots
 from tokenmill.engine.step_types import ScheduledRequest
 from tokenmill.model.attention import AttentionMetadata
 
@@ -46,14 +47,17 @@ class StepInputs:
         """Token ids, positions and attention metadata of these spans' tokens, the first `num_paged` spans read
         through the block tables, the rest fresh prefills."""
         input_ids, positions, slots = [], [], []
-        bs = self.block_size
         for s, offset, n in spans:
             req, start = s.request, s.request.num_computed_tokens + offset
             input_ids.extend(req.tokens_with_spec(start, start + n))
-            for p in range(start, start + n):
-                positions.append(p)
-                slots.append(req.block_ids[p // bs] * bs + p % bs)
+            positions.extend(range(start, start + n))
+            slots.extend(token_slots(req.block_ids, start, start + n, self.block_size))
         meta = AttentionMetadata(slot_mapping=self._long(slots))
+        if self.kv_layout.state_layers:  # each request's rows and its state slot, in batch order
+            row = 0
+            for s, _, n in spans:
+                meta.state_spans.append((row, row + n, s.request.state_slot))
+                row += n
         paged, fresh = spans[:num_paged], spans[num_paged:]
         if paged:
             self._paged_metadata(meta, [(s.request.block_ids, s.request.num_computed_tokens + offset, n)
@@ -75,8 +79,7 @@ class StepInputs:
         bs, metas = self.block_size, [meta]
         for t in range(self.kv_layout.num_window_tables):
             rows = [self._window_row(req, t) for req, _, _ in spans]
-            slots = [row[p // bs] * bs + p % bs for row, (_, start, n) in zip(rows, spans)
-                     for p in range(start, start + n)]
+            slots = [slot for row, (_, start, n) in zip(rows, spans) for slot in token_slots(row, start, start + n, bs)]
             m = AttentionMetadata(slot_mapping=self._long(slots), num_paged_tokens=meta.num_paged_tokens,
                                   q_rows=meta.q_rows, kv_lens=meta.kv_lens, fresh_spans=meta.fresh_spans)
             if num_paged:

@@ -32,6 +32,9 @@ class AttentionMetadata:
     # a hybrid KV layout (engine/kv_layout.py): each layer's metadata (its table's slots and block tables); None:
     # every layer reads through this one
     layer_meta: list[AttentionMetadata] | None = None
+    # state layers (model/layer_cache.py "state"): per request of the step, in batch order, (first row, end row,
+    # its state slot); a slot the runner has zeroed for a request starting at position 0
+    state_spans: list[tuple[int, int, int]] = field(default_factory=list)
 
     def per_layer(self, num_layers: int) -> list[AttentionMetadata]:
         return self.layer_meta if self.layer_meta is not None else [self] * num_layers

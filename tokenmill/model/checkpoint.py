@@ -9,12 +9,15 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.config import ModelConfig
+from tokenmill.config import REGISTERED_ARCHITECTURES, ModelConfig
 from tokenmill.errors import ModelLoadError
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter the model needs, by HF name, with its [out_features, in_features] shape."""
+    registered = REGISTERED_ARCHITECTURES.get(config.architecture)
+    if registered is not None:  # a family registered from outside the package knows its own
+        return registered(config)
     h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h),
                                           "model.norm.weight": (h,)}

@@ -18,6 +18,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.backends import Backend, LinearWeights, TorchBackend
+from tokenmill.model.layer_cache import LayerCache
 from tokenmill.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, VocabEmbedding
 from tokenmill.model.linear import Linear, LinearMethod, TiedLMHead, default_weight_loader
 from tokenmill.model.loader import allocate_parameters, one_torch_thread
@@ -131,6 +132,14 @@ class LlamaForCausalLM(nn.Module):
         self.tied_head = TiedLMHead(self.embed_tokens, backend, head_method) if tied else None
         self.backend_cache: dict[str, object] = {}  # the backend's per-model state; emptied when weights change
         self.lora_batch: LoRABatch | None = None  # adapter slots' runs this step (model/lora.py attach_lora)
+
+    @classmethod
+    def layer_caches(cls, cfg: ModelConfig) -> list[LayerCache]:
+        """What each layer keeps between steps (model/layer_cache.py): every key, or its last window's (a family's
+        sliding-window layers). A hybrid family's recurrent layers say "state" here."""
+        window = set(cfg.sliding_layers) if cfg.sliding_window else set()
+        return [LayerCache.sliding(cfg.sliding_window) if i in window else LayerCache.attention()
+                for i in range(cfg.num_layers)]
 
     def init_rotary(self, device: torch.device) -> None:
         cfg = self.config

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-from tokenmill.config import ModelConfig
+from tokenmill.config import REGISTERED_ARCHITECTURES, ModelConfig
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.gemma3 import Gemma3ForCausalLM
 from tokenmill.model.llama import LlamaForCausalLM
@@ -35,3 +36,20 @@ def model_class(config: ModelConfig) -> type[nn.Module]:
     except KeyError:
         raise ModelLoadError(f"unsupported architecture {config.architecture!r}; "
                              f"supported: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def register_model(architecture: str, cls: type[nn.Module]) -> None:
+    """Serve checkpoints whose config.json names `architecture` with `cls`, a class built as this package's families
+    are (LlamaForCausalLM's constructor, forward and `layer_caches`), its config read as a Llama's: a family kept
+    outside the package, or a test's."""
+    _REGISTRY[architecture] = cls
+    REGISTERED_ARCHITECTURES[architecture] = lambda cfg: _weight_shapes(cls, cfg)
+
+
+def _weight_shapes(cls: type[nn.Module], cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The checkpoint tensors a model of `cls` needs, by HF name (a fused projection's by part), from an instance
+    on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = cls(cfg)
+    return {name: tuple(param.shape) if shard is None else (module.output_sizes[shard], *param.shape[1:])
+            for name, (module, param, shard) in model.weight_targets().items()}
