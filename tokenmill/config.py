@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.errors import ConfigError
-from tokenmill.family_config import (GEMMA3, MOE_ARCHITECTURES, OLMOE, gemma3_hf_fields, hf_gemma3_fields,
-                                     hf_max_positions, hf_moe_fields, hf_nope_layers, hf_rope_scaling, moe_hf_fields)
+from tokenmill.family_config import (
+    GEMMA3,
+    MOE_ARCHITECTURES,
+    OLMOE,
+    gemma3_hf_fields,
+    hf_gemma3_fields,
+    hf_max_positions,
+    hf_moe_fields,
+    hf_nope_layers,
+    hf_rope_scaling,
+    moe_hf_fields,
+)
 from tokenmill.json_flag import json_flag
 
 if TYPE_CHECKING:
@@ -307,6 +317,12 @@ class SpeculativeConfig:
     model: str | None = None  # the draft model (method draft_model): an HF directory or a .gguf file
     quantization: str | None = None  # the draft's weights, as --quantization (e.g. awq for an INT4 self-draft)
     disable_by_batch_size: int | None = None  # a hard cap; None: the measured step cost decides (engine/step_cost.py)
+
+    @property
+    def lookahead(self) -> int:
+        """KV slots past a request's tokens that its proposer writes: a draft model's own KV, up to k positions
+        ahead (spec/draft_model.py); prompt lookup writes none."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
 
     KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "quantization",
             "disable_by_batch_size")

@@ -152,7 +152,7 @@ def make_toy_hybrid(path: Path, *, num_layers: int = 6, hidden_size: int = 32, v
     weights = {}
     for name, (module, param, shard) in model.weight_targets().items():
         shape = param.shape if shard is None else (module.output_sizes[shard], param.shape[1])
-        if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+        if name.endswith("norm.weight"):
             weights[name] = 1 + 0.1 * torch.randn(shape, generator=gen)
         else:
             weights[name] = torch.randn(shape, generator=gen) / shape[-1] ** 0.5

@@ -245,7 +245,7 @@ def test_two_ranks_over_gloo_alone(gqa, monkeypatch):
     """Without the shared-memory collectives (as across hosts): the same output."""
     monkeypatch.setenv("TOKENMILL_SHM_COLLECTIVES", "0")  # the worker ranks inherit it
     def over_gloo(engine: EngineCore) -> None:
-        assert engine.executor.group.local is None
+        assert engine.executor.ranks.group.local is None
 
     same_as_one_process(gqa, 2, mixed_requests(), chunk=16, replicate_max=0, check=over_gloo)
 
@@ -342,7 +342,7 @@ def test_the_offline_llm_takes_the_parallel_sizes(gqa):
     for sizes in ({"tensor_parallel_size": 2}, {"context_parallel_size": 2}):
         llm = LLM(str(gqa), dtype="float32", kv_cache_memory=4 << 20, num_threads=1, **sizes)
         try:
-            assert llm.engine.core.executor is not None
+            assert llm.engine.core.executor.ranks is not None
             assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == ref
         finally:
             llm.engine.core.close()

@@ -35,7 +35,7 @@ def tokens(llm):
 
 
 def worker_pids(llm):
-    return [p.pid for p in llm.engine.core.executor.procs]
+    return [p.pid for p in llm.engine.core.executor.ranks.procs]
 """
 
 FOUR_LIVES = """
@@ -66,7 +66,7 @@ print(json.dumps({"tokens": [tokens(llm)], "pids": worker_pids(llm), "ended_at":
 RANK_KILLED_IN_USE = """
 llm = LLM(**KW)
 tokens(llm)
-rank1 = llm.engine.core.executor.procs[0]
+rank1 = llm.engine.core.executor.ranks.procs[0]
 os.kill(rank1.pid, signal.SIGKILL)
 rank1.wait(10)
 tokens(llm)
@@ -167,8 +167,8 @@ def test_a_second_parallel_llm_while_the_first_runs_is_refused_by_name(model):
     try:
         with pytest.raises(ConfigError, match=r"already runs a parallel engine.*llm\.shutdown\(\)"):
             LLM(**engine_kwargs(model, tensor_parallel_size=2))
-        assert first.engine.core.executor.dead() == []  # the refusal touched nothing of the first
+        assert first.engine.core.executor.ranks.dead() == []  # the refusal touched nothing of the first
     finally:
         first.shutdown()
     with LLM(**engine_kwargs(model, tensor_parallel_size=2)) as again:
-        assert again.engine.core.executor is not None
+        assert again.engine.core.executor.ranks is not None

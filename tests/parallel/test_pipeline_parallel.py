@@ -130,15 +130,15 @@ def test_a_stage_that_dies_stops_the_engine(model):
     try:
         engine.add_request(AddRequest("r", prompts(1, (200,))[0], GREEDY, 12, frozenset(), time.monotonic()))
         engine.step()
-        os.kill(engine.executor.procs[0].pid, signal.SIGKILL)
-        engine.executor.procs[0].wait(10)
+        os.kill(engine.executor.ranks.procs[0].pid, signal.SIGKILL)
+        engine.executor.ranks.procs[0].wait(10)
         with pytest.raises(ParallelFailure):
             engine.check_health()
         with pytest.raises(ParallelFailure, match="out of step"):
             for _ in range(100):
                 engine.step()
     finally:
-        engine.executor.kill()
+        engine.executor.ranks.kill()
 
 
 @pytest.mark.slow

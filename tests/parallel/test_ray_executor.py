@@ -48,11 +48,11 @@ def test_ray_ranks_give_one_process_output(ray_cluster, gqa, parallel):
     ref = run(core(gqa, "mp"), requests)
     engine = core(gqa, "ray", **parallel)
     try:
-        assert all(isinstance(p, RayRank) for p in engine.executor.procs)
+        assert all(isinstance(p, RayRank) for p in engine.executor.ranks.procs)
         assert run(engine, requests) == ref
     finally:
         engine.close()
-    assert engine.executor is None
+    assert engine.executor.ranks is None
 
 
 def test_a_ray_rank_that_dies_mid_request_stops_the_engine_within_seconds(ray_cluster, gqa):
@@ -72,7 +72,7 @@ def test_a_ray_rank_that_dies_while_idle_fails_the_health_check(ray_cluster, gqa
                 engine.check_health()
                 time.sleep(0.1)
     finally:
-        engine.executor.kill()
+        engine.executor.ranks.kill()
 
 
 def test_ray_is_refused_with_nnodes_and_named_when_missing(monkeypatch):

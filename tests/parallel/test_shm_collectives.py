@@ -102,7 +102,7 @@ def test_the_engine_ranks_use_shared_memory_on_one_host(tmp_path):
     engine = EngineCore(EngineConfig(model=str(model), dtype="float32", tensor_parallel_size=2, num_threads=1,
                                      cache=CacheConfig(kv_cache_memory=4 << 20)))
     try:
-        assert (engine.executor.group.local is not None) == (host_id() is not None)
+        assert (engine.executor.ranks.group.local is not None) == (host_id() is not None)
         assert not list(Path("/dev/shm").glob("tokenmill-collectives-*"))  # unlinked at once
     finally:
         engine.close()

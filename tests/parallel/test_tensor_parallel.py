@@ -87,7 +87,7 @@ def test_two_ranks_over_gloo_alone_give_the_same_output(gqa, monkeypatch):
     ref = run(core(gqa, 1, chunk=16), requests)
     engine = core(gqa, 2, chunk=16)
     try:
-        assert engine.executor.group.local is None
+        assert engine.executor.ranks.group.local is None
         assert run(engine, requests) == ref
     finally:
         engine.close()
@@ -160,14 +160,14 @@ def dying_rank_stops_the_engine(engine: EngineCore, kill=kill_process) -> None:
     try:
         engine.add_request(AddRequest("r", prompts(1, (200,))[0], GREEDY, 12, frozenset(), time.monotonic()))
         engine.step()
-        kill(engine.executor.procs[0])
+        kill(engine.executor.ranks.procs[0])
         start = time.monotonic()
         with pytest.raises(ParallelFailure, match="out of step"):
             for _ in range(100):
                 engine.step()
         assert time.monotonic() - start < 10
     finally:
-        engine.executor.kill()
+        engine.executor.ranks.kill()
 
 
 def test_a_rank_that_dies_mid_request_stops_the_engine_within_seconds(gqa):

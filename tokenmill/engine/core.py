@@ -18,6 +18,7 @@ from tokenmill.engine.hooks import RequestHooks
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.lora_hooks import LoRAHooks
 from tokenmill.engine.messages import AddRequest, EngineCoreOutput, EngineOutputs
+from tokenmill.engine.model_executor import ModelExecutor
 from tokenmill.engine.model_spec import ModelSpec, size_kv_cache, threads_per_rank
 from tokenmill.engine.multi_step_hook import MultiStepDecode
 from tokenmill.engine.pooling import embedding
@@ -25,10 +26,6 @@ from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.step_cost import StepCostModel
 from tokenmill.engine.step_types import SchedulerOutput, StepResult
 from tokenmill.errors import ConfigError, ParallelFailure
-from tokenmill.parallel.context import ContextParallel
-from tokenmill.parallel.executor import Executor
-from tokenmill.parallel.group import PipelineParallel, TensorParallel
-from tokenmill.parallel.layout import PPStage, TPLayout
 from tokenmill.request import Request, RequestStatus
 from tokenmill.spec.draft_model import DraftTarget
 from tokenmill.spec.speculator import Speculator, build_speculator
@@ -37,6 +34,7 @@ from tokenmill.structured.engine_hooks import ConstrainedDecoding
 
 if TYPE_CHECKING:
     from tokenmill.disagg.connector import KVConnector
+    from tokenmill.engine.runner import ModelRunner
 
 log = logging.getLogger("tokenmill")
 
@@ -52,47 +50,28 @@ class EngineCore:
         self.model_path = model_spec.path
         self.model_config: ModelConfig = model_spec.config
         self.dtype, self.quantization, self.kv_dtype = model_spec.dtype, model_spec.quantization, model_spec.kv_dtype
-        mc, cc = self.model_config, config.cache
+        mc = self.model_config
         self.cache_info = size_kv_cache(config, model_spec)
-        num_blocks, pp_size = self.cache_info.num_blocks, config.pipeline_parallel_size
-        layout = (TPLayout(mc, config.tensor_parallel_size, 0, config.enable_expert_parallel)
-                  if config.tensor_parallel_size > 1 else None)
+        num_blocks = self.cache_info.num_blocks
         max_len = config.scheduler.max_model_len or mc.max_position_embeddings
         if max_len > mc.max_position_embeddings:
             raise ConfigError(f"--max-model-len {max_len} exceeds the model's {mc.max_position_embeddings} positions")
         self.max_model_len = max_len
         self.kv = KVCacheManager(num_blocks, config.kv_block_size, self.cache_info.prefix_caching,
                                  self.cache_info.layout, self.cache_info.state_slots)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.executor: Executor | None = None  # tensor-parallel ranks or pipeline stages 1..N-1
-        tp = pp = cp = None
-        if config.parallel_size > 1:
-            self.executor = Executor(config, num_blocks, config.parallel_size)
-            if layout is not None:
-                tp = TensorParallel(self.executor.group, layout)
-            if pp_size > 1:
-                pp = PipelineParallel(self.executor.group, PPStage.of(mc, pp_size, 0),
-                                      config.pipeline_micro_batches or pp_size)
-            if config.context_parallel_size > 1:
-                cp = ContextParallel(self.executor.group, cc.block_size, num_blocks)
-        try:
-            self.runner = model_spec.build_runner(config, num_blocks, tp, pp, cp)
-        except BaseException:
-            if self.executor is not None:
-                self.executor.kill()
-            raise
         self.step_cost = StepCostModel()  # measured step times: a step's size within an ITL target; a draft's cost
-        self.scheduler.step_cost = self.step_cost
+        spec = config.speculative
+        self.scheduler = Scheduler(config.scheduler, self.kv, step_cost=self.step_cost,
+                                   lookahead=spec.lookahead if spec is not None else 0,
+                                   spec_stats=SpecDecodeStats() if spec is not None else None)
+        self.executor = ModelExecutor(config, model_spec, self.cache_info)  # rank 0's runner, and the other ranks
         # each feature's part in a request's life (engine/hooks.py): the core calls them, in this order
         self.hooks: list[RequestHooks] = []
         self.speculator: Speculator | None = None
-        if config.speculative is not None:
+        if spec is not None:
             target = DraftTarget(self.runner, self.model_config, num_blocks, config.kv_block_size, self.kv_dtype,
                                  config.seed)
-            self.speculator = build_speculator(config.speculative, target, self.step_cost)
-            self.speculator.scheduler = self.scheduler
-            self.scheduler.spec_stats = SpecDecodeStats()
-            self.scheduler.lookahead = self.cache_info.reserved_tokens = self.speculator.lookahead
+            self.speculator = build_speculator(spec, target, self.step_cost, self.scheduler)
         self.connector: KVConnector | None = None  # disaggregated prefill/decode (tokenmill/disagg/)
         self.kv_transfer: KVTransferHooks | None = None
         if config.kv_transfer is not None:
@@ -102,8 +81,7 @@ class EngineCore:
             self.hooks.append(self.kv_transfer)
         self.lora = LoRAHooks(self.runner.lora)
         self.hooks.append(self.lora)
-        self.constrained = ConstrainedDecoding(self.model_config.vocab_size, self._hf_tokenizer, self.runner,
-                                               self.scheduler)
+        self.constrained = ConstrainedDecoding(self.model_config.vocab_size, self._hf_tokenizer, self.scheduler)
         self.hooks.append(self.constrained)
         if self.speculator is not None:
             self.hooks.append(self.speculator)
@@ -173,30 +151,21 @@ class EngineCore:
             hook.on_release(request_id)
 
     # ---- what the engine reports ----------------------------------------------------------------------------
+    @property
+    def runner(self) -> ModelRunner:
+        """Rank 0's model runner, which the hooks work beside (its LoRA slots, its KV for transfers, a draft)."""
+        return self.executor.runner
+
     def startup_summary(self) -> str:
         """What a user should see at start-up: the compute path (backend, instruction sets, matmul kernels, batch
-        invariance), the weights' format and bytes, and the KV cache."""
-        mode = "batch-invariant" if self.runner.batch_invariant else "not batch-invariant"
+        invariance, the ranks), the weights' format and bytes, and the KV cache."""
         spec = f"\n{self.speculator.describe()}" if self.speculator is not None else ""
-        tp, cfg = "", self.config
-        if cfg.tensor_parallel_size > 1:
-            layout = TPLayout(self.model_config, cfg.tensor_parallel_size, 0, cfg.enable_expert_parallel)
-            tp = (f"\n{layout.describe()}; "
-                  f"{torch.get_num_threads()} threads each; weights and KV cache below are per rank")
-        if cfg.pipeline_parallel_size > 1:
-            tp += (f"\n{PPStage.describe(self.model_config, cfg.pipeline_parallel_size, self.runner.pp.micro_batches)}"
-                  f"; {torch.get_num_threads()} threads each; weights and KV cache below are rank 0's")
-        if cfg.context_parallel_size > 1:
-            tp += (f"\n{self.runner.cp.describe(self.cache_info.num_blocks)}; {torch.get_num_threads()} threads each; "
-                   "weights below are per rank, the KV cache is across the ranks")
         lora = f"\n{self.runner.lora.describe()}" if self.runner.lora is not None else ""
-        return (f"backend: {self.runner.backend.describe()}; {mode}{tp}\n{self.runner.weight_summary()}\n"
-                f"{self.cache_info.describe()}{spec}{lora}")
+        return f"{self.executor.describe()}\n{self.cache_info.describe()}{spec}{lora}"
 
     def check_health(self) -> None:
-        """Raise if something the engine depends on has died (a tensor-parallel rank)."""
-        if self.executor is not None:
-            self.executor.check()
+        """Raise if something the engine depends on has died (a parallel rank)."""
+        self.executor.check()
 
     def _hf_tokenizer(self):
         """The tokenizer a grammar's matcher needs, loaded at the first constrained request."""
@@ -206,9 +175,7 @@ class EngineCore:
 
     def close(self) -> None:
         """Stop what runs beside the engine: the parallel ranks, the hooks' threads and connections."""
-        if self.executor is not None:
-            self.executor.close()
-            self.executor = None
+        self.executor.close()
         for hook in self.hooks:
             hook.close()
 
@@ -306,7 +273,7 @@ class EngineCore:
         """Run the step; if it raises, run each request alone so only the one(s) at fault fail. Rerunning is
         safe: nothing is committed before the step returns (KV slots are rewritten with the same values)."""
         try:
-            return self.runner.execute(sched)
+            return self.executor.execute(sched)
         except ParallelFailure:
             raise  # the ranks are out of step: no request can run, the engine stops
         except Exception as e:
@@ -315,7 +282,7 @@ class EngineCore:
                 return StepResult(failed={sched.scheduled[0].request.request_id: f"{type(e).__name__}: {e}"})
             result = StepResult()
             for s in sched.scheduled:
-                result.merge(self._execute(SchedulerOutput([s])))
+                result.merge(self._execute(SchedulerOutput([s], draft_probs=sched.draft_probs, grammar=sched.grammar)))
             return result
 
     def check_idle_invariants(self) -> None:

@@ -197,5 +197,6 @@ def size_kv_cache(config: EngineConfig, spec: ModelSpec) -> CacheInfo:
                           f"({per_page_token * cc.block_size} bytes){state}; raise it")
     return CacheInfo(num_blocks, config.kv_block_size, per_token, str(spec.kv_dtype).removeprefix("torch."),
                      cc.enable_prefix_caching and not slots, layout=layout,
+                     reserved_tokens=config.speculative.lookahead if config.speculative is not None else 0,
                      max_chunk=config.scheduler.max_num_batched_tokens, state_slots=slots,
                      state_bytes=layout.state_bytes)

@@ -21,5 +21,5 @@ class MultiStepDecode(RequestHooks):
         self.max_steps, self.others = max_steps, others
 
     def before_schedule(self, scheduler: Scheduler) -> list[tuple[str, str]]:
-        scheduler.max_steps = self.max_steps if all(hook.allows_runs for hook in self.others) else 1
+        scheduler.limit_runs(self.max_steps if all(hook.allows_runs for hook in self.others) else 1)
         return []

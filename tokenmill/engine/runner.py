@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from tokenmill.parallel.context import ContextParallel
     from tokenmill.parallel.group import PipelineParallel, TensorParallel
     from tokenmill.request import Request
-    from tokenmill.structured.manager import StructuredOutputs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Prompt logprobs are computed this many rows at a time: the logits of a 2k-token prompt over a 49k vocabulary
@@ -130,7 +129,6 @@ class ModelRunner(StepInputs, MultiStepRunner):
         self.multi_step = tp is None and pp is None and cp is None and not self.cache.has_state
         self.sampler = Sampler(self.backend)
         self.base_seeds: dict[str, int] = {}  # unseeded requests: a base seed drawn from the engine's seed
-        self.structured: StructuredOutputs | None = None  # constrained requests' masks (engine/core.py sets it)
         self._seed_rng = random.Random(seed)
         self.calls = model_calls(tp, pp, cp)  # rank 0 of several: each call announced to the other ranks first
 
@@ -242,12 +240,12 @@ class ModelRunner(StepInputs, MultiStepRunner):
             return StepResult(prompt_logprobs=prompt_logprobs, pooled=pooled)
         every_row = len(last_rows) == hidden.shape[0] and last_rows[-1] == len(last_rows) - 1  # rows ascend
         logits = self.calls.logits(self.model, hidden if every_row else hidden[self._long(last_rows)])
-        if self.structured is not None and len(self.structured):  # constrained requests: their rows' masks
-            masks = self.structured.bitmask([(s.request.request_id, s.request.spec_token_ids[:s.num_spec_tokens])
-                                             for s in sampling])
+        if out.grammar is not None:  # constrained requests: their rows' masks
+            masks = out.grammar.bitmask([(s.request.request_id, s.request.spec_token_ids[:s.num_spec_tokens])
+                                         for s in sampling])
             if masks is not None:
                 logits = logits.float()
-                self.structured.apply(logits, *masks)
+                out.grammar.apply(logits, *masks)
         rows = [r for s in sampling for r in self._sampling_rows(s)]
         try:
             results = self.sampler(logits, rows)

@@ -60,7 +60,8 @@ NEW_TOKEN_RATIO_DECAY_STEPS = 600  # steps from the configured ratio down to the
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, *, step_cost: StepCostModel | None = None,
+                 lookahead: int = 0, spec_stats: SpecDecodeStats | None = None):
         self.config = config
         self.kv = kv
         self.waiting: deque[Request] = deque()
@@ -68,10 +69,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_prefill_tokens_computed = 0  # prompt (and recomputed) tokens run through the model: not cache hits
-        self.lookahead = 0  # KV slots past the scheduled tokens a draft model writes (engine/core.py sets it)
-        self.max_steps = 1  # multi-step decode: up to this many tokens a step for small decode batches (core sets it)
-        self.spec_stats: SpecDecodeStats | None = None  # counted in `update` when speculation is on
-        self.step_cost: StepCostModel | None = None  # measured step times (engine/core.py sets it)
+        self.lookahead = lookahead  # KV slots past the scheduled tokens a draft model writes
+        self.max_steps = 1  # multi-step decode: up to this many tokens a step for small decode batches (limit_runs)
+        self.spec_stats = spec_stats  # counted in `update` when speculation is on
+        self.step_cost = step_cost  # measured step times: a step's size within an ITL target
         self.preemptions_by_cause = {"blocks": 0, "priority": 0}
         self.leaked_blocks = 0
         self._leaks_counted = True  # leaked_blocks counted since the last request came
@@ -83,6 +84,10 @@ class Scheduler:
                                        or max(config.max_num_batched_tokens // 4, kv.block_size))
 
     # ---- requests ------------------------------------------------------------------------------------
+    def limit_runs(self, max_steps: int) -> None:
+        """Multi-step decode: up to `max_steps` decodes in a row this step (1: none; engine/multi_step_hook.py)."""
+        self.max_steps = max_steps
+
     def add_request(self, request: Request) -> None:
         """Queue a request that passed admission (engine/admission.py): it fits the context window and the pool."""
         self.requests[request.request_id] = request

@@ -4,9 +4,9 @@ StepInputs in; runner.py keeps the forward pass and the sampling."""
 
 from __future__ import annotations
 
-import torch
-
 from typing import TYPE_CHECKING
+
+import torch
 
 from tokenmill.engine.cache_tensors import token_slots
 from tokenmill.engine.step_types import ScheduledRequest

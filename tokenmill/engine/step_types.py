@@ -61,6 +61,9 @@ class SchedulerOutput:
     # a draft model's distributions q [drafts, V] of the drafts a request verifies this step, for the rejection
     # sampler (set by the speculator before the step runs: spec/speculator.py)
     draft_probs: dict[str, Any] = field(default_factory=dict)
+    # constrained requests' matchers (structured/manager.py StructuredOutputs), set by their hook before the step
+    # runs: the runner masks those rows' logits with them; None: no constrained request this step
+    grammar: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -78,7 +78,7 @@ class DraftModelProposer:
         runner = ModelRunner(cfg, load_weights(path, cfg, dtype), dtype, str(device), target.num_blocks,
                              target.block_size, target.seed, batch_invariant=True, quantization=quant,
                              kv_dtype=target.kv_dtype)
-        return cls(runner, target.runner, config.num_speculative_tokens)
+        return cls(runner, target.runner, config.lookahead)
 
     def forget(self, request_id: str) -> None:
         self.states.pop(request_id, None)

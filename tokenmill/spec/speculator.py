@@ -67,9 +67,10 @@ class Speculator(RequestHooks):
     """Also the engine core's hooks (engine/hooks.py): after each step it learns from the verify passes and
     proposes the next drafts of the requests still running; a preempted or ended request is forgotten."""
 
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, cost: StepCostModel | None = None):
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, cost: StepCostModel | None = None,
+                 scheduler: Scheduler | None = None):
         self.config, self.proposer, self.cost = config, proposer, cost
-        self.scheduler: Scheduler | None = None  # whose running requests speculate (engine/core.py sets it)
+        self.scheduler = scheduler  # whose running requests speculate (None: a test proposes by hand)
         self._verified: list[tuple[str, int, int]] = []  # this step's verify passes: (request, drafts, accepted)
         self.max_batch = config.disable_by_batch_size  # None: no cap, the cost model decides
         self.k: dict[str, int] = {}  # per request: how many drafts it proposes now (adaptive)
@@ -190,12 +191,12 @@ class Speculator(RequestHooks):
 
 
 def build_speculator(config: SpeculativeConfig, target: DraftTarget | None = None,
-                     cost: StepCostModel | None = None) -> Speculator:
+                     cost: StepCostModel | None = None, scheduler: Scheduler | None = None) -> Speculator:
     """The speculator for `config`; a draft model is loaded beside the target (spec/draft_model.py)."""
     if config.method == "ngram":
-        return Speculator(config, NgramProposer(config), cost)
+        return Speculator(config, NgramProposer(config), cost, scheduler)
     from tokenmill.spec.draft_model import DraftModelProposer
 
     if target is None:
         raise ValueError("a draft model needs its target (DraftTarget)")
-    return Speculator(config, DraftModelProposer.load(config, target), cost)
+    return Speculator(config, DraftModelProposer.load(config, target), cost, scheduler)

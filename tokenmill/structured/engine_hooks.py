@@ -17,7 +17,6 @@ from tokenmill.request import RequestStatus
 
 if TYPE_CHECKING:
     from tokenmill.engine.messages import AddRequest
-    from tokenmill.engine.runner import ModelRunner
     from tokenmill.engine.scheduler import Scheduler
     from tokenmill.engine.step_types import SchedulerOutput, StepResult
     from tokenmill.errors import ServerBusy
@@ -26,9 +25,9 @@ if TYPE_CHECKING:
 
 
 class ConstrainedDecoding(RequestHooks):
-    def __init__(self, vocab_size: int, load_tokenizer: Callable[[], Any], runner: ModelRunner, scheduler: Scheduler):
+    def __init__(self, vocab_size: int, load_tokenizer: Callable[[], Any], scheduler: Scheduler):
         self.vocab_size, self.load_tokenizer = vocab_size, load_tokenizer
-        self.runner, self.scheduler = runner, scheduler
+        self.scheduler = scheduler
         self.manager: StructuredOutputs | None = None
 
     def _manager(self) -> StructuredOutputs:
@@ -36,7 +35,6 @@ class ConstrainedDecoding(RequestHooks):
             from tokenmill.structured.manager import StructuredOutputs
 
             self.manager = StructuredOutputs(self.vocab_size, self.load_tokenizer)
-            self.runner.structured = self.manager  # the runner masks constrained rows' logits with it
         return self.manager
 
     def on_add(self, request: Request, msg: AddRequest) -> bool:
@@ -55,6 +53,11 @@ class ConstrainedDecoding(RequestHooks):
         for request in ok:
             scheduler.add_request(request)
         return [(request.request_id, why) for request, why in failed]
+
+    def before_execute(self, sched: SchedulerOutput) -> None:
+        """The step carries the matchers: the runner masks its constrained rows' logits with them."""
+        if self.manager is not None and len(self.manager):
+            sched.grammar = self.manager
 
     def after_update(self, sched: SchedulerOutput, result: StepResult) -> list[Request]:
         """Matchers consume the tokens kept. A grammar that has ended lets only EOS through, which ends the request
