@@ -50,7 +50,8 @@ class FakeClient:
         pass
 
     def wait_ready(self, timeout: float) -> EngineReady:
-        return EngineReady(MAX_MODEL_LEN, 49152, [2], CAPACITY // 16, 16, "KV cache: fake", 1234)
+        return EngineReady(max_model_len=MAX_MODEL_LEN, vocab_size=49152, eos_token_ids=[2],
+                           num_blocks=CAPACITY // 16, block_size=16, startup_summary="KV cache: fake", pid=1234)
 
     def run(self, on_outputs, on_exit) -> None:
         self.play, self.exit = on_outputs, on_exit

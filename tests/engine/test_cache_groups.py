@@ -60,6 +60,7 @@ def test_the_layout_has_three_groups_and_the_state_is_paid_from_the_budget_first
     assert layout.hybrid and layout.num_paged_layers == 4 and layout.state_layers == [2, 5]
     assert info.state_slots == 8 and info.state_bytes == STATE_BYTES
     assert info.num_blocks == (memory - 8 * STATE_BYTES) // info.page_bytes  # pages get what the state left
+    assert memory - info.page_bytes < info.total_bytes == info.num_blocks * info.page_bytes + 8 * STATE_BYTES <= memory
     assert not info.prefix_caching  # a cached prefix holds no recurrent state
     summary = core.startup_summary()
     assert "2 attention, 2 window (8 tokens), 2 state layers" in summary and "recurrent state: 8 slots" in summary

@@ -36,7 +36,8 @@ CLIENT_MESSAGES = [
     Shutdown(),
 ]
 CORE_MESSAGES = [
-    EngineReady(2048, 49152, [2], 100, 16, "KV cache: ...", 4321, kv_transfer_address="127.0.0.1:5000"),
+    EngineReady(max_model_len=2048, vocab_size=49152, eos_token_ids=[2], num_blocks=100, block_size=16,
+                startup_summary="KV cache: ...", pid=4321, kv_transfer_address="127.0.0.1:5000", kv_bytes=1 << 20),
     EngineFailed(ErrorInfo.of(FileNotFoundError("no model here"))),
     EngineOutputs([EngineCoreOutput("r#0", [17], [{17: -0.25, 3: -1.5}], "length", None, num_preemptions=2),
                    EngineCoreOutput("x", [], None, "error", None, "RuntimeError: boom"),

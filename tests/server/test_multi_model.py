@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -89,6 +90,8 @@ def test_models_alternate_under_one_slot_with_their_states_listed(server, http):
     assert qwen and statuses(http) == {"llama": "unloaded", "qwen": "loaded"}
     assert engine_processes(server) == 1
     assert "loading model qwen ..." in server.stderr() and "model qwen loaded in" in server.stderr()
+    counted = re.search(r"model qwen loaded in [\d.]+ s \((\d+) MiB weights \+ KV cache\)", server.stderr())
+    assert counted and int(counted.group(1)) >= 32  # the engine's KV bytes (--kv-cache-memory 32MiB) are counted
     assert complete(http, "llama") == first  # reloaded, it answers exactly as before (greedy)
     assert statuses(http) == {"llama": "loaded", "qwen": "unloaded"}
     assert complete(http, "qwen", stream=True) == qwen

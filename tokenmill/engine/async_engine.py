@@ -52,7 +52,7 @@ GRAMMAR_CHECK_TIMEOUT_S = 10.0
 SLO_ADMISSION = ("off", "reject", "degrade")  # --slo-admission: what a request predicted to miss its TTFT target gets
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EngineInfo:
     max_model_len: int
     vocab_size: int
@@ -62,6 +62,7 @@ class EngineInfo:
     pid: int
     weight_format: str = ""
     weight_bytes: int = 0
+    kv_bytes: int = 0  # the KV cache's pages and recurrent-state slots
     kv_transfer_address: str | None = None  # host:port a tcp KV consumer listens on (tokenmill/disagg/tcp.py)
     block_size: int = 16
     hidden_size: int = 0  # an embedding's dimensions
@@ -131,11 +132,14 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         eos = frozenset(tokenizer.eos_token_ids) | frozenset(msg.eos_token_ids)
         capacity = msg.token_capacity or msg.num_blocks * msg.block_size
-        self.info = EngineInfo(msg.max_model_len, msg.vocab_size, eos, capacity, msg.startup_summary, msg.pid,
-                               msg.weight_format, msg.weight_bytes, msg.kv_transfer_address, msg.block_size,
-                               msg.hidden_size, msg.generates,
-                               {k: tuple(v) for k, v in msg.lora_projections.items()}
-                               if msg.lora_projections is not None else None, msg.num_layers, msg.max_lora_rank)
+        self.info = EngineInfo(
+            max_model_len=msg.max_model_len, vocab_size=msg.vocab_size, eos_token_ids=eos, token_capacity=capacity,
+            startup_summary=msg.startup_summary, pid=msg.pid, weight_format=msg.weight_format,
+            weight_bytes=msg.weight_bytes, kv_bytes=msg.kv_bytes, kv_transfer_address=msg.kv_transfer_address,
+            block_size=msg.block_size, hidden_size=msg.hidden_size, generates=msg.generates,
+            lora_projections={k: tuple(v) for k, v in msg.lora_projections.items()}
+            if msg.lora_projections is not None else None, num_layers=msg.num_layers,
+            max_lora_rank=msg.max_lora_rank)
         self.limits = ContextLimits(msg.max_model_len, msg.vocab_size, self.info.token_capacity)
         self.processor = OutputProcessor(tokenizer, eos, self._observer)
         if self.max_waiting_tokens is None:  # as many prompt tokens may wait as the KV cache holds

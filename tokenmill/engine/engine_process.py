@@ -45,14 +45,16 @@ def run_engine_core(config: EngineConfig, inputs: Any, outputs: Any) -> None:
         outputs.send_bytes(encode_output(EngineFailed(ErrorInfo.of(e))))
         return
     info = core.cache_info
-    ready = EngineReady(core.max_model_len, core.model_config.vocab_size, list(core.model_config.eos_token_ids),
-                        info.num_blocks, info.block_size, core.startup_summary(), os.getpid(),
-                        core.runner.weight_format(), weight_bytes(core.runner.model), info.token_capacity,
-                        core.connector.address() if core.connector is not None else None,
-                        core.model_config.hidden_size, not core.model_config.headless,
-                        {k: list(v) for k, v in projection_shapes(core.model_config).items()}
-                        if core.runner.lora is not None else None, core.model_config.num_layers,
-                        core.config.max_lora_rank)
+    mc = core.model_config
+    ready = EngineReady(
+        max_model_len=core.max_model_len, vocab_size=mc.vocab_size, eos_token_ids=list(mc.eos_token_ids),
+        num_blocks=info.num_blocks, block_size=info.block_size, startup_summary=core.startup_summary(),
+        pid=os.getpid(), weight_format=core.runner.weight_format(), weight_bytes=weight_bytes(core.runner.model),
+        token_capacity=info.token_capacity, kv_bytes=info.total_bytes,
+        kv_transfer_address=core.connector.address() if core.connector is not None else None,
+        hidden_size=mc.hidden_size, generates=not mc.headless,
+        lora_projections={k: list(v) for k, v in projection_shapes(mc).items()} if core.runner.lora is not None
+        else None, num_layers=mc.num_layers, max_lora_rank=core.config.max_lora_rank)
     outputs.send_bytes(encode_output(ready))
     try:
         serve(core, inputs, outputs)

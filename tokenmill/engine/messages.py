@@ -107,7 +107,7 @@ class ErrorInfo(msgspec.Struct, array_like=True, omit_defaults=True):
         return f"{self.kind}: {self.message}" if self.kind else self.message
 
 
-class EngineReady(msgspec.Struct, tag=True, array_like=True):
+class EngineReady(msgspec.Struct, tag=True, array_like=True, kw_only=True):
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int]
@@ -118,6 +118,7 @@ class EngineReady(msgspec.Struct, tag=True, array_like=True):
     weight_format: str = ""  # e.g. "bfloat16", "int8 (bfloat16 compute)": the matmul weights as served
     weight_bytes: int = 0  # bytes the model's weights hold (engine/runner.py weight_bytes)
     token_capacity: int = 0  # tokens one request can hold at most (the pool, less a draft model's lookahead)
+    kv_bytes: int = 0  # what the KV cache holds: its pages and any recurrent-state slots (engine/model_spec.py)
     kv_transfer_address: str | None = None  # host:port a tcp KV consumer listens on (tokenmill/disagg/tcp.py)
     hidden_size: int = 0  # the model's: an embedding's dimensions
     generates: bool = True  # False: a base model without a language-model head, embeddings only

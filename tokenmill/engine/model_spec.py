@@ -55,6 +55,11 @@ class CacheInfo:
         layout, whole = self.layout, self.kv_bytes_per_token * self.block_size
         return whole if layout is None or not layout.hybrid else whole * layout.num_slots // layout.num_paged_layers
 
+    @property
+    def total_bytes(self) -> int:
+        """What the cache holds: its pages, and the recurrent-state slots beside them."""
+        return self.num_blocks * self.page_bytes + self.state_slots * self.state_bytes
+
     def describe(self) -> str:
         hybrid = self.layout is not None and self.layout.hybrid
         size = (f"{self.num_blocks} pages x {self.block_size} tokens, up to {self.token_capacity} tokens a request"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,10 +16,6 @@ from pathlib import Path
 
 from tokenmill.server.model_pool import Loaded, ModelEntry
 from tokenmill.server.settings import ServerSettings
-
-# "KV cache: ..., 4608 bytes per token (float32), 256 MiB; ..." (engine/model_spec.py CacheInfo.describe)
-_KV_MIB = re.compile(r"KV cache: .*? bytes per token \([^)]*\), (\d+) MiB")
-
 
 def weight_file_bytes(path: str | Path) -> int:
     """The bytes of a model's weight files: a GGUF file's size, or a directory's *.safetensors. A first estimate
@@ -38,12 +33,6 @@ def kv_budget(config) -> int:
     from tokenmill.config import default_kv_cache_memory
 
     return config.cache.kv_cache_memory or default_kv_cache_memory()
-
-
-def reported_kv_bytes(startup_summary: str, fallback: int) -> int:
-    """The KV cache bytes the engine reported in its start-up summary (to the MiB), else `fallback`."""
-    m = _KV_MIB.search(startup_summary)
-    return int(m.group(1)) << 20 if m else fallback
 
 
 @dataclass
@@ -76,8 +65,7 @@ class EngineBackend:
         except BaseException:
             engine.shutdown()
             raise
-        kv = reported_kv_bytes(info.startup_summary, kv_budget(config))
-        return Loaded(app, engine, metrics.registry, info.weight_bytes + kv, info.max_model_len)
+        return Loaded(app, engine, metrics.registry, info.weight_bytes + info.kv_bytes, info.max_model_len)
 
     def attach(self, loaded: Loaded, loop: asyncio.AbstractEventLoop, on_dead: Callable[[str], None]) -> None:
         loaded.engine.on_dead = on_dead
