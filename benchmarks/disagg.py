@@ -44,7 +44,7 @@ from tokenmill.bench.datasets import random_requests
 from tokenmill.bench.loadgen import LoadConfig, first_model, run_load
 from tokenmill.disagg import make_connector
 from tokenmill.disagg.config import KVTransferConfig
-from tokenmill.disagg.transfer import KVLayout, KVTransferParams
+from tokenmill.disagg.transfer import KVTransferParams, TransferLayout
 from tokenmill.model.cpu_kernels import cpu_isa
 from tokenmill.model.loader import default_model_path
 from tokenmill.tokenizer import Tokenizer
@@ -140,7 +140,7 @@ def run_config(name: str, streams, longs, gap: float, connector: str) -> dict:
 
 def bandwidth(tokens: int = 4000) -> dict[str, tuple[float, float]]:
     """(GB/s through the connector, ms to load it into a block pool) for one prompt's KV, SmolLM2's layout."""
-    layout = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16", itemsize=2)
+    layout = TransferLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16", itemsize=2)
     data = torch.randn(tokens, 30, 2, 3, 64).to(torch.bfloat16)
     cache = [(torch.zeros(tokens // 16 + 1, 16, 3, 64, dtype=torch.bfloat16),) * 2 for _ in range(30)]
     slots = torch.arange(tokens)

@@ -223,13 +223,13 @@ def _wrapper_labels(obj) -> dict[str, tuple[str, ...]]:
 
 
 def metrics_page() -> str:
-    from tokenmill.router.backends import BackendPool
     from tokenmill.router.metrics import RouterMetrics
+    from tokenmill.router.replicas import ReplicaPool
     from tokenmill.server.metrics import ServerMetrics
 
     server = ServerMetrics("MODEL")
-    pool = BackendPool(["http://replica:8000"])
-    router = RouterMetrics(pool, BackendPool(["http://prefill:8000"]))
+    pool = ReplicaPool(["http://replica:8000"])
+    router = RouterMetrics(pool, ReplicaPool(["http://prefill:8000"]))
     head = ["| series | type | labels | meaning |", "|---|---|---|---|"]
     lines = [
         "# Metrics",

@@ -171,7 +171,6 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from tokenmill.parallel.launch import torchrun_rank
     from tokenmill.parallel.worker import run_torchrun_worker
-
     from tokenmill.server.multi_launch import serve_many, split_models
 
     models = split_models(args)  # one --model: args.model is its path, as it always was
@@ -186,8 +185,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_router(args: argparse.Namespace) -> int:
     from tokenmill.router.app import CascadeConfig, run_router
-    from tokenmill.router.backends import BackendPool
     from tokenmill.router.cascade import parse_tiers
+    from tokenmill.router.replicas import ReplicaPool
 
     cascade = None
     if bool(args.prefill) != bool(args.decode):
@@ -215,7 +214,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         return 2
     try:
         for url in args.backend + args.prefill:
-            BackendPool.normalize(url)
+            ReplicaPool.normalize(url)
     except ValueError as e:
         print(f"error: {'--decode' if args.prefill else '--backend'}/--prefill: {e}", file=sys.stderr)
         return 2

@@ -18,10 +18,10 @@ from tokenmill.disagg.auth import handshake_mac, transfer_token
 from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.disagg.connector import KVConnector
 from tokenmill.disagg.tcp import prove_producer, recv_frame, send_frame
-from tokenmill.disagg.transfer import KVLayout, KVTransferParams, TransferHeader
+from tokenmill.disagg.transfer import KVTransferParams, TransferHeader, TransferLayout
 from tokenmill.errors import ConfigError, InvalidRequest
 
-LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16", itemsize=2)
+LAYOUT = TransferLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16", itemsize=2)
 SECRET = "connector-test-secret-0123456789"
 
 
@@ -30,7 +30,7 @@ def kv(tokens: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(tokens, 3, 2, 2, 8, generator=g).to(torch.bfloat16)
 
 
-def connectors(tmp_path, name: str, layout: KVLayout = LAYOUT, producer_secret: str = SECRET,
+def connectors(tmp_path, name: str, layout: TransferLayout = LAYOUT, producer_secret: str = SECRET,
                **extra) -> tuple[KVConnector, KVConnector]:
     common = {"kv_connector": name, "shm_dir": str(tmp_path / "shm"), "kv_port": 0}
     consumer = make_connector(KVTransferConfig(kv_role="kv_consumer", kv_secret=SECRET, **common, **extra), layout)
@@ -102,7 +102,7 @@ def test_an_aborted_transfer_leaves_nothing_on_the_consumer(tmp_path, name):
 
 
 def test_a_layout_the_consumer_does_not_share_is_refused(tmp_path, name):
-    other = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32", itemsize=4)
+    other = TransferLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32", itemsize=4)
     producer, consumer = connectors(tmp_path, name, layout=other)
     try:
         producer.begin(target(consumer, "t4"), list(range(4)))

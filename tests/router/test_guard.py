@@ -18,9 +18,9 @@ import pytest
 from tests.router.fakes import FakeReplica, Served
 from tests.router.test_router import ADMIN, ADMIN_KEY, H, start_router, stop
 from tokenmill.router.app import backend_limits, build_router_app
-from tokenmill.router.backends import BackendPool
 from tokenmill.router.guard import GuardSettings
 from tokenmill.router.policies import make_policy
+from tokenmill.router.replicas import ReplicaPool
 
 METRICS_KEY = "router-metrics-key"
 M = {"Authorization": f"Bearer {METRICS_KEY}"}
@@ -101,7 +101,7 @@ def test_every_key_is_compared_in_constant_time(monkeypatch, fake):
 
     monkeypatch.setattr(hmac, "compare_digest", spy)
     settings = GuardSettings(api_key="client", admin_api_key="admin", metrics_api_key="metrics")
-    router = Served(build_router_app(BackendPool([fake.url]), make_policy("round_robin"), settings), lifespan="on")
+    router = Served(build_router_app(ReplicaPool([fake.url]), make_policy("round_robin"), settings), lifespan="on")
     try:
         wrong = {"Authorization": "Bearer wrong"}
         for path, key in (("/v1/models", b"client"), ("/admin/backends", b"admin"), ("/metrics", b"metrics")):

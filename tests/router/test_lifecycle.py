@@ -19,9 +19,9 @@ import tokenmill.router.forward as forward
 from tests.router.fakes import SLOW_S, FakeReplica, Served
 from tests.router.test_router import H, start_router, stop
 from tokenmill.router.app import build_router_app
-from tokenmill.router.backends import BackendPool
 from tokenmill.router.guard import GuardSettings
 from tokenmill.router.policies import make_policy
+from tokenmill.router.replicas import ReplicaPool
 
 BAD = ("bad-event-first", "bad-event-after-2", "bad-json")
 
@@ -127,7 +127,7 @@ def test_large_bodies_are_parsed_and_hashed_off_the_event_loop(monkeypatch, fake
         return text
 
     monkeypatch.setattr(forward, "prompt_text", spy)
-    router = Served(build_router_app(BackendPool([fake.url]), make_policy("prefix"), GuardSettings()),
+    router = Served(build_router_app(ReplicaPool([fake.url]), make_policy("prefix"), GuardSettings()),
                     lifespan="on")
     try:
         for prompt in ("small", "large" * 40_000):  # 200 KB
@@ -170,7 +170,7 @@ def test_in_flight_comes_back_when_the_server_cancels_the_request_or_its_client_
     """The router's app as an ASGI server drives it: one that cancels a request whose replica has not answered
     yet (a connect cancelled), one whose client is gone by the time the response would start."""
     async def scenario() -> None:
-        pool = BackendPool([fake.url])
+        pool = ReplicaPool([fake.url])
         backend = pool.backends[fake.url]
         app = build_router_app(pool, make_policy("least_load"))
         async with app.router.lifespan_context(app):

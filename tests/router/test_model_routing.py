@@ -1,4 +1,4 @@
-"""The router places a request that names a model only on replicas whose /v1/models lists it (router/backends.py,
+"""The router places a request that names a model only on replicas whose /v1/models lists it (router/replicas.py,
 router/forward.py), and lists the models of all its replicas. Scripted replicas (tests/router/fakes.py), a real
 router app with its health loop."""
 
@@ -11,8 +11,8 @@ import pytest
 
 from tests.router.fakes import FakeReplica, Served
 from tokenmill.router.app import build_router_app
-from tokenmill.router.backends import BackendPool
 from tokenmill.router.policies import make_policy
+from tokenmill.router.replicas import ReplicaPool
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def replicas():
 
 @pytest.fixture(scope="module")
 def router(replicas):
-    pool = BackendPool([r.url for r in replicas], health_interval_s=0.1)
+    pool = ReplicaPool([r.url for r in replicas], health_interval_s=0.1)
     served = Served(build_router_app(pool, make_policy("round_robin")), lifespan="on")
     deadline = time.monotonic() + 10
     while any(pool.backends[r.url].models is None for r in replicas[:2]):  # the first health checks read them

@@ -17,11 +17,11 @@ import httpx
 import pytest
 
 from tests.server.conftest import start_server
-from tokenmill.router.forward import prompt_text
-from tokenmill.router.backends import Backend
 from tokenmill.router.disagg import decode_body
+from tokenmill.router.forward import prompt_text
 from tokenmill.router.policies import BALANCE_ABS, LeastLoad, PrefixAware, RoundRobin, make_policy
 from tokenmill.router.prefix_index import BLOCK_CHARS, PrefixIndex
+from tokenmill.router.replicas import Replica
 
 KEY = "router-key"
 ADMIN_KEY = "router-admin-key"
@@ -47,8 +47,8 @@ def test_prefix_index_is_bounded_least_recently_used_first():
     assert len(index) == 4 and index.match("y" * BLOCK_CHARS * 3)["b"] == 3 * BLOCK_CHARS
 
 
-def backends(*loads: int) -> list[Backend]:
-    return [Backend(f"http://r{i}", in_flight=load) for i, load in enumerate(loads)]
+def backends(*loads: int) -> list[Replica]:
+    return [Replica(f"http://r{i}", in_flight=load) for i, load in enumerate(loads)]
 
 
 def test_policies_choose_as_documented():

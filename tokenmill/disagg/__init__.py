@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tokenmill.disagg.config import KVTransferConfig
     from tokenmill.disagg.connector import KVConnector
-    from tokenmill.disagg.transfer import KVLayout
+    from tokenmill.disagg.transfer import TransferLayout
 
 
-def make_connector(config: KVTransferConfig, layout: KVLayout) -> KVConnector:
+def make_connector(config: KVTransferConfig, layout: TransferLayout) -> KVConnector:
     """The connector `config.kv_connector` names (torch is imported here, in the engine process only)."""
     if config.kv_connector == "shm":
         from tokenmill.disagg.shm import SharedMemoryConnector

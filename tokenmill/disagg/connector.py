@@ -26,7 +26,13 @@ import torch
 
 from tokenmill.disagg.auth import shared_key, token_matches, transfer_token
 from tokenmill.disagg.config import KVTransferConfig
-from tokenmill.disagg.transfer import KVLayout, KVTransferParams, KVTransferStats, SendResult, TransferHeader
+from tokenmill.disagg.transfer import (
+    KVTransferParams,
+    KVTransferStats,
+    SendResult,
+    TransferHeader,
+    TransferLayout,
+)
 
 log = logging.getLogger("tokenmill")
 
@@ -60,7 +66,7 @@ def as_bytes(kv: torch.Tensor) -> memoryview:
 class KVConnector:
     """The sender thread, the results queue and the counters; subclasses move the bytes."""
 
-    def __init__(self, config: KVTransferConfig, layout: KVLayout):
+    def __init__(self, config: KVTransferConfig, layout: TransferLayout):
         self.config, self.layout = config, layout
         self.key = shared_key(config)
         self._stats = KVTransferStats(role=config.kv_role, connector=config.kv_connector)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.disagg.config import KVTransferConfig
-from tokenmill.disagg.transfer import KVLayout, KVTransferParams, SendResult
+from tokenmill.disagg.transfer import KVTransferParams, SendResult, TransferLayout
 from tokenmill.engine.hooks import RequestHooks
 from tokenmill.errors import ConfigError
 
@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     import torch
 
     from tokenmill.disagg.connector import KVConnector, Received
-    from tokenmill.engine.model_spec import CacheInfo
     from tokenmill.engine.messages import AddRequest, EngineCoreOutput
+    from tokenmill.engine.model_spec import CacheInfo
     from tokenmill.engine.runner import ModelRunner
     from tokenmill.engine.step_types import SchedulerOutput, StepResult
     from tokenmill.request import Request
@@ -57,7 +57,7 @@ class KVTransferHooks(RequestHooks):
         """The connector for --kv-transfer-config, for this model's KV layout, and the hooks around it."""
         from tokenmill.disagg import make_connector
 
-        layout = KVLayout(model.num_layers, model.num_kv_heads, model.head_dim, cache.dtype, kv_dtype.itemsize)
+        layout = TransferLayout(model.num_layers, model.num_kv_heads, model.head_dim, cache.dtype, kv_dtype.itemsize)
         return cls(config.kv_transfer, make_connector(config.kv_transfer, layout), runner, config.kv_block_size)
 
     def __init__(self, config: KVTransferConfig, connector: KVConnector, runner: ModelRunner, block_size: int):

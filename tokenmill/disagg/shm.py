@@ -25,7 +25,7 @@ import torch
 from tokenmill.disagg.auth import private_dir
 from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.disagg.connector import KVConnector, Outgoing, Received
-from tokenmill.disagg.transfer import KVLayout, TransferHeader
+from tokenmill.disagg.transfer import TransferHeader, TransferLayout
 
 ALIGN = 64
 SWEEP_EVERY_S = 5.0
@@ -36,7 +36,7 @@ def data_offset(header_bytes: int) -> int:
 
 
 class SharedMemoryConnector(KVConnector):
-    def __init__(self, config: KVTransferConfig, layout: KVLayout):
+    def __init__(self, config: KVTransferConfig, layout: TransferLayout):
         self.dir = private_dir(Path(config.shm_dir))
         self._last_sweep = 0.0
         self._sweep_lock = threading.Lock()

@@ -29,7 +29,7 @@ import torch
 from tokenmill.disagg.auth import handshake_mac, mac_matches, new_nonce
 from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.disagg.connector import KVConnector, Outgoing, Received
-from tokenmill.disagg.transfer import KVLayout, TransferHeader
+from tokenmill.disagg.transfer import TransferHeader, TransferLayout
 
 log = logging.getLogger("tokenmill")
 
@@ -111,7 +111,7 @@ class Incoming:
 
 
 class TcpConnector(KVConnector):
-    def __init__(self, config: KVTransferConfig, layout: KVLayout):
+    def __init__(self, config: KVTransferConfig, layout: TransferLayout):
         self._lock = threading.Lock()
         self._incoming: dict[str, Incoming] = {}
         self._buffered = 0

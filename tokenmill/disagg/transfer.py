@@ -95,7 +95,7 @@ def proof(value: dict[str, Any], config: KVTransferConfig, transfer_id: str) -> 
 
 
 @dataclass(frozen=True)
-class KVLayout:
+class TransferLayout:
     """The shape of one token's KV: both sides must agree, or the consumer computes the prompt itself."""
 
     num_layers: int
@@ -118,7 +118,7 @@ class TransferHeader:
     """What opens a transfer: its id, the KV layout and the prompt whose KV follows (token by token, in order)."""
 
     transfer_id: str
-    layout: KVLayout
+    layout: TransferLayout
     token_ids: list[int]
 
     @property
@@ -136,7 +136,7 @@ class TransferHeader:
         tokens = d["token_ids"]
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise ValueError("token_ids must be a list of integers")
-        return cls(tid, KVLayout(**d["layout"]), tokens)
+        return cls(tid, TransferLayout(**d["layout"]), tokens)
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The one admission check, run at the edge (the offline engine's add_request, the server client's add_requests)
 before anything is queued: a prompt must be token ids of the vocabulary, and prompt + max_tokens must fit both the
-context window and the whole KV pool. The engine core trusts what passes (DESIGN.md: validated once, at the edge)."""
+context window and the whole KV pool. The engine core trusts what passes (docs/architecture.md: validation happens once, at the edge)."""
 
 from __future__ import annotations
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from tokenmill.router.backends import BackendPool
 from tokenmill.router.errors import error_response
+from tokenmill.router.replicas import ReplicaPool
 
 
-def add_admin_routes(app: FastAPI, pool: BackendPool) -> None:
+def add_admin_routes(app: FastAPI, pool: ReplicaPool) -> None:
     @app.get("/admin/backends", response_model=None)
     async def list_backends() -> dict:
         return {"backends": [{"url": b.url, "healthy": b.healthy, "in_flight": b.in_flight, "load": b.load,
@@ -39,6 +39,6 @@ async def backend_url(request: Request) -> str | JSONResponse:
     """The body's {"url": ...}, normalized; a 400 that says what is wanted otherwise."""
     try:
         url = (await request.json())["url"]
-        return BackendPool.normalize(url)
+        return ReplicaPool.normalize(url)
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         return error_response(400, f"the body must be {{\"url\": \"http://host:port\"}}: {e}", param="url")

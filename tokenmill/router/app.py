@@ -36,16 +36,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill.router.admin import add_admin_routes
-from tokenmill.router.backends import BackendPool
 from tokenmill.router.cascade import CascadeConfig
 from tokenmill.router.climb import Climber
 from tokenmill.router.disagg import PDConfig
 from tokenmill.router.errors import error_response
 from tokenmill.router.forward import Forwarder, Job, requested_model, routing_key
-from tokenmill.router.guard import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_REQUEST_BYTES, GuardSettings, RouterGuard
+from tokenmill.router.guard import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_REQUEST_BYTES,
+    GuardSettings,
+    RouterGuard,
+)
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.pd_proxy import PDProxy
 from tokenmill.router.policies import reads_prompt
+from tokenmill.router.replicas import ReplicaPool
 
 __all__ = ["CascadeConfig", "build_router_app", "run_router"]
 
@@ -62,7 +67,7 @@ def backend_client(api_key: str | None, max_connections: int) -> httpx.AsyncClie
                              timeout=httpx.Timeout(None, connect=5.0, pool=30.0))
 
 
-def build_router_app(pool: BackendPool, policy: Any, guard: GuardSettings | None = None,
+def build_router_app(pool: ReplicaPool, policy: Any, guard: GuardSettings | None = None,
                      backend_api_key: str | None = None, max_attempts: int = 3, cascade: CascadeConfig | None = None,
                      pd: PDConfig | None = None) -> FastAPI:
     """The router's app over `pool`; with `pd`, `pool` is the decode instances and `pd.prefill` the prefill ones."""
@@ -205,8 +210,8 @@ def run_router(backends: list[str], policy: str, host: str, port: int, api_key: 
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    pool = BackendPool(backends or [t.url for t in cascade.tiers], backend_api_key, health_interval_s)
-    pd = PDConfig(BackendPool(prefill, backend_api_key, health_interval_s), make_policy(policy)) if prefill else None
+    pool = ReplicaPool(backends or [t.url for t in cascade.tiers], backend_api_key, health_interval_s)
+    pd = PDConfig(ReplicaPool(prefill, backend_api_key, health_interval_s), make_policy(policy)) if prefill else None
     app = build_router_app(pool, make_policy(policy), guard, backend_api_key, max_attempts, cascade, pd)
     server = RouterServer(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
     server.run()

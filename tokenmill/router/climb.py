@@ -15,7 +15,6 @@ from typing import Any
 import httpx
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.router.backends import BackendPool
 from tokenmill.router.cascade import (
     BadEvent,
     CascadeConfig,
@@ -31,6 +30,7 @@ from tokenmill.router.cascade import (
 from tokenmill.router.errors import Send, error_event, error_response, send_error, send_whole
 from tokenmill.router.forward import JSON_HEADERS, LiveResponse, off_loop, parse_object, watched
 from tokenmill.router.metrics import RouterMetrics
+from tokenmill.router.replicas import ReplicaPool
 
 _READ_ERRORS = (TypeError, AttributeError, ValueError, KeyError)
 
@@ -57,7 +57,7 @@ class Ask:
 
 
 class Climber:
-    def __init__(self, config: CascadeConfig, pool: BackendPool, metrics: RouterMetrics,
+    def __init__(self, config: CascadeConfig, pool: ReplicaPool, metrics: RouterMetrics,
                  client: Callable[[], httpx.AsyncClient]):
         self.config, self.pool, self.metrics, self.client = config, pool, metrics, client
 

@@ -18,7 +18,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from tokenmill.router.backends import Backend, BackendPool
+from tokenmill.router.replicas import Replica, ReplicaPool
 
 # what only the answer's form depends on: the prefill half leaves it out (the prompt's KV is the same without)
 ANSWER_ONLY = ("stream", "stream_options", "logprobs", "top_logprobs", "echo", "prompt_logprobs", "stop",
@@ -38,7 +38,7 @@ class KVReceiver:
 
 @dataclass
 class PDConfig:
-    prefill: BackendPool
+    prefill: ReplicaPool
     prefill_policy: Any
     receivers: dict[str, KVReceiver] = field(default_factory=dict)  # decode URL -> where it receives
 
@@ -71,7 +71,7 @@ def new_transfer_id() -> str:
     return f"kv-{uuid.uuid4().hex}"
 
 
-async def kv_receiver(client: httpx.AsyncClient, config: PDConfig, backend: Backend) -> KVReceiver | None:
+async def kv_receiver(client: httpx.AsyncClient, config: PDConfig, backend: Replica) -> KVReceiver | None:
     """A decode instance's receiver (asked once, then remembered); None if it is not a KV consumer."""
     known = config.receivers.get(backend.url)
     if known is not None:

@@ -18,10 +18,10 @@ import httpx
 from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
-from tokenmill.router.backends import Backend, BackendPool
 from tokenmill.router.errors import Send, error_body, error_event, send_error, send_whole
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.prefix_index import block_names
+from tokenmill.router.replicas import Replica, ReplicaPool
 
 RETRY_STATUS = (429, 502, 503)
 OFF_LOOP_BYTES = 64 << 10  # a body larger than this is parsed, hashed and encoded on a worker thread
@@ -83,7 +83,7 @@ async def routing_key(body: bytes, wanted: bool) -> list[bytes]:
     return await off_loop(lambda: block_names(prompt_text(body)), len(body))
 
 
-async def watched(backend: Backend | None, call: Awaitable[T]) -> T:
+async def watched(backend: Replica | None, call: Awaitable[T]) -> T:
     """Await a request to a replica as one its take-out can cancel (a hung replica must not hold it): that cancel
     becomes TakenOut; a cancel of this task itself (its client gone) goes on as a cancel."""
     task = asyncio.ensure_future(call)
@@ -153,7 +153,7 @@ class Job:
     body: bytes
     path: str
     key: list[bytes]  # the prompt's block names, for the policy
-    first: Backend | None = None  # tried first (the P/D proxy's decode instance)
+    first: Replica | None = None  # tried first (the P/D proxy's decode instance)
     extra_headers: dict[str, str] = field(default_factory=dict)
     on_first_byte: Callable[[], None] | None = None
     model: str | None = None  # the model the request names: replicas that do not list it are passed over
@@ -170,7 +170,7 @@ class Refused:
 
 
 class Forwarder:
-    def __init__(self, pool: BackendPool, policy: Any, metrics: RouterMetrics,
+    def __init__(self, pool: ReplicaPool, policy: Any, metrics: RouterMetrics,
                  client: Callable[[], httpx.AsyncClient], max_attempts: int):
         self.pool, self.policy, self.metrics = pool, policy, metrics
         self.client, self.max_attempts = client, max_attempts
@@ -205,7 +205,7 @@ class Forwarder:
         self.metrics.unrouted.inc()
         await send_error(send, 503, "no healthy replica could take the request; retry later")
 
-    async def attempt(self, backend: Backend, job: Job, send: Send) -> bool | Refused | None:
+    async def attempt(self, backend: Replica, job: Job, send: Send) -> bool | Refused | None:
         """True: relayed. Refused: the replica declined before beginning. None: it could not be reached."""
         client = self.client()
         request = client.build_request("POST", backend.url + job.path, content=job.body, headers=JSON_HEADERS)
@@ -234,11 +234,11 @@ class Forwarder:
         finally:
             await upstream.aclose()
 
-    def failed(self, backend: Backend, why: str) -> None:
+    def failed(self, backend: Replica, why: str) -> None:
         self.metrics.requests.labels(backend.url, "error").inc()
         self.pool.mark_failed(backend, why)
 
-    async def relay(self, upstream: httpx.Response, backend: Backend, job: Job, send: Send) -> None:
+    async def relay(self, upstream: httpx.Response, backend: Replica, job: Job, send: Send) -> None:
         """The replica's response as it comes; a stream whose replica fails midway ends with an error event and
         `[DONE]`, never a hang."""
         sse = upstream.headers.get("content-type", "").startswith("text/event-stream")

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from tokenmill.router.backends import BackendPool
+from tokenmill.router.replicas import ReplicaPool
 
 _PD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -16,7 +16,7 @@ _PD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30
 class _PoolCollector:
     """The replicas' state, read at scrape time (`prefix`: a second pool's, e.g. the prefill instances)."""
 
-    def __init__(self, pool: BackendPool, prefix: str = ""):
+    def __init__(self, pool: ReplicaPool, prefix: str = ""):
         self.pool = pool
         self.name = "tokenmill_router_" + (prefix + "_" if prefix else "") + "backend_"
 
@@ -34,7 +34,7 @@ class _PoolCollector:
 
 
 class RouterMetrics:
-    def __init__(self, pool: BackendPool, prefill: BackendPool | None = None):
+    def __init__(self, pool: ReplicaPool, prefill: ReplicaPool | None = None):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("tokenmill_router_requests", "Requests forwarded, by replica and outcome (ok: the "
                                 "response began; error: unreachable or failed midway; retried: skipped for another)",

@@ -12,8 +12,14 @@ from typing import Any
 import httpx
 from fastapi.responses import Response
 
-from tokenmill.router.backends import Backend, BackendPool
-from tokenmill.router.disagg import KVReceiver, PDConfig, decode_body, kv_receiver, new_transfer_id, prefill_body
+from tokenmill.router.disagg import (
+    KVReceiver,
+    PDConfig,
+    decode_body,
+    kv_receiver,
+    new_transfer_id,
+    prefill_body,
+)
 from tokenmill.router.errors import error_response
 from tokenmill.router.forward import (
     JSON_HEADERS,
@@ -27,10 +33,11 @@ from tokenmill.router.forward import (
 )
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policies import reads_prompt
+from tokenmill.router.replicas import Replica, ReplicaPool
 
 
 class PDProxy:
-    def __init__(self, pd: PDConfig, pool: BackendPool, policy: Any, forwarder: Forwarder, metrics: RouterMetrics,
+    def __init__(self, pd: PDConfig, pool: ReplicaPool, policy: Any, forwarder: Forwarder, metrics: RouterMetrics,
                  client: Callable[[], httpx.AsyncClient], max_attempts: int):
         self.pd, self.pool, self.policy, self.forwarder = pd, pool, policy, forwarder
         self.metrics, self.client, self.max_attempts = metrics, client, max_attempts
@@ -58,7 +65,7 @@ class PDProxy:
         return self.forwarder.respond(Job(rest, path, key, decode, {"x-tokenmill-kv-transfer": outcome},
                                           lambda: self.metrics.pd_first_decode.observe(time.monotonic() - sent_at)))
 
-    async def decode_instance(self, key: list[bytes]) -> tuple[Backend | None, KVReceiver | None]:
+    async def decode_instance(self, key: list[bytes]) -> tuple[Replica | None, KVReceiver | None]:
         """The policy's pick among the healthy decode instances, then the others by load: the first that says
         where it takes KV."""
         healthy = self.pool.healthy()
@@ -73,7 +80,7 @@ class PDProxy:
                 return backend, receiver
         return None, None
 
-    def record(self, decode: Backend, answer: dict | None) -> str:
+    def record(self, decode: Replica, answer: dict | None) -> str:
         """How the KV went ('sent', 'failed', 'prefill_error'), counted."""
         params = (answer or {}).get("kv_transfer_params")
         params = params if isinstance(params, dict) else {}
@@ -120,6 +127,6 @@ class PDProxy:
             return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"))
         return None
 
-    def failed(self, backend: Backend, why: str) -> None:
+    def failed(self, backend: Replica, why: str) -> None:
         self.metrics.requests.labels(backend.url, "error").inc()
         self.pd.prefill.mark_failed(backend, why)

@@ -15,8 +15,8 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from tokenmill.router.backends import Backend
 from tokenmill.router.prefix_index import BLOCK_CHARS, PrefixIndex
+from tokenmill.router.replicas import Replica
 
 POLICIES = ("round_robin", "least_load", "prefix")
 BALANCE_ABS = 8
@@ -28,12 +28,12 @@ class RoundRobin:
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def choose(self, candidates: list[Backend], prompt: str | Sequence[bytes]) -> Backend:
+    def choose(self, candidates: list[Replica], prompt: str | Sequence[bytes]) -> Replica:
         return candidates[next(self._turn) % len(candidates)]
 
 
 class LeastLoad:
-    def choose(self, candidates: list[Backend], prompt: str | Sequence[bytes]) -> Backend:
+    def choose(self, candidates: list[Replica], prompt: str | Sequence[bytes]) -> Replica:
         return min(candidates, key=lambda b: (b.load, b.requests))
 
 
@@ -42,7 +42,7 @@ class PrefixAware:
         self.index = index or PrefixIndex()
         self._least = LeastLoad()
 
-    def choose(self, candidates: list[Backend], prompt: str | Sequence[bytes]) -> Backend:
+    def choose(self, candidates: list[Replica], prompt: str | Sequence[bytes]) -> Replica:
         loads = [b.load for b in candidates]
         balanced = not (max(loads) - min(loads) > BALANCE_ABS and max(loads) > BALANCE_REL * min(loads))
         chosen = None

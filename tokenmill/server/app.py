@@ -119,7 +119,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         settings.check_priority(params.priority)
         return params
 
-    def check_generates() -> None:  # (a base model's server: the engine refuses text requests itself)
+    def check_runner_generates() -> None:  # (a base model's server: the engine refuses text requests itself)
         if settings.runner == "pooling":
             raise InvalidRequest("this server runs --runner pooling: it answers /v1/embeddings, not generation "
                                  "requests", param="model")
@@ -183,7 +183,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         arrival = time.monotonic()
         req: CompletionRequest = await read(request, CompletionRequest)
         model = check_model(req.model)
-        check_generates()
+        check_runner_generates()
         params = sampling_params(req)
         prompts = await (encoder.infill(req.prompts(), req.suffix, model) if req.suffix else
                          encoder.prompts(req.prompts()))
@@ -216,7 +216,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         """A chat request queued: its stream, the writer of its answer, its prompt's length. The Messages and
         Responses APIs come through here as chat requests."""
         model = check_model(req.model)
-        check_generates()
+        check_runner_generates()
         params = sampling_params(req)
         tools = req.tool_choice_spec()
         text, ids = await render_chat(req)

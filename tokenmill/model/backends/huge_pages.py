@@ -1,12 +1,10 @@
 """Weights in memory the kernel backs with 2 MiB pages (Linux transparent huge pages, MADV_HUGEPAGE).
 
 A decode step streams every weight once from DRAM. On 4 KiB pages the hardware prefetchers stop at each page
-boundary and every page costs a TLB entry; in one 2 MiB page they run on. Measured on a 2-core Zen 5, the same
-process and weights, calls interleaved (BENCHMARKS.md): 30 layers of one-row Q4_1 matmuls 2.11 -> 1.94 ms, bfloat16
-5.65 -> 5.04 ms. Only the CPU backend's packed weights move here (torch allocates everything else as usual); where
-the OS has no transparent huge pages they stay where torch put them. (The KV cache gained as much in decode
-attention, 64 sequences x 400 keys 0.82 -> 0.76 ms a layer, but faulting 2 GiB of huge pages in added 2-2.5 s to
-start-up, and nothing measurable end to end: it stays on torch's pages.)
+boundary and every page costs a TLB entry; in one 2 MiB page they run on (measured: BENCHMARKS.md, "Kernels"). Only
+the CPU backend's packed weights move here (torch allocates everything else as usual); where the OS has no
+transparent huge pages they stay where torch put them. The KV cache stays on torch's pages: faulting gigabytes of
+huge pages in at start-up cost seconds there and gained nothing measurable end to end.
 """
 
 from __future__ import annotations

@@ -151,12 +151,10 @@ inline __m512 halves_ps(const uint8_t* p) {
 
 // Rows [m0, m0 + Rows) times column blocks nb (and nb + 1 if Cols == 2): float32 results into c [Rows x 32].
 // With `prefetch_until` (the weight's end; null for none) each tile's counterpart two column blocks on (the next
-// column pair's) is prefetched into L2 as the tile is read: a step streams every weight from DRAM (30 layers
-// overflow the L3) and the hardware prefetcher alone kept too few lines in flight. Measured on Zen 5 over 30
-// DRAM-resident layers: one row 2.9 -> 2.4 ms, 16 rows 9.2 -> 6.2 ms; the Q8_0 LM head at 16 rows 2.3 -> 1.3 ms.
-// L2, not L1: the next pair lies 11-30 KB ahead (K = 576 .. 1536), most of a 32 KB L1, so lines fetched into L1
-// were evicted before use and held its few miss buffers. On Zen 4 (BENCHMARKS.md, "the weights' prefetch into L2") L2
-// prefetches made one-row layers 3.89 -> 3.07 ms and the head 0.92 -> 0.72 ms; one greedy stream 99 -> 125 tok/s.
+// column pair's) is prefetched into L2 as the tile is read: a step streams every weight from DRAM (a model's layers
+// overflow the L3) and the hardware prefetcher alone kept too few lines in flight (measured: BENCHMARKS.md, "Kernels":
+// the weights' prefetch into L2). L2, not L1: the next pair lies 11-30 KB ahead (K = 576 .. 1536), most
+// of a 32 KB L1, so lines fetched into L1 were evicted before use and held its few miss buffers.
 template <int64_t Type, int Rows, int Cols>
 void vnni_block(const QuantizedRows& xq, int64_t m0, const uint8_t* w0, int64_t KB, int64_t tile_bytes,
                 float* c, const uint8_t* prefetch_until) {

@@ -24,7 +24,7 @@ HEALTH_FAILURES = 2
 
 
 @dataclass
-class Backend:
+class Replica:
     url: str
     healthy: bool = True
     in_flight: int = 0
@@ -60,9 +60,9 @@ class Backend:
             self.in_flight -= 1
 
 
-class BackendPool:
+class ReplicaPool:
     def __init__(self, urls: list[str], api_key: str | None = None, health_interval_s: float = 2.0):
-        self.backends: dict[str, Backend] = {}
+        self.backends: dict[str, Replica] = {}
         for url in urls:
             self.add(url)
         self.api_key = api_key
@@ -77,9 +77,9 @@ class BackendPool:
             raise ValueError(f"a backend is an http(s) URL, got {url!r}")
         return url
 
-    def add(self, url: str) -> Backend:
+    def add(self, url: str) -> Replica:
         url = self.normalize(url)
-        return self.backends.setdefault(url, Backend(url))
+        return self.backends.setdefault(url, Replica(url))
 
     def remove(self, url: str) -> bool:
         url = self.normalize(url)
@@ -88,11 +88,11 @@ class BackendPool:
             self.on_removed(url)
         return gone
 
-    def healthy(self, exclude: set[str] = frozenset(), model: str | None = None) -> list[Backend]:
+    def healthy(self, exclude: set[str] = frozenset(), model: str | None = None) -> list[Replica]:
         """The healthy replicas not in `exclude` that serve `model` (any, for None)."""
         return [b for b in self.backends.values() if b.healthy and b.url not in exclude and b.serves(model)]
 
-    def mark_failed(self, backend: Backend, why: str) -> None:
+    def mark_failed(self, backend: Replica, why: str) -> None:
         """A request could not reach it: out until a health check passes."""
         if backend.healthy:
             log.warning("backend %s taken out: %s", backend.url, why)
@@ -100,7 +100,7 @@ class BackendPool:
         backend.errors += 1
 
     @staticmethod
-    async def take_out(backend: Backend) -> None:
+    async def take_out(backend: Replica) -> None:
         """A replica that stopped answering its health checks (hung, not just slow to refuse): what waits on it
         goes elsewhere, what streams from it ends."""
         backend.healthy = False
@@ -130,7 +130,7 @@ class BackendPool:
                 await asyncio.gather(*(self.check(client, b) for b in list(self.backends.values())))
                 await asyncio.sleep(self.health_interval_s)
 
-    async def check(self, client: httpx.AsyncClient, backend: Backend) -> None:
+    async def check(self, client: httpx.AsyncClient, backend: Replica) -> None:
         try:
             ok = (await client.get(backend.url + "/health")).status_code == 200
         except httpx.HTTPError:
@@ -149,7 +149,7 @@ class BackendPool:
                 await self.take_out(backend)
 
     @staticmethod
-    async def _scrape(client: httpx.AsyncClient, backend: Backend) -> None:
+    async def _scrape(client: httpx.AsyncClient, backend: Replica) -> None:
         """A tokenmill replica's queue and KV usage from its /metrics (skipped quietly for other servers)."""
         try:
             resp = await client.get(backend.url + "/metrics")
@@ -164,7 +164,7 @@ class BackendPool:
                 backend.kv_usage = float(line.rsplit(" ", 1)[1])
 
     @staticmethod
-    async def _read_models(client: httpx.AsyncClient, backend: Backend) -> None:
+    async def _read_models(client: httpx.AsyncClient, backend: Replica) -> None:
         """The model ids the replica's /v1/models lists (several for a tokenmill server with several --model);
         left as they were when it does not answer with a list."""
         try:
