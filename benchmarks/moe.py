@@ -53,9 +53,9 @@ def write_random_model(out: Path, cfg: dict, seed: int = 0) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from tokenmill.config import ModelConfig
     from tokenmill.model.checkpoint import expected_shapes
     from tokenmill.model.loader import default_model_path
+    from tokenmill.model_config import ModelConfig
     from tokenmill.tokenizer import Tokenizer
 
     if (out / "model.safetensors.index.json").is_file():

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.models.tiny import make_tiny_adapter, make_tiny_model
-from tokenmill.config import ModelConfig
 from tokenmill.errors import InvalidRequest
 from tokenmill.lora.adapter import load_adapter_weights, read_adapter_config
+from tokenmill.model_config import ModelConfig
 
 
 @pytest.fixture(scope="module")

@@ -17,13 +17,13 @@ from tests.greedy import assert_matches_reference, hf_greedy
 from tests.models.gguf_writer import llama_like_writer, write
 from tests.models.tiny import SMOLLM2_VOCAB, BuiltOnFirstUse, make_tiny_model
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import ModelConfig
 from tokenmill.engine import runner as runner_module
 from tokenmill.errors import ConfigError, ModelLoadError
 from tokenmill.model import cpu_kernels
 from tokenmill.model.backends import CpuBackend, TorchBackend, select_backend
 from tokenmill.model.backends.cpu_decode import LAYER_STACK
 from tokenmill.model.loader import load_model_config, load_weights
+from tokenmill.model_config import ModelConfig
 from tokenmill.parallel.layout import PPStage
 
 KV = 64 << 20

@@ -20,11 +20,11 @@ from tests.model.test_families import BACKENDS, Case, check_greedy, needs_kernel
 from tests.models.gguf_writer import llama_like_writer, write
 from tests.models.tiny import BuiltOnFirstUse, make_tiny_model
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import ModelConfig
 from tokenmill.errors import ConfigError
 from tokenmill.model import cpu_kernels
 from tokenmill.model.backends.reference import paged_attention_sdpa
 from tokenmill.model.loader import load_model_config, load_weights
+from tokenmill.model_config import ModelConfig
 
 GLOBAL_EVERY_3 = ["sliding_attention", "sliding_attention", "full_attention"] * 2
 VARIANTS = {

@@ -16,7 +16,6 @@ from safetensors.torch import load_file, save_file
 
 from tests.models.gguf_writer import llama_like_writer, write
 from tests.models.tiny import make_tiny_model
-from tokenmill.config import ModelConfig
 from tokenmill.errors import ConfigError, ModelLoadError
 from tokenmill.model import paths
 from tokenmill.model.loader import (
@@ -25,6 +24,7 @@ from tokenmill.model.loader import (
     load_weights,
     resolve_model_path,
 )
+from tokenmill.model_config import ModelConfig
 
 # ---------------------------------------------------------------------------------------------------------
 # The bundled SmolLM2 GGUF against transformers' GGUF loader

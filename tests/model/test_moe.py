@@ -19,12 +19,12 @@ from tests.model.test_families import BACKENDS, NEW_TOKENS, Case, check_case, ma
 from tests.models.gguf_writer import llama_like_writer, write
 from tests.models.tiny import BuiltOnFirstUse, make_tiny_model
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import ModelConfig
 from tokenmill.errors import ConfigError
 from tokenmill.model.backends import CpuBackend, TorchBackend
 from tokenmill.model.backends.base import Backend
 from tokenmill.model.loader import load_model_config, load_weights
 from tokenmill.model.moe import SparseMoE
+from tokenmill.model_config import ModelConfig
 from tokenmill.parallel.layout import ShardedCheckpoint, TPLayout, check_tensor_parallel
 
 KV = 64 << 20

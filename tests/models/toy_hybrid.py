@@ -15,7 +15,6 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from tokenmill.config import ModelConfig
 from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.backends import TorchBackend
 from tokenmill.model.layer_cache import LayerCache
@@ -23,6 +22,7 @@ from tokenmill.model.layers import RMSNorm, SwiGLU
 from tokenmill.model.linear import Linear
 from tokenmill.model.llama import DecoderLayer, LlamaForCausalLM
 from tokenmill.model.registry import register_model
+from tokenmill.model_config import ModelConfig
 
 ARCH = "ToyHybridForCausalLM"
 WINDOW = 8  # keys a window layer sees

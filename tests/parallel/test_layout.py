@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.config import EngineConfig
 from tokenmill.errors import ConfigError
+from tokenmill.model_config import ModelConfig
 from tokenmill.parallel.layout import ShardedCheckpoint, TPLayout, check_tensor_parallel
 
 SMOLLM2 = ModelConfig("LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,

@@ -14,11 +14,12 @@ import torch
 
 from tests.models.tiny import make_tiny_model
 from tests.parallel.test_tensor_parallel import GREEDY, prompts, run
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.messages import AddRequest
 from tokenmill.engine.step_inputs import micro_batches
 from tokenmill.errors import ConfigError, ParallelFailure
+from tokenmill.model_config import ModelConfig
 from tokenmill.parallel.layout import PPStage, StageCheckpoint
 from tokenmill.sampling_params import SamplingParams
 

@@ -14,11 +14,12 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.config import EngineConfig
 from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.disagg.transfer import KVTransferParams, SendResult, TransferLayout
 from tokenmill.engine.hooks import RequestHooks
 from tokenmill.errors import ConfigError
+from tokenmill.model_config import ModelConfig
 
 if TYPE_CHECKING:
     import torch

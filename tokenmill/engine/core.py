@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.config import EngineConfig
 from tokenmill.disagg.engine_hooks import KVTransferHooks
 from tokenmill.engine.hooks import RequestHooks
 from tokenmill.engine.kv_cache import KVCacheManager
@@ -26,6 +26,7 @@ from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.step_cost import StepCostModel
 from tokenmill.engine.step_types import SchedulerOutput, StepResult
 from tokenmill.errors import ConfigError, ParallelFailure
+from tokenmill.model_config import ModelConfig
 from tokenmill.request import Request, RequestStatus
 from tokenmill.spec.draft_model import DraftTarget
 from tokenmill.spec.speculator import Speculator, build_speculator

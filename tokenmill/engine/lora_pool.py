@@ -19,10 +19,10 @@ from tokenmill.model.lora import attach_lora, lora_slots
 if TYPE_CHECKING:
     import torch
 
-    from tokenmill.config import ModelConfig
     from tokenmill.engine.step_types import ScheduledRequest
     from tokenmill.lora.adapter import AdapterWeights
     from tokenmill.lora.request import LoRARequest
+    from tokenmill.model_config import ModelConfig
 
 BASE = -1  # a request without an adapter: no slot
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.config import EngineConfig, ModelConfig, default_kv_cache_memory
+from tokenmill.config import EngineConfig, default_kv_cache_memory
 from tokenmill.engine.kv_layout import KVLayout
 from tokenmill.engine.runner import DTYPES, ModelRunner, kv_bytes_per_token
 from tokenmill.errors import ConfigError
@@ -21,6 +21,7 @@ from tokenmill.model.backends import auto_dtype
 from tokenmill.model.loader import load_model_config, load_weights, resolve_model_path
 from tokenmill.model.paths import is_gguf
 from tokenmill.model.registry import model_class
+from tokenmill.model_config import ModelConfig
 from tokenmill.parallel.context import ContextParallel
 from tokenmill.parallel.group import PipelineParallel, TensorParallel, rank_device
 from tokenmill.parallel.layout import PPStage, TPLayout, check_pipeline_parallel, check_tensor_parallel

@@ -13,6 +13,7 @@ and waiting ones admitted, whom to preempt, and what one step may carry under in
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 
 from tokenmill.engine.step_cost import StepCost, attention_pairs, stretched_step_seconds
@@ -143,6 +144,18 @@ class PriorityPolicy(FcfsPolicy):
             group = 0 if 0 <= slack < float("inf") else 1 if slack < 0 else 2  # can meet, cannot, no target
             return self.rank(req, now)[0], group, slack if group == 0 else 0.0, pos
         return sorted(enumerate(waiting), key=key)
+
+
+def prefill_tokens_by_level(running: list[Request], policy: FcfsPolicy) -> dict[int, int]:
+    """Prompt tokens running requests still have to compute, by their priority level now (all level 0 unless the
+    policy ranks): what a new request's first token waits behind besides the waiting queue."""
+    now, by_level = time.monotonic(), {}
+    for r in running:
+        todo = r.num_prompt_tokens - r.num_computed_tokens
+        if todo > 0:
+            level = policy.level(r, now)
+            by_level[level] = by_level.get(level, 0) + todo
+    return by_level
 
 
 def make_policy(name: str, aging_s: float) -> FcfsPolicy:

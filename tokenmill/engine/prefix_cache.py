@@ -20,6 +20,10 @@ import heapq
 import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenmill.request import Request
 
 
 @dataclass(eq=False)
@@ -220,3 +224,20 @@ class RadixCache:
                 evictable += len(node.blocks)
         assert len(blocks) == len(set(blocks)) == self.cached_blocks, "a block cached twice or miscounted"
         assert evictable == self.evictable_blocks, (evictable, self.evictable_blocks)
+
+
+def computed_by_others(request: Request, cached_tokens: int, prefilling: list[Request], block_size: int) -> bool:
+    """True when a running prefill is about to compute the block that follows `request`'s cached prefix, with the
+    same tokens before it: waiting for it beats computing the same KV twice (the n samples of one request, a burst
+    of requests with one system prompt)."""
+    bs = block_size
+    end = cached_tokens + bs  # the next block, if this request could take it from the cache
+    if end >= request.num_tokens:
+        return False
+    block = request.tokens_slice(end - bs, end)
+    for other in prefilling:
+        if (other.num_computed_tokens < end <= other.num_tokens and other.cache_namespace == request.cache_namespace
+                and other.tokens_slice(end - bs, end) == block
+                and other.tokens_slice(0, end - bs) == request.tokens_slice(0, end - bs)):
+            return True
+    return False

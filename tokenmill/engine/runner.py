@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill.config import ModelConfig
 from tokenmill.engine.cache_tensors import CacheTensors, token_slots
 from tokenmill.engine.kv_layout import KVLayout
 from tokenmill.engine.lora_pool import LoRAPool
@@ -25,6 +24,7 @@ from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.backends import select_backend
 from tokenmill.model.loader import allocate_parameters
 from tokenmill.model.registry import model_class
+from tokenmill.model_config import ModelConfig
 from tokenmill.parallel.driver import model_calls
 from tokenmill.parallel.layout import ShardedCheckpoint, StageCheckpoint
 from tokenmill.quant.methods import linear_method

@@ -49,7 +49,14 @@ from collections import deque
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.multi_step import run_length
-from tokenmill.engine.policy import StepBudget, make_policy, prefill_finish_key, step_budget
+from tokenmill.engine.policy import (
+    StepBudget,
+    make_policy,
+    prefill_finish_key,
+    prefill_tokens_by_level,
+    step_budget,
+)
+from tokenmill.engine.prefix_cache import computed_by_others
 from tokenmill.engine.step_cost import StepCost, StepCostModel
 from tokenmill.engine.step_types import SampledTokens, ScheduledRequest, SchedulerOutput, SchedulerStats
 from tokenmill.request import Request, RequestStatus
@@ -228,7 +235,7 @@ class Scheduler:
             # cached: the prefix this request will not compute (a cache hit, then KV from a producer)
             cached = (len(match.blocks) * self.kv.block_size if match else 0) + self.kv.num_loaded(req, match)
             if (prefilling and not req.computes_whole_prompt and not req.num_external_tokens
-                    and self._computed_by_others(req, cached, prefilling)):
+                    and computed_by_others(req, cached, prefilling, self.kv.block_size)):
                 continue
             todo = req.num_tokens - cached
             long = threshold is not None and todo > threshold
@@ -285,22 +292,6 @@ class Scheduler:
         for req in queue[:last]:
             if req.status is not RequestStatus.RUNNING:
                 req.num_skips += 1
-
-    def _computed_by_others(self, request: Request, cached_tokens: int, prefilling: list[Request]) -> bool:
-        """True when a running prefill is about to compute the block that follows `request`'s cached prefix,
-        with the same tokens before it: waiting for it beats computing the same KV twice (the n samples of one
-        request, a burst of requests with one system prompt)."""
-        bs = self.kv.block_size
-        end = cached_tokens + bs  # the next block, if this request could take it from the cache
-        if end >= request.num_tokens:
-            return False
-        block = request.tokens_slice(end - bs, end)
-        for other in prefilling:
-            if (other.num_computed_tokens < end <= other.num_tokens and other.cache_namespace == request.cache_namespace
-                    and other.tokens_slice(end - bs, end) == block
-                    and other.tokens_slice(0, end - bs) == request.tokens_slice(0, end - bs)):
-                return True
-        return False
 
     def _form_static_batch(self, now: float) -> None:
         """Static batching: a fixed batch joins together and no one else joins until all of it has ended."""
@@ -403,20 +394,9 @@ class Scheduler:
             preemptions_by_cause=dict(self.preemptions_by_cause),
             step_cost=self.step_cost.fitted if self.step_cost is not None else None,
             running_context_tokens=sum(r.num_computed_tokens for r in self.running),
-            prefill_tokens_by_level=self._prefill_tokens_by_level(),
+            prefill_tokens_by_level=prefill_tokens_by_level(self.running, self.policy),
             new_token_ratio=self.new_token_ratio,
             leaked_blocks=self.leaked_blocks,
             num_requeued=len(requeued := [r for r in self.waiting if r.first_scheduled_time is not None]),
             num_requeued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in requeued),
         )
-
-    def _prefill_tokens_by_level(self) -> dict[int, int]:
-        """Prompt tokens running requests still have to compute, by their priority level now (all level 0 unless
-        the policy ranks): what a new request's first token waits behind besides the waiting queue."""
-        now, by_level = time.monotonic(), {}
-        for r in self.running:
-            todo = r.num_prompt_tokens - r.num_computed_tokens
-            if todo > 0:
-                level = self.policy.level(r, now)
-                by_level[level] = by_level.get(level, 0) + todo
-        return by_level

@@ -22,7 +22,7 @@ from tokenmill.errors import InvalidRequest
 if TYPE_CHECKING:
     import torch
 
-    from tokenmill.config import ModelConfig
+    from tokenmill.model_config import ModelConfig
 
     # {(layer, projection): (A [r, in], scaled B^T [r, out])}: what load_adapter_weights gives
     AdapterWeights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.config import REGISTERED_ARCHITECTURES, ModelConfig
 from tokenmill.errors import ModelLoadError
+from tokenmill.model_config import REGISTERED_ARCHITECTURES, ModelConfig
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from tokenmill.config import ModelConfig
 from tokenmill.errors import ConfigError, ModelLoadError
 from tokenmill.family_config import longrope_scaling
 from tokenmill.model.checkpoint import Checkpoint, expected_shapes, expert_tensor_name, fused_parts
+from tokenmill.model_config import ModelConfig
 from tokenmill.quant.gguf import GGUFFile
 from tokenmill.quant.gguf_blocks import GGMLBlocks, dequantize, kept_gguf_type
 from tokenmill.quant.kquants import TRANSCODED

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.checkpoint import Checkpoint, expected_shapes, fused_parts
+from tokenmill.model_config import ModelConfig
 from tokenmill.quant.awq_format import BLOCK, Int4Groups
 from tokenmill.quant.gguf_blocks import GGMLBlocks
 

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.backends import Backend, LinearWeights, TorchBackend
@@ -22,6 +21,7 @@ from tokenmill.model.layer_cache import LayerCache
 from tokenmill.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, VocabEmbedding
 from tokenmill.model.linear import Linear, LinearMethod, TiedLMHead, default_weight_loader
 from tokenmill.model.loader import allocate_parameters, one_torch_thread
+from tokenmill.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from tokenmill.model.lora import LoRABatch

@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.checkpoint import Checkpoint
 from tokenmill.model.gguf_checkpoint import GGUFCheckpoint, gguf_model_config
 from tokenmill.model.hf_checkpoint import AWQCheckpoint, SafetensorsCheckpoint, read_json
 from tokenmill.model.paths import SUPPORTED_FORMS, default_model_path, is_gguf, resolve_model_path  # noqa: F401
+from tokenmill.model_config import ModelConfig
 from tokenmill.quant.awq_format import awq_config
 from tokenmill.quant.gguf import GGUFFile
 

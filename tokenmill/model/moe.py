@@ -19,10 +19,10 @@ from tokenmill.model.layers import SwiGLU
 from tokenmill.model.linear import Linear
 
 if TYPE_CHECKING:
-    from tokenmill.config import ModelConfig
     from tokenmill.model.backends import Backend
     from tokenmill.model.linear import LinearMethod
     from tokenmill.model.llama import Reduce
+    from tokenmill.model_config import ModelConfig
 
 ROUTER_ROWS = 16  # a router's rows are padded to a multiple of this (Router)
 # our HF-style names of an MoE block's tensors (model/llama.py FUSED_SHARDS splits gate_up into gate and up)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.config import REGISTERED_ARCHITECTURES, ModelConfig
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.gemma3 import Gemma3ForCausalLM
 from tokenmill.model.llama import LlamaForCausalLM
@@ -15,6 +14,7 @@ from tokenmill.model.phi3 import Phi3ForCausalLM
 from tokenmill.model.qwen3 import Qwen3ForCausalLM
 from tokenmill.model.qwen3_moe import Qwen3MoeForCausalLM
 from tokenmill.model.smollm3 import SmolLM3ForCausalLM
+from tokenmill.model_config import REGISTERED_ARCHITECTURES, ModelConfig
 
 _REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from tokenmill.config import ModelConfig
 from tokenmill.errors import ConfigError
+from tokenmill.model_config import ModelConfig
 
 
 def check_tensor_parallel(cfg: ModelConfig, size: int, expert_parallel: bool = False) -> None:

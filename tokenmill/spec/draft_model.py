@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill.config import ModelConfig, SpeculativeConfig
+from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.sampler import Sampler, SamplingRow, draw
 from tokenmill.errors import ConfigError
+from tokenmill.model_config import ModelConfig
 from tokenmill.request import Request
 
 if TYPE_CHECKING:

@@ -25,7 +25,14 @@ import torch
 from torch import nn
 
 from tokenmill.model.backends.base import LinearWeights
-from tokenmill.model.backends.cpu_decode import DECODE_MODEL, LAYER_STACK, LAYER_WEIGHTS, decode_model, layer_stack
+from tokenmill.model.backends.cpu_decode import (
+    DECODE_MODEL,
+    LAYER_STACK,
+    LAYER_WEIGHTS,
+    decode_model,
+    layer_stack,
+)
+from tokenmill.model.backends.cpu_experts import expert_tensors
 from tokenmill.model.backends.cpu_rows import gguf_tile_rows, int8_tile_rows, tile_rows
 from tokenmill.model.backends.huge_pages import move_to_huge_pages
 from tokenmill.model.backends.reference import TorchBackend, split_qkv
@@ -236,7 +243,7 @@ class CpuBackend(TorchBackend):
         """csrc/moe.cpp: the grouped experts in one call (the experts spread over the threads while each has few
         tokens), through the same linear kernels as the reference path, so the same bits."""
         kernel = getattr(self.ops, "moe_experts", None)
-        tensors = _expert_tensors(experts) if kernel is not None and _rows(x) else None
+        tensors = expert_tensors(experts) if kernel is not None and _rows(x) else None
         if tensors is None:
             return super().moe_experts(x, ids, weights, experts, first)
         return kernel(x, ids, weights, first, *tensors)
@@ -385,33 +392,3 @@ class CpuBackend(TorchBackend):
         if decoder is None:
             return None
         return decoder.logits(input_ids, positions, block_tables, [k for k, _ in kv_caches], [v for _, v in kv_caches])
-
-
-def _expert_tensors(experts: nn.ModuleList) -> tuple[list[torch.Tensor], ...] | None:
-    """Per expert, what csrc/moe.cpp's moe_experts takes: the gate/up weight, its packed copy and scales, then the
-    down projection's (empty tensors where a layer has none), as the whole-layer stack's _layer_weights gathers
-    them; None where a quantized weight has no packed copy (the C++ linear reads those only packed). Kept on the
-    module list until its experts' packed weights are replaced (a reload packs them anew)."""
-    first = experts[0].gate_up_proj
-    cached = getattr(experts, "_kernel_tensors", None)
-    if cached is not None and cached[0] is first.packed_weight and cached[1] is first.weight:
-        return cached[2]
-    layers = [m for e in experts for m in (e.gate_up_proj, e.down_proj)]
-    if any((getattr(m, "qweight", None) is not None or getattr(m, "gguf_type", None) is not None)
-           and m.packed_weight is None for m in layers):
-        experts._kernel_tensors = (first.packed_weight, first.weight, None)
-        return None
-    empty = torch.empty(0, dtype=experts[0].gate_up_proj.weight.dtype)
-
-    def packed(m: nn.Module) -> torch.Tensor:
-        return empty if m.packed_weight is None else m.packed_weight
-
-    def scale(m: nn.Module) -> torch.Tensor:
-        s = getattr(m, "weight_scale", None)
-        return s if s is not None and m.packed_weight is not None else empty
-
-    gate_up, down = [e.gate_up_proj for e in experts], [e.down_proj for e in experts]
-    tensors = ([m.weight for m in gate_up], [packed(m) for m in gate_up], [scale(m) for m in gate_up],
-               [m.weight for m in down], [packed(m) for m in down], [scale(m) for m in down])
-    experts._kernel_tensors = (first.packed_weight, first.weight, tensors)
-    return tensors

@@ -1,0 +1,194 @@
+"""ModelConfig: the shape of a model, read from config.json or GGUF metadata (plain Python: no torch), and the
+architectures tokenmill serves."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from tokenmill.errors import ConfigError
+from tokenmill.family_config import (
+    GEMMA3,
+    MOE_ARCHITECTURES,
+    OLMOE,
+    gemma3_hf_fields,
+    hf_gemma3_fields,
+    hf_max_positions,
+    hf_moe_fields,
+    hf_nope_layers,
+    hf_rope_scaling,
+    moe_hf_fields,
+)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Phi3ForCausalLM", "SmolLM3ForCausalLM", GEMMA3, *MOE_ARCHITECTURES)
+# Architectures of model classes registered from outside the package (model/registry.py register_model), read as
+# Llama-family configs -> the weights (HF name -> shape) a config of it needs
+REGISTERED_ARCHITECTURES: dict[str, Callable[[ModelConfig], dict[str, tuple[int, ...]]]] = {}
+# A base model's architecture (no language-model head: an embedding checkpoint, e.g. Qwen3-Embedding's "Qwen3Model")
+# -> its family's; such a model serves embeddings only (ModelConfig.headless)
+BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
+               "Qwen3Model": "Qwen3ForCausalLM"}
+# config.json `model_type` -> architecture, for configs without `architectures` (and back, for to_hf_dict)
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+               "gemma3_text": GEMMA3, "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+               "olmoe": OLMOE}
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a Llama-family model, read from config.json or GGUF metadata."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm of q and k before rotary: per head (Qwen3's q_norm/k_norm), or whole (OLMoE's)
+    partial_rotary_factor: float = 1.0  # the share of head_dim that rotary turns (Phi-4-mini: 0.75)
+    nope_layers: list[int] = field(default_factory=list)  # layers without rotary (SmolLM3's NoPE layers)
+    # Gemma 3: in `sliding_layers` a token sees its last `sliding_window` keys (itself included), rotated with base
+    # `rope_local_theta` (the other layers: rope_theta and rope_scaling); scores scaled by query_pre_attn_scalar**-0.5
+    sliding_window: int | None = None
+    sliding_layers: list[int] = field(default_factory=list)
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None  # None: head_dim
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    # a base model's checkpoint (BASE_MODELS): no head of its own, its weights named without the "model." prefix;
+    # loaded with the embedding as its (tied) head, it serves embeddings only
+    headless: bool = False
+    # mixture of experts (Mixtral, Qwen3-MoE, OLMoE): each token's MLP is the weighted sum of `num_experts_per_tok`
+    # of `num_experts` SwiGLU experts (moe_intermediate_size columns each), picked by a router's softmax, the top
+    # weights renormalised to sum to 1 where `norm_topk_prob`; `dense_layers` keep a plain MLP (Qwen3-MoE's
+    # mlp_only_layers). num_experts 0: a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: list[int] = field(default_factory=list)
+    clip_qkv: float | None = None  # OLMoE: q, k (after their norms) and v clamped to [-clip, clip]
+    # expert parallelism: the experts [start, start + count) this rank holds (parallel/layout.py); None: all
+    expert_range: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES and self.architecture not in REGISTERED_ARCHITECTURES:
+            raise ConfigError(
+                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(f"num_experts_per_tok {self.num_experts_per_tok} must be in [1, num_experts "
+                              f"{self.num_experts}]")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ConfigError(f"partial_rotary_factor {self.partial_rotary_factor} of head_dim {self.head_dim} "
+                              "does not give an even number of rotated dims")
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def local_experts(self) -> range:
+        """The experts this model (this rank's share of it, under expert parallelism) holds."""
+        start, count = self.expert_range or (0, self.num_experts)
+        return range(start, start + count)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dims of each head that rotary turns (the rest pass through), as transformers rounds it."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def serving(self, max_model_len: int | None) -> ModelConfig:
+        """This config for an engine serving sequences of up to `max_model_len` tokens (None: the model's
+        positions): long-rope fixes its factor set for that context (model/layers.py rope_frequencies says why)."""
+        scaling = self.rope_scaling
+        if not scaling or scaling.get("rope_type") != "longrope":
+            return self
+        served = max_model_len or self.max_position_embeddings
+        long = served > scaling["original_max_position_embeddings"]
+        return replace(self, rope_scaling={**scaling, "long": long})
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face config.json dictionary."""
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else MODEL_TYPES.get(cfg.get("model_type", ""), "?")
+        headless = arch in BASE_MODELS
+        arch = BASE_MODELS.get(arch, arch)
+        num_heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        family = hf_gemma3_fields(cfg) if arch == GEMMA3 else {"rope_scaling": hf_rope_scaling(cfg)}
+        if arch in MOE_ARCHITECTURES:
+            family.update(hf_moe_fields(arch, cfg))
+        return cls(**{**dict(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            max_position_embeddings=hf_max_positions(arch, cfg),
+            tie_word_embeddings=headless or cfg.get("tie_word_embeddings", False),
+            headless=headless,
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch in ("Qwen3ForCausalLM", GEMMA3, "Qwen3MoeForCausalLM", OLMOE),
+            partial_rotary_factor=float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor")
+                                        or 1.0),
+            nope_layers=hf_nope_layers(cfg) if arch == "SmolLM3ForCausalLM" else [],
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        ), **family})
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A Hugging Face config.json dictionary that from_hf_dict reads back as this config (for writing a model
+        directory from a GGUF file, e.g. `tokenmill quantize`)."""
+        model_type = {a: t for t, a in MODEL_TYPES.items()}.get(self.architecture, "llama")
+        eos = self.eos_token_ids
+        family: dict[str, Any] = {}
+        if self.partial_rotary_factor != 1.0:
+            family["partial_rotary_factor"] = self.partial_rotary_factor
+        if self.architecture == "SmolLM3ForCausalLM":
+            family["no_rope_layers"] = [int(i not in self.nope_layers) for i in range(self.num_layers)]
+        if self.architecture == GEMMA3:
+            family = gemma3_hf_fields(self.sliding_window, self.sliding_layers, self.num_layers,
+                                      self.rope_local_theta, self.query_pre_attn_scalar)
+        if self.moe:
+            family = moe_hf_fields(self.architecture, self.num_experts, self.num_experts_per_tok,
+                                   self.moe_intermediate_size, self.norm_topk_prob, self.dense_layers, self.clip_qkv)
+        return {"architectures": [self.architecture], "model_type": model_type,
+                "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size,
+                "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+                "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps,
+                "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
+                "max_position_embeddings": self.max_position_embeddings,
+                "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.attention_bias,
+                "hidden_act": "silu", "bos_token_id": self.bos_token_id,
+                "eos_token_id": eos[0] if len(eos) == 1 else (list(eos) or None), **family}
+
+    @property
+    def kv_bytes_per_token_per_element(self) -> int:
+        """K and V elements per token over all layers (multiply by the dtype's size)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
