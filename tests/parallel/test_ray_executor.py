@@ -65,7 +65,7 @@ def test_a_ray_rank_that_dies_while_idle_fails_the_health_check(ray_cluster, gqa
     engine = core(gqa, "ray", context_parallel_size=2)
     try:
         engine.check_health()
-        engine.executor.procs[0].kill()
+        engine.executor.ranks.procs[0].kill()
         deadline = time.monotonic() + 10
         with pytest.raises(ParallelFailure, match=r"parallel rank 1 \(ray task .*\) exited with code 1"):
             while time.monotonic() < deadline:
