@@ -43,8 +43,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenmill.bench.datasets import random_requests
 from tokenmill.bench.loadgen import LoadConfig, first_model, run_load
 from tokenmill.disagg import make_connector
-from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.disagg.transfer import KVTransferParams, TransferLayout
+from tokenmill.kv_transfer_config import KVTransferConfig
 from tokenmill.model.cpu_kernels import cpu_isa
 from tokenmill.model.loader import default_model_path
 from tokenmill.tokenizer import Tokenizer

@@ -77,7 +77,7 @@ def matmul_part(mods: list[ModuleType], rounds: int, allow: bool) -> None:
     from gguf import GGMLQuantizationType as T
     from gguf import quants
 
-    from tokenmill.quant.gguf_tiles import gguf_pack
+    from tokenmill.model.backends.gguf_tiles import gguf_pack
 
     if mods[0].gguf_kernel() not in ("vnni", "avx2"):
         print("matmul: skipped (the kept-GGUF kernel here reads AMX tiles, not quads)")

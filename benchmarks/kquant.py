@@ -1,4 +1,4 @@
-"""K-quants kept in their blocks (quant/kquants.py) against dequantized at load and against llama.cpp's own kernels,
+"""K-quants kept in their blocks (formats/kquants.py) against dequantized at load and against llama.cpp's own kernels,
 on one GGUF file (default: Gemma 3 270M Q4_K_M), side by side in one run.
 
     python benchmarks/kquant.py                                  # every part, the run in BENCHMARKS.md

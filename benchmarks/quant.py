@@ -30,9 +30,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tokenmill.model.backends.gguf_tiles import gguf_pack, kernel_layout
 from tokenmill.model.cpu_kernels import _extension, cpu_isa
 from tokenmill.quant.fp8 import quantize_fp8
-from tokenmill.quant.gguf_tiles import gguf_pack, kernel_layout
 from tokenmill.quant.int8 import quantize_int8
 
 LAYERS = 30

@@ -43,8 +43,8 @@ def matmul() -> None:
     from gguf import GGMLQuantizationType as T
     from gguf import quants
 
+    from tokenmill.model.backends.gguf_tiles import gguf_pack
     from tokenmill.model.cpu_kernels import _extension
-    from tokenmill.quant.gguf_tiles import gguf_pack
 
     ops = _extension()
     g = torch.Generator().manual_seed(0)

@@ -32,7 +32,7 @@ from tokenmill.llm import LLM
 from tokenmill.model.cpu_kernels import cpu_isa
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.backend import GrammarCache, MatcherFactory
-from tokenmill.structured.params import StructuredOutputsParams
+from tokenmill.structured_params import StructuredOutputsParams
 
 SCHEMAS = {
     "person": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},

@@ -6,9 +6,9 @@ import pytest
 
 from tokenmill.cli import build_parser
 from tokenmill.config import SpeculativeConfig
-from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.engine_args import EngineArgs
 from tokenmill.errors import ConfigError
+from tokenmill.kv_transfer_config import KVTransferConfig
 from tokenmill.server.multi_launch import split_models
 
 # a non-default value per field, as typed on the command line and as it should arrive in the config

@@ -10,8 +10,8 @@ import pytest
 
 from tests.models.tiny import make_tiny_model
 from tokenmill.errors import ModelLoadError
+from tokenmill.formats.gguf import GGUFFile
 from tokenmill.model.loader import default_model_path
-from tokenmill.quant.gguf import GGUFFile
 from tokenmill.tokenizer import Tokenizer, _direct_loader, build_fast_gguf_tokenizer
 
 TEXTS = [

@@ -7,9 +7,9 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.errors import ConfigError
 from tokenmill.json_flag import json_flag
+from tokenmill.kv_transfer_config import KVTransferConfig
 
 if TYPE_CHECKING:
     import torch

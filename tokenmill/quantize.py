@@ -1,5 +1,5 @@
 """`tokenmill quantize`: a model's matmul weights to INT4 in groups, written as an AWQ checkpoint (AutoAWQ's GEMM
-layout, quant/awq_format.py) that `tokenmill serve --model DIR` (and vLLM) loads. `--method awq` calibrates on the
+layout, formats/awq_format.py) that `tokenmill serve --model DIR` (and vLLM) loads. `--method awq` calibrates on the
 calibration half of ShareGPT (tokenmill/eval.py: never the text `tokenmill eval ppl` scores); `--method rtn` rounds
 to nearest in the same format, the baseline AWQ must beat."""
 

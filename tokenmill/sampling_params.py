@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from tokenmill.errors import InvalidRequest
-from tokenmill.structured.params import StructuredOutputsParams
+from tokenmill.structured_params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_N = 64
@@ -44,7 +44,7 @@ class SamplingParams:
     priority: int = 0
     slo_ttft_ms: float | None = None  # time to first token target
     slo_itl_ms: float | None = None  # inter-token latency target
-    # the output follows a JSON schema, regex, choice or grammar (structured/params.py); a dict of its fields works
+    # the output follows a JSON schema, regex, choice or grammar (structured_params.py); a dict of its fields works
     structured_outputs: StructuredOutputsParams | dict | None = None
     # token id -> a bias in [-100, 100] added to its logit before sampling (OpenAI's logit_bias); -100 bans the token
     logit_bias: dict[int, float] | None = None

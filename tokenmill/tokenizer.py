@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.quant.gguf import GGUFFile
+from tokenmill.formats.gguf import GGUFFile
 
 log = logging.getLogger(__name__)
 

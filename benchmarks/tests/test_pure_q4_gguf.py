@@ -9,8 +9,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from benchmarks.tests.scripts import load_benchmark_script
+from tokenmill.formats.gguf import GGUFFile
 from tokenmill.model.paths import default_model_path
-from tokenmill.quant.gguf import GGUFFile
 
 pure_q4_gguf = load_benchmark_script("pure_q4_gguf.py")
 

@@ -15,11 +15,11 @@ import torch
 
 from tokenmill.disagg import make_connector
 from tokenmill.disagg.auth import handshake_mac, transfer_token
-from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.disagg.connector import KVConnector
 from tokenmill.disagg.tcp import prove_producer, recv_frame, send_frame
 from tokenmill.disagg.transfer import KVTransferParams, TransferHeader, TransferLayout
 from tokenmill.errors import ConfigError, InvalidRequest
+from tokenmill.kv_transfer_config import KVTransferConfig
 
 LAYOUT = TransferLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16", itemsize=2)
 SECRET = "connector-test-secret-0123456789"

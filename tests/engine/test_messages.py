@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from tokenmill.disagg.transfer import KVTransferStats
 from tokenmill.engine.kv_cache import PrefixCacheStats
 from tokenmill.engine.messages import (
     AbortRequests,
@@ -24,9 +25,8 @@ from tokenmill.engine.messages import (
 from tokenmill.engine.step_cost import StepCost
 from tokenmill.engine.step_types import SchedulerStats
 from tokenmill.errors import ContextTooLong, ServerOverloaded
-from tokenmill.spec.stats import SpecDecodeStats
-from tokenmill.disagg.transfer import KVTransferStats
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_stats import SpecDecodeStats
 
 CLIENT_MESSAGES = [
     AddRequest("r#1", [1, 2, 3], SamplingParams(n=2, temperature=0.5, seed=8, stop=["\n"], logprobs=2), 7,

@@ -12,14 +12,13 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-
 from gguf import GGMLQuantizationType as T
 
 from tests.model.isa_jobs import FLAGS, TARGETS, amx_syntax_result, build, wait
 from tests.quant.test_gguf_avx2 import weight
+from tokenmill.model.backends.gguf_tiles import gguf_pack
 from tokenmill.model.backends.reference import paged_attention_sdpa
 from tokenmill.model.cpu_kernels import _extension
-from tokenmill.quant.gguf_tiles import gguf_pack
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")]
 

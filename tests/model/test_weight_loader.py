@@ -15,6 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests.models.tiny import make_tiny_model
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.errors import ModelLoadError
+from tokenmill.formats import gguf_blocks
+from tokenmill.formats.gguf import GGUFFile
 from tokenmill.model.checkpoint import Checkpoint
 from tokenmill.model.linear import Linear
 from tokenmill.model.llama import LlamaForCausalLM
@@ -24,8 +26,6 @@ from tokenmill.model.loader import (
     load_model_config,
     load_weights,
 )
-from tokenmill.quant import gguf_blocks
-from tokenmill.quant.gguf import GGUFFile
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from tests.models.tiny import make_tiny_model
 from tokenmill import LLM, SamplingParams
+from tokenmill.formats.awq_format import fake_quantize
 from tokenmill.quant.awq import capture_inputs, dense_state, quantize_model, search_clip, search_scale
-from tokenmill.quant.awq_format import fake_quantize
 
 KV = 64 << 20
 

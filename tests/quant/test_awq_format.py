@@ -1,4 +1,4 @@
-"""AWQ's on-disk and run-time forms (tokenmill/quant/awq_format.py, model/hf_checkpoint.py AWQCheckpoint): AutoAWQ's GEMM
+"""AWQ's on-disk and run-time forms (tokenmill/formats/awq_format.py, model/hf_checkpoint.py AWQCheckpoint): AutoAWQ's GEMM
 packing, round-to-nearest groups, Q4_Z blocks that decode to exactly (q - z) * s, and a written checkpoint that
 loads back with clear errors for the broken ones."""
 
@@ -15,15 +15,15 @@ from tests.quant.common import assert_kept_tracks_dense
 from tokenmill import LLM, SamplingParams
 from tokenmill.cli import main
 from tokenmill.errors import ConfigError, ModelLoadError
-from tokenmill.model.cpu_kernels import _extension
-from tokenmill.quant.awq_format import (
+from tokenmill.formats.awq_format import (
     AWQ_ORDER,
     Int4Groups,
     pack_features,
     quantize_groups,
     unpack_features,
 )
-from tokenmill.quant.gguf_blocks import Q4_Z, dequantize
+from tokenmill.formats.gguf_blocks import Q4_Z, dequantize
+from tokenmill.model.cpu_kernels import _extension
 
 ops = _extension()
 KEPT = ops.gguf_kernel() if ops is not None else ""  # amx, vnni, or "" (the reference)

@@ -8,11 +8,11 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, quants
 
-import tokenmill.quant.gguf_blocks as tm_gguf_blocks
+import tokenmill.formats.gguf_blocks as tm_gguf_blocks
 from tokenmill.errors import ModelLoadError
+from tokenmill.formats.gguf import GGUFFile
+from tokenmill.formats.gguf_blocks import dequantize
 from tokenmill.model.loader import default_model_path
-from tokenmill.quant.gguf import GGUFFile
-from tokenmill.quant.gguf_blocks import dequantize
 
 OWN_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1]
 

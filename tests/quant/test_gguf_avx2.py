@@ -13,10 +13,18 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
-from tests.quant.test_gguf_linear import AVX2, KEPT, blocks_of, int8_blocks, needs_avx2, ops, split_int8_blocks
+from tests.quant.test_gguf_linear import (
+    AVX2,
+    KEPT,
+    blocks_of,
+    int8_blocks,
+    needs_avx2,
+    ops,
+    split_int8_blocks,
+)
 from tests.quant.test_kquants import kept_blocks
-from tokenmill.quant.gguf_blocks import Q4_Z, dequantize
-from tokenmill.quant.gguf_tiles import gguf_pack
+from tokenmill.formats.gguf_blocks import Q4_Z, dequantize
+from tokenmill.model.backends.gguf_tiles import gguf_pack
 
 pytestmark = needs_avx2
 QUADS_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, Q4_Z, T.Q5_0, T.Q4_K, T.Q5_K, T.Q6_K]

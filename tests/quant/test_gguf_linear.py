@@ -1,4 +1,4 @@
-"""GGUF blocks kept at run time (quant/gguf_linear.py, quant/gguf_tiles.py, csrc/gguf_linear.cpp,
+"""GGUF blocks kept at run time (quant/gguf_linear.py, model/backends/gguf_tiles.py, csrc/gguf_linear.cpp,
 csrc/gguf_vnni.cpp, csrc/gguf_avx2.cpp): the tile kernel widens blocks to exactly the bfloat16 weights the
 dequantize-at-load path loads, so every output is bit for bit the dequantized model's; the VNNI kernel (no AMX)
 and the AVX2 one multiply them with x rounded in two int8 blocks (its int8 blocks, then those of what they left), so
@@ -17,12 +17,12 @@ from gguf import quants
 from tests.model.test_loader import _tiny_gguf
 from tests.quant.common import assert_kept_tracks_dense
 from tokenmill import LLM, SamplingParams
+from tokenmill.formats.awq_format import quantize_groups
+from tokenmill.formats.gguf_blocks import Q4_Z, dequantize
 from tokenmill.model.backends import CpuBackend, TorchBackend
 from tokenmill.model.backends.cpu_decode import decode_model
+from tokenmill.model.backends.gguf_tiles import gguf_pack, gguf_unpack_rows, kernel_dtypes, kernel_layout
 from tokenmill.model.cpu_kernels import _extension, cpu_isa
-from tokenmill.quant.awq_format import quantize_groups
-from tokenmill.quant.gguf_blocks import Q4_Z, dequantize
-from tokenmill.quant.gguf_tiles import gguf_pack, gguf_unpack_rows, kernel_dtypes, kernel_layout
 
 ops = _extension()
 TILES = ops is not None and ops.bf16_kernel() != ""  # AMX tiles or AVX512-BF16
@@ -37,7 +37,7 @@ needs_vnni = pytest.mark.skipif(KEPT not in ("vnni", "amx"), reason="the VNNI ke
 AVX2 = ops is not None and "avx2" in cpu_isa().split()
 needs_avx2 = pytest.mark.skipif(not AVX2, reason="the AVX2 kernel is built where the CPU has AVX2")
 TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
-TILE_TYPES = [*TYPES, Q4_Z]  # and AWQ's groups (quant/awq_format.py), which no GGUF file holds
+TILE_TYPES = [*TYPES, Q4_Z]  # and AWQ's groups (formats/awq_format.py), which no GGUF file holds
 KV = 64 << 20
 
 
@@ -205,9 +205,9 @@ def test_unpacked_rows_are_the_packed_rows_blocks(qtype, layout, kernel):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rows_decoded_in_cpp_are_the_decoders_bits(qtype, dtype):
     """A kept embedding's lookup decodes its blocks in C++ (ops.gguf_decode_rows): every value must be the one
-    quant/gguf_blocks.py's decoders give, in float32 and after its rounding to the model's dtype."""
+    formats/gguf_blocks.py's decoders give, in float32 and after its rounding to the model's dtype."""
+    from tokenmill.formats.gguf_blocks import decode_rows
     from tokenmill.model.backends.cpu_rows import DECODED_IN_CPP, gguf_tile_rows
-    from tokenmill.quant.gguf_blocks import decode_rows
 
     g = torch.Generator().manual_seed(7)
     raw = blocks_of(torch.randn(48, 96, generator=g) * 3, qtype)

@@ -10,8 +10,8 @@ from gguf import quants
 
 from tests.quant.common import KV, tiny_batch_and_dense
 from tokenmill import LLM
+from tokenmill.formats.gguf_blocks import dequantize
 from tokenmill.model.cpu_kernels import _extension
-from tokenmill.quant.gguf_blocks import dequantize
 from tokenmill.quant.int4 import quantize_q4_1
 
 ops = _extension()

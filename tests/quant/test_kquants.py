@@ -1,4 +1,4 @@
-"""K-quants kept (quant/kquants.py, csrc/gguf_vnni.cpp): Q4_K, Q5_K and Q6_K re-cut into blocks of 32, and Q5_0
+"""K-quants kept (formats/kquants.py, csrc/gguf_vnni.cpp): Q4_K, Q5_K and Q6_K re-cut into blocks of 32, and Q5_0
 as Q8_0, dequantize to exactly the gguf package's values (llama.cpp's dequantizers, in numpy), as do Q5_0's own
 blocks; the VNNI kernel multiplies them (Q5_0 in its own blocks) as it does Q4_0/Q8_0, the dequantized weight times
 x rounded in two int8 blocks, at odd shapes, in gate/up pairs and whatever the batch; a fused layer of Q5_0 and Q8_0
@@ -14,9 +14,9 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants
 
 from tests.quant.test_gguf_linear import needs_vnni, ops, split_int8_blocks
-from tokenmill.quant.gguf_blocks import Q4_KS, Q5_KS, Q6_KS, dequantize
-from tokenmill.quant.gguf_tiles import gguf_pack, gguf_unpack_rows, kernel_layout
-from tokenmill.quant.kquants import transcode
+from tokenmill.formats.gguf_blocks import Q4_KS, Q5_KS, Q6_KS, dequantize
+from tokenmill.formats.kquants import transcode
+from tokenmill.model.backends.gguf_tiles import gguf_pack, gguf_unpack_rows, kernel_layout
 
 BLOCK_BYTES = {T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}
 
@@ -128,9 +128,9 @@ def test_no_amx_tiles_for_recut_blocks():
 def test_a_fused_layer_of_q5_0_and_q8_0_keeps_q8_0():
     """Gemma 3's q/k/v: Q5_0, Q5_0, Q8_0 in the file, one kept type (Q8_0) for the fused projection; a layer of Q5_0
     alone keeps it; the reference backend takes every kept form."""
+    from tokenmill.formats.gguf_blocks import GGMLBlocks
     from tokenmill.model.backends import TorchBackend
     from tokenmill.model.linear import Linear
-    from tokenmill.quant.gguf_blocks import GGMLBlocks
     from tokenmill.quant.gguf_linear import GGUFLinearMethod
 
     method = GGUFLinearMethod()

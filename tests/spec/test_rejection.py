@@ -1,8 +1,8 @@
-"""Rejection sampling (spec/rejection.py): the output follows the target distribution p whatever the draft's q."""
+"""Rejection sampling (engine/rejection.py): the output follows the target distribution p whatever the draft's q."""
 
 import torch
 
-from tokenmill.spec.rejection import rejection_sample
+from tokenmill.engine.rejection import rejection_sample
 
 
 def chi2_pvalue(observed: torch.Tensor, expected: torch.Tensor) -> float:

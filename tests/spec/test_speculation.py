@@ -21,7 +21,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.messages import AddRequest
 from tokenmill.request import Request
-from tokenmill.spec.stats import SpecDecodeStats
+from tokenmill.spec_stats import SpecDecodeStats
 
 KV = 32 << 20
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}

@@ -6,7 +6,7 @@ milliseconds for a usual schema; a `tag` makes each a new constraint, so no cach
 from __future__ import annotations
 
 from tokenmill.structured.backend import grammar_text
-from tokenmill.structured.params import StructuredOutputsParams
+from tokenmill.structured_params import StructuredOutputsParams
 
 
 def slow_schema(tag: str, width: int = 60) -> dict:

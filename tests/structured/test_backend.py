@@ -16,7 +16,7 @@ from tests.models.tiny import EOS_ID, SMOLLM2_VOCAB, smollm2_tokenizer
 from tokenmill.errors import InvalidRequest
 from tokenmill.structured import backend
 from tokenmill.structured.backend import GrammarCache, MatcherFactory, grammar_text
-from tokenmill.structured.params import StructuredOutputsParams
+from tokenmill.structured_params import StructuredOutputsParams
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
           "required": ["n"], "additionalProperties": False}
@@ -99,7 +99,7 @@ def test_least_recently_used_entry_is_evicted(counted: list, monkeypatch: pytest
 def test_choices_that_join_alike_are_different_entries() -> None:
     """A choice holding the key's separator must not share a cache entry with the list it splits into.
 
-    Bug (tokenmill/structured/params.py `key`): choices are joined with NUL, so ["a\\x00b"] and ["a", "b"] get one
+    Bug (tokenmill/structured_params.py `key`): choices are joined with NUL, so ["a\\x00b"] and ["a", "b"] get one
     key, and whichever is checked first gives its grammar to the other."""
     cache = GrammarCache()
     cache.check(StructuredOutputsParams(choice=["a\x00b"]))
@@ -211,7 +211,7 @@ def test_json_output_has_no_free_whitespace() -> None:
 def test_checking_does_not_import_torch() -> None:
     """The API process never loads torch: checking a schema must not either."""
     code = ("import sys; from tokenmill.structured.backend import GrammarCache; "
-            "from tokenmill.structured.params import StructuredOutputsParams as S; "
+            "from tokenmill.structured_params import StructuredOutputsParams as S; "
             "GrammarCache().check(S(json={'type': 'object'})); GrammarCache().check(S(regex='a+')); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)

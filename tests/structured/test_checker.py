@@ -21,7 +21,7 @@ from tokenmill.errors import InvalidRequest, ServerBusy
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured import checker as checker_module
 from tokenmill.structured.checker import GrammarChecker
-from tokenmill.structured.params import StructuredOutputsParams
+from tokenmill.structured_params import StructuredOutputsParams
 
 LIMIT_S = 0.3
 # one more slow check than the default thread pool has threads: were checks run there, none would be left

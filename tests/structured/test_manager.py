@@ -19,7 +19,7 @@ from tests.structured.grammars import slow_grammar, slow_schema
 from tokenmill.errors import ServerBusy
 from tokenmill.structured.backend import GrammarCache, MatcherFactory, grammar_text
 from tokenmill.structured.manager import StructuredOutputs, apply_bitmask
-from tokenmill.structured.params import StructuredOutputsParams
+from tokenmill.structured_params import StructuredOutputsParams
 
 WORDS = (SMOLLM2_VOCAB + 31) // 32
 ALL = -1  # an int32 word with every bit set

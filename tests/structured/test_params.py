@@ -1,4 +1,4 @@
-"""StructuredOutputsParams (tokenmill/structured/params.py): exactly one constraint, unknown fields and bad types
+"""StructuredOutputsParams (tokenmill/structured_params.py): exactly one constraint, unknown fields and bad types
 refused naming the field, a schema's cache key independent of how it was given, its properties' order kept."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from tokenmill.errors import InvalidRequest
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.structured.params import KINDS, MAX_SPEC_CHARS, StructuredOutputsParams
+from tokenmill.structured_params import KINDS, MAX_SPEC_CHARS, StructuredOutputsParams
 
 SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string", "maxLength": 3}},
           "required": ["b", "a"], "additionalProperties": False}
@@ -160,7 +160,7 @@ def test_keys_tell_kinds_and_values_apart() -> None:
 
 
 def test_choice_key_is_unambiguous() -> None:
-    """Bug (tokenmill/structured/params.py `key`): choices are joined with NUL, so a choice holding NUL and the
+    """Bug (tokenmill/structured_params.py `key`): choices are joined with NUL, so a choice holding NUL and the
     choices it splits into share a key, and so a compiled grammar in the cache."""
     assert StructuredOutputsParams(choice=["a\x00b"]).key != StructuredOutputsParams(choice=["a", "b"]).key
 
@@ -179,7 +179,7 @@ def test_choice_list_becomes_a_tuple() -> None:
 
 
 def test_objects_that_name_their_properties_are_closed_unless_they_say_otherwise():
-    from tokenmill.structured.params import close_objects
+    from tokenmill.structured_params import close_objects
 
     schema = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"a": {}}},
                                                "open": {"type": "object", "properties": {},

@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tokenmill.disagg.config import KVTransferConfig
     from tokenmill.disagg.connector import KVConnector
     from tokenmill.disagg.transfer import TransferLayout
+    from tokenmill.kv_transfer_config import KVTransferConfig
 
 
 def make_connector(config: KVTransferConfig, layout: TransferLayout) -> KVConnector:

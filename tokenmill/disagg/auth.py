@@ -23,8 +23,8 @@ import stat
 import threading
 from pathlib import Path
 
-from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.errors import ConfigError
+from tokenmill.kv_transfer_config import KVTransferConfig
 
 SHM_KEY_FILE = ".kv_secret"  # no suffix: never taken for a transfer's file (`<id>.kv`, `<id>.part`)
 _shm_keys: dict[str, bytes] = {}

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from tokenmill.disagg.auth import shared_key, token_matches, transfer_token
-from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.disagg.transfer import (
     KVTransferParams,
     KVTransferStats,
@@ -33,6 +32,7 @@ from tokenmill.disagg.transfer import (
     TransferHeader,
     TransferLayout,
 )
+from tokenmill.kv_transfer_config import KVTransferConfig
 
 log = logging.getLogger("tokenmill")
 

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from tokenmill.disagg.auth import private_dir
-from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.disagg.connector import KVConnector, Outgoing, Received
 from tokenmill.disagg.transfer import TransferHeader, TransferLayout
+from tokenmill.kv_transfer_config import KVTransferConfig
 
 ALIGN = 64
 SWEEP_EVERY_S = 5.0

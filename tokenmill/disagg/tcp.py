@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.disagg.auth import handshake_mac, mac_matches, new_nonce
-from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.disagg.connector import KVConnector, Outgoing, Received
 from tokenmill.disagg.transfer import TransferHeader, TransferLayout
+from tokenmill.kv_transfer_config import KVTransferConfig
 
 log = logging.getLogger("tokenmill")
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.disagg.auth import shared_key, token_matches
-from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.errors import InvalidRequest
+from tokenmill.kv_transfer_config import KVTransferConfig
 
 TRANSFER_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # it names a file (shm) and travels in a header (tcp)
 PARAM = "kv_transfer_params"

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.disagg.engine_hooks import KVTransferHooks
+from tokenmill.engine.constrained_hooks import ConstrainedDecoding
 from tokenmill.engine.hooks import RequestHooks
 from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.kv_transfer_hooks import KVTransferHooks
 from tokenmill.engine.lora_hooks import LoRAHooks
 from tokenmill.engine.messages import AddRequest, EngineCoreOutput, EngineOutputs
 from tokenmill.engine.model_executor import ModelExecutor
@@ -30,8 +31,7 @@ from tokenmill.model_config import ModelConfig
 from tokenmill.request import Request, RequestStatus
 from tokenmill.spec.draft_model import DraftTarget
 from tokenmill.spec.speculator import Speculator, build_speculator
-from tokenmill.spec.stats import SpecDecodeStats
-from tokenmill.structured.engine_hooks import ConstrainedDecoding
+from tokenmill.spec_stats import SpecDecodeStats
 
 if TYPE_CHECKING:
     from tokenmill.disagg.connector import KVConnector

@@ -17,6 +17,7 @@ from tokenmill.engine.cache_tensors import CacheTensors, token_slots
 from tokenmill.engine.kv_layout import KVLayout
 from tokenmill.engine.lora_pool import LoRAPool
 from tokenmill.engine.multi_step_runner import MultiStepRunner, request_stop_ids
+from tokenmill.engine.rejection import rejection_sample
 from tokenmill.engine.sampler import Sampler, SamplingRow, top_logprobs
 from tokenmill.engine.step_inputs import StepInputs, micro_batches
 from tokenmill.engine.step_types import SampledTokens, ScheduledRequest, SchedulerOutput, StepResult
@@ -28,7 +29,6 @@ from tokenmill.model_config import ModelConfig
 from tokenmill.parallel.driver import model_calls
 from tokenmill.parallel.layout import ShardedCheckpoint, StageCheckpoint
 from tokenmill.quant.methods import linear_method
-from tokenmill.spec.rejection import rejection_sample
 
 if TYPE_CHECKING:
     from tokenmill.parallel.context import ContextParallel
@@ -326,7 +326,7 @@ class ModelRunner(StepInputs, MultiStepRunner):
 
     def _rejection_sample(self, s: ScheduledRequest, q: torch.Tensor, logits: torch.Tensor,
                           rows: list[SamplingRow]) -> SampledTokens:
-        """Drafts drawn from a draft model's q: spec/rejection.py, with fresh generators for the same positions."""
+        """Drafts drawn from a draft model's q: engine/rejection.py, with fresh generators for the same positions."""
         d, req = s.num_spec_tokens, s.request
         p = self.sampler.probabilities(logits, rows)
         gens = [self.position_generator(req.request_id, req.params.seed, len(r.output_token_ids)) for r in rows]

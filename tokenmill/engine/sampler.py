@@ -259,7 +259,7 @@ class Sampler:
 
     def probabilities(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """[R, V] float32: the distribution each row samples from, after every adjustment (greedy rows: one-hot
-        on the argmax), so that two models' rows processed the same way can be compared (spec/rejection.py)."""
+        on the argmax), so that two models' rows processed the same way can be compared (engine/rejection.py)."""
         logits = _adjusted(logits, rows)
         probs = torch.zeros_like(logits)
         greedy_rows = [i for i, r in enumerate(rows) if r.params.greedy]

@@ -60,7 +60,7 @@ from tokenmill.engine.prefix_cache import computed_by_others
 from tokenmill.engine.step_cost import StepCost, StepCostModel
 from tokenmill.engine.step_types import SampledTokens, ScheduledRequest, SchedulerOutput, SchedulerStats
 from tokenmill.request import Request, RequestStatus
-from tokenmill.spec.stats import SpecDecodeStats
+from tokenmill.spec_stats import SpecDecodeStats
 
 NEW_TOKEN_RATIO_FLOOR = 1 / 7  # of the configured ratio: where its decay stops (SGLang's 0.7 -> 0.1)
 NEW_TOKEN_RATIO_DECAY_STEPS = 600  # steps from the configured ratio down to the floor

@@ -11,7 +11,7 @@ from typing import Any
 from tokenmill.engine.kv_cache import PrefixCacheStats
 from tokenmill.engine.step_cost import StepCost, attention_pairs
 from tokenmill.request import Request
-from tokenmill.spec.stats import SpecDecodeStats
+from tokenmill.spec_stats import SpecDecodeStats
 
 
 @dataclass

@@ -11,11 +11,11 @@ import torch
 
 from tokenmill.errors import ConfigError, ModelLoadError
 from tokenmill.family_config import longrope_scaling
+from tokenmill.formats.gguf import GGUFFile
+from tokenmill.formats.gguf_blocks import GGMLBlocks, dequantize, kept_gguf_type
+from tokenmill.formats.kquants import TRANSCODED
 from tokenmill.model.checkpoint import Checkpoint, expected_shapes, expert_tensor_name, fused_parts
 from tokenmill.model_config import ModelConfig
-from tokenmill.quant.gguf import GGUFFile
-from tokenmill.quant.gguf_blocks import GGMLBlocks, dequantize, kept_gguf_type
-from tokenmill.quant.kquants import TRANSCODED
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
@@ -216,7 +216,7 @@ def unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 class GGUFCheckpoint(Checkpoint):
     """A llama.cpp GGUF file: each read dequantizes one tensor (a chunk of rows at a time when `dtype` is not
-    float32, quant/gguf_blocks.py) and undoes llama.cpp's rotary row order for llama q/k, and the + 1 its converter
+    float32, formats/gguf_blocks.py) and undoes llama.cpp's rotary row order for llama q/k, and the + 1 its converter
     adds to Gemma 3's norm weights (the file holds 1 + w; transformers' checkpoints and ours, w)."""
 
     def __init__(self, path: Path, config: ModelConfig, dtype: torch.dtype):
@@ -265,7 +265,7 @@ class GGUFCheckpoint(Checkpoint):
         return w if heads is None else unpermute_rope_rows(w, heads)
 
     def blocks(self, name: str) -> torch.Tensor | GGMLBlocks:
-        """A 2-D tensor of a type kept at run time (quant/gguf_linear.py), or re-cut to be (quant/kquants.py), as
+        """A 2-D tensor of a type kept at run time (quant/gguf_linear.py), or re-cut to be (formats/kquants.py), as
         its raw blocks, rows in HF order; any other tensor dequantized, as `self[name]`."""
         part = self._parts.get(name)  # a block of a fused tensor's rows (Phi-3's q/k/v, gate/up)
         info = self._gguf.tensors[self._names[part[0] if part else name]]

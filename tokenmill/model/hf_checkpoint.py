@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from tokenmill.errors import ModelLoadError
+from tokenmill.formats.awq_format import BLOCK, Int4Groups
+from tokenmill.formats.gguf_blocks import GGMLBlocks
 from tokenmill.model.checkpoint import Checkpoint, expected_shapes, fused_parts
 from tokenmill.model_config import ModelConfig
-from tokenmill.quant.awq_format import BLOCK, Int4Groups
-from tokenmill.quant.gguf_blocks import GGMLBlocks
 
 log = logging.getLogger(__name__)
 

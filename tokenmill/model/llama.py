@@ -25,8 +25,7 @@ from tokenmill.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from tokenmill.model.lora import LoRABatch
-    from tokenmill.parallel.group import TensorParallel
-    from tokenmill.parallel.layout import PPStage
+    from tokenmill.model.splits import StageSplit, TensorSplit
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # sums a row-parallel layer's partial products over the ranks
 
@@ -112,7 +111,7 @@ class LlamaForCausalLM(nn.Module):
     whole_layer_kernels = True
 
     def __init__(self, cfg: ModelConfig, backend: Backend | None = None, dtype: torch.dtype | None = None,
-                 method: LinearMethod | None = None, tp: TensorParallel | None = None, stage: PPStage | None = None):
+                 method: LinearMethod | None = None, tp: TensorSplit | None = None, stage: StageSplit | None = None):
         super().__init__()
         self.config, self.tp = cfg, tp
         self.first, self.last = stage is None or stage.first, stage is None or stage.last

@@ -17,13 +17,13 @@ import torch
 from torch import nn
 
 from tokenmill.errors import ModelLoadError
+from tokenmill.formats.awq_format import awq_config
+from tokenmill.formats.gguf import GGUFFile
 from tokenmill.model.checkpoint import Checkpoint
 from tokenmill.model.gguf_checkpoint import GGUFCheckpoint, gguf_model_config
 from tokenmill.model.hf_checkpoint import AWQCheckpoint, SafetensorsCheckpoint, read_json
 from tokenmill.model.paths import SUPPORTED_FORMS, default_model_path, is_gguf, resolve_model_path  # noqa: F401
 from tokenmill.model_config import ModelConfig
-from tokenmill.quant.awq_format import awq_config
-from tokenmill.quant.gguf import GGUFFile
 
 
 def load_model_config(path: Path) -> ModelConfig:

@@ -329,7 +329,7 @@ def _read_gguf(path: str, size: int, mtime_ns: int) -> ModelShape:
     from gguf import GGMLQuantizationType
 
     from tokenmill.errors import ModelLoadError
-    from tokenmill.quant.gguf import GGUFFile
+    from tokenmill.formats.gguf import GGUFFile
 
     try:
         reader = GGUFFile.open(path)

@@ -1,5 +1,5 @@
 """Activation-aware weight quantization (AWQ, Lin et al. 2023): the scale search and the clip search before
-round-to-nearest INT4 in groups (quant/awq_format.py).
+round-to-nearest INT4 in groups (formats/awq_format.py).
 
 A weight column that meets large activations matters more to the output than one that meets small ones. AWQ
 multiplies each input channel j of a matmul by s_j = mean|x_j|^alpha before quantizing (so the important columns
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.quant.awq_format import Int4Groups, fake_quantize, quantize_groups
+from tokenmill.formats.awq_format import Int4Groups, fake_quantize, quantize_groups
 
 GRID = 20  # alphas 0, 1/20, ..., 19/20; clip ratios 1, 0.95, ..., 0.55
 MAX_SHRINK = 0.5  # clipping narrows a group's range by at most this much (ratios down to 1 - MAX_SHRINK)

@@ -1,9 +1,9 @@
 """A GGUF model's matmul weights kept in llama.cpp's blocks at run time (`--quantization gguf`), as llama.cpp
 serves them, instead of dequantized at load: Q4_0, Q4_1, Q8_0 and Q5_0 as they are (SmolLM2's file: Q4_1 layers,
-a Q8_0 embedding that is also its LM head); Q4_K, Q5_K and Q6_K re-cut into blocks of 32 (quant/kquants.py).
+a Q8_0 embedding that is also its LM head); Q4_K, Q5_K and Q6_K re-cut into blocks of 32 (formats/kquants.py).
 Other types, and shapes the tiles do not fit, are dequantized as before.
 
-Three kernels, by CPU (ops.gguf_kernel(); quant/gguf_tiles.py kernel_layout says how CpuBackend.prepack packs each
+Three kernels, by CPU (ops.gguf_kernel(); model/backends/gguf_tiles.py kernel_layout says how CpuBackend.prepack packs each
 type for it): on AMX, csrc/gguf_linear.cpp widens Q4_0/Q4_1/Q8_0 blocks to the very bfloat16 values the
 dequantize-at-load path loads and multiplies them on the same tiles, so those layers' outputs are bit for bit the
 dequantized model's (Q5_0 and the K-quants take the VNNI kernel there); with AVX512-VNNI, csrc/gguf_vnni.cpp
@@ -19,10 +19,9 @@ import torch
 from torch import nn
 
 from tokenmill.errors import ModelLoadError
+from tokenmill.formats.gguf_blocks import GGMLBlocks, decode_rows, kept_gguf_type
+from tokenmill.formats.kquants import Q5_0, TRANSCODED, transcode
 from tokenmill.model.linear import DenseLinearMethod, Linear, copy_checked
-from tokenmill.quant.gguf_blocks import GGMLBlocks, decode_rows
-from tokenmill.quant.gguf_blocks import kept_gguf_type
-from tokenmill.quant.kquants import Q5_0, TRANSCODED, transcode
 
 
 def embedding_rows(blocks: GGMLBlocks, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -56,7 +55,7 @@ def kept_summary(layers: list[nn.Module]) -> str:
     """Each format the matmuls are served in, with its count and bytes, for the start-up log: "Q8_0 x10 171 MiB,
     Q4_KS (Q4_K) x27 17 MiB, dense (from Q3_K) x2 9 MiB": a kept type, with the file's type it was re-cut from, or
     dense, with the file types dequantized at load."""
-    from tokenmill.quant.gguf_blocks import _type_name
+    from tokenmill.formats.gguf_blocks import _type_name
 
     kinds: dict[str, list[int]] = {}
     for m in layers:

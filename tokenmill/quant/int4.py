@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.formats.gguf_blocks import GGMLBlocks, GGMLQuantizationType
 from tokenmill.model.linear import Linear
-from tokenmill.quant.gguf_blocks import GGMLBlocks, GGMLQuantizationType
 from tokenmill.quant.gguf_linear import GGUFLinearMethod, embedding_rows
 
 GROUP = 32  # Q4_1's block

@@ -9,14 +9,14 @@ import torch
 from tokenmill.config import QUANTIZATION_CHOICES
 from tokenmill.errors import ConfigError
 from tokenmill.model import cpu_kernels
+from tokenmill.model.backends.gguf_tiles import default_kept_dtypes
 from tokenmill.model.linear import DenseLinearMethod, LinearMethod
 from tokenmill.model.paths import is_gguf
-from tokenmill.quant.gguf_tiles import default_kept_dtypes
 
 
 def checkpoint_quantization(model_path: str | Path) -> str | None:
     """The format a checkpoint is stored in, where it names one: `awq` for an AWQ directory, else None."""
-    from tokenmill.quant.awq_format import awq_config
+    from tokenmill.formats.awq_format import awq_config
 
     return None if is_gguf(Path(model_path)) else ("awq" if awq_config(model_path) is not None else None)
 

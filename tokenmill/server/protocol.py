@@ -16,7 +16,7 @@ from tokenmill.engine.admission import check_token_ids, validate_cache_salt
 from tokenmill.errors import InvalidRequest
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
 from tokenmill.server.tools import ToolChoice
-from tokenmill.structured.params import StructuredOutputsParams
+from tokenmill.structured_params import StructuredOutputsParams
 
 # Below this a temperature is greedy (as vLLM does): dividing float32 logits by less overflows to inf.
 MIN_TEMPERATURE = 1e-5

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.errors import InvalidRequest
-from tokenmill.structured.params import StructuredOutputsParams
+from tokenmill.structured_params import StructuredOutputsParams
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)

@@ -9,7 +9,7 @@ It writes KV up to k - 1 positions past the target's tokens: `lookahead` = k slo
 
 Greedy requests get the draft's argmax (verified as point masses, engine/runner.py `verify`); sampling requests
 draw from the draft's distribution q with the target's sampling parameters applied the same way, and keep q for
-the rejection sampler (spec/rejection.py).
+the rejection sampler (engine/rejection.py).
 """
 
 from __future__ import annotations

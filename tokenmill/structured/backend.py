@@ -29,7 +29,7 @@ from typing import Any
 import llguidance
 
 from tokenmill.errors import InvalidRequest
-from tokenmill.structured.params import StructuredOutputsParams
+from tokenmill.structured_params import StructuredOutputsParams
 
 CACHE_ENTRIES = 256
 Checked = tuple[str | None, str | None]  # (grammar text, None) or (None, why it is refused)

@@ -22,7 +22,7 @@ from typing import Any
 from tokenmill.errors import InvalidRequest
 from tokenmill.structured import backend
 from tokenmill.structured.backend import Checked, GrammarCache, answer
-from tokenmill.structured.params import COMMON_CONSTRAINTS, StructuredOutputsParams
+from tokenmill.structured_params import COMMON_CONSTRAINTS, StructuredOutputsParams
 
 CHECK_WORKERS = 2  # checks at once; those beyond wait their turn, their time limit running
 

@@ -21,7 +21,7 @@ import torch
 
 from tokenmill.errors import ServerBusy
 from tokenmill.structured.backend import GrammarCache, MatcherFactory, grammar_text
-from tokenmill.structured.params import COMMON_CONSTRAINTS
+from tokenmill.structured_params import COMMON_CONSTRAINTS
 
 log = logging.getLogger(__name__)
 

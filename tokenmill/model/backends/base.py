@@ -113,7 +113,7 @@ class Backend(ABC):
         """A weight kept as GGUF blocks (quant/gguf_linear.py: layer.gguf_blocks of layer.gguf_type): x @ w.T
         (+ bias) with w dequantized as the loader would. This reference dequantizes the whole weight on every
         call; a backend with a block kernel reads the blocks instead."""
-        from tokenmill.quant.gguf_blocks import dequantize
+        from tokenmill.formats.gguf_blocks import dequantize
 
         w = dequantize(layer.gguf_blocks, layer.gguf_type, (layer.gguf_blocks.shape[0], x.shape[-1]), x.dtype)
         return torch.nn.functional.linear(x, w, layer.bias)

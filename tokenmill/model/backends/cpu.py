@@ -34,10 +34,10 @@ from tokenmill.model.backends.cpu_decode import (
 )
 from tokenmill.model.backends.cpu_experts import expert_tensors
 from tokenmill.model.backends.cpu_rows import gguf_tile_rows, int8_tile_rows, tile_rows
+from tokenmill.model.backends.gguf_tiles import gguf_pack, kernel_dtypes, kernel_layout
 from tokenmill.model.backends.huge_pages import move_to_huge_pages
 from tokenmill.model.backends.reference import TorchBackend, split_qkv
 from tokenmill.model.cpu_kernels import cpu_isa, cpu_tag
-from tokenmill.quant.gguf_tiles import gguf_pack, kernel_dtypes, kernel_layout
 
 if TYPE_CHECKING:
     from tokenmill.model.attention import AttentionMetadata

@@ -12,7 +12,7 @@ from torch import nn
 
 from tokenmill.model.backends.base import LinearWeights
 from tokenmill.model.backends.cpu_rows import NativeRows
-from tokenmill.quant.gguf_tiles import kernel_dtypes
+from tokenmill.model.backends.gguf_tiles import kernel_dtypes
 
 LAYER_WEIGHTS = "cpu.decoder_layer_weights"  # key of this backend's entry in model.backend_cache
 LAYER_STACK = "cpu.decoder_stack"  # the same weights as one ops.DecoderStack

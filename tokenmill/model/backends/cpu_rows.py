@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.quant.gguf_blocks import KEPT_TYPES, decode_rows
-from tokenmill.quant.gguf_tiles import TileByteGather, block_byte_sources, gguf_unpack_rows
+from tokenmill.formats.gguf_blocks import KEPT_TYPES, decode_rows
+from tokenmill.model.backends.gguf_tiles import TileByteGather, block_byte_sources, gguf_unpack_rows
 
 DECODED_IN_CPP = KEPT_TYPES  # ops.gguf_decode_rows decodes every block type kept at run time
 TileGather = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # ops.tile_rows: (packed, ids) -> [n, K]
@@ -55,7 +55,7 @@ def gguf_tile_rows(packed: torch.Tensor, ggml_type: int, layout: str, dtype: tor
                    ) -> Callable[[torch.Tensor], torch.Tensor]:
     """Token ids -> rows of a tied embedding kept as GGML blocks, read from its LM head's packed copy (gguf_pack's
     `layout`) and decoded as the whole table would be, so the file's table (30 MB of SmolLM2's Q8_0) is not held
-    a second time for the lookups. `decode` (the C++ ops.gguf_decode_rows, bit for bit quant/gguf_blocks.py's
+    a second time for the lookups. `decode` (the C++ ops.gguf_decode_rows, bit for bit formats/gguf_blocks.py's
     decoders) decodes the blocks in one call where it takes the type."""
     cols = packed.shape[1] * 32
     native = decode is not None and packed.device.type == "cpu" and int(ggml_type) in DECODED_IN_CPP

@@ -1177,7 +1177,7 @@ class DecoderStack {
 // Token ids -> embedding rows, as the model's VocabEmbedding looks them up on this backend (backends/cpu.py says
 // which kind): "dense" a plain table, "tiles" rows of a bfloat16 tile-packed tied head (tile_rows), "int8" rows of
 // an int8 tile-packed tied head times its per-row scales, "gguf" GGML block rows of a tied head packed by gguf_pack
-// (gather_tile_bytes with quant/gguf_tiles.py's byte sources, then gguf_decode_rows), each the same ops in the same
+// (gather_tile_bytes with model/backends/gguf_tiles.py's byte sources, then gguf_decode_rows), each the same ops in the same
 // order as the Python lookup, so the rows are the same bits.
 class RowLookup {
  public:

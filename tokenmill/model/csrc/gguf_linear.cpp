@@ -7,8 +7,8 @@
 //   Q4_0: 256 bytes of nibble pairs (row r, byte j: feature j's K 2r | K 2r+1 << 4), 16 float16 d  = 288 bytes
 //   Q4_1: the same, 16 float16 d, 16 float16 m                                                      = 320 bytes
 //   Q8_0: 512 int8 (row r: feature j's K 2r, 2r+1), 16 float16 d                                    = 544 bytes
-//   Q4_Z: the Q4 nibbles, 16 float16 s, 16 uint8 zero points z (AWQ's (q - z) * s, quant/awq_format.py) = 304 bytes
-// A tile widens to bfloat16 with the arithmetic of the dequantize-at-load path (quant/gguf.py), in float32 in
+//   Q4_Z: the Q4 nibbles, 16 float16 s, 16 uint8 zero points z (AWQ's (q - z) * s, formats/awq_format.py) = 304 bytes
+// A tile widens to bfloat16 with the arithmetic of the dequantize-at-load path (formats/gguf.py), in float32 in
 // the same order and without fused multiply-adds ((q - 8) * d; q * d + m; q * d; (q - z) * s), rounded to nearest-even:
 // the very bfloat16 weights that path loads. The loop is the bfloat16 kernel's (tile_gemm.h: AMX tiles, else
 // AVX512-BF16 dot products), so a kept model's outputs are bit for bit those of the dequantized one, and
@@ -25,8 +25,8 @@
 namespace {
 
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // GGMLQuantizationType
-constexpr int64_t kQ4_Z = 256;  // tokenmill's own: 4-bit with an integer zero point (quant/gguf.py Q4_Z)
-constexpr int64_t kQ4_KS = 257, kQ6_KS = 258, kQ5_KS = 259;  // K-quant blocks of 32 (quant/kquants.py): quads only
+constexpr int64_t kQ4_Z = 256;  // tokenmill's own: 4-bit with an integer zero point (formats/gguf.py Q4_Z)
+constexpr int64_t kQ4_KS = 257, kQ6_KS = 258, kQ5_KS = 259;  // K-quant blocks of 32 (formats/kquants.py): quads only
 
 constexpr int64_t kTileBytesQ4_0 = 256 + 32, kTileBytesQ4_1 = 256 + 64, kTileBytesQ8_0 = 512 + 32,
                   kTileBytesQ4_Z = 256 + 32 + 16;
@@ -51,7 +51,7 @@ int64_t gguf_tile_bytes(int64_t type) {
 
 // Bytes of a packed weight's tiles picked per feature: out[i, kb, b] = packed[rows[i] / 16, kb, sources[rows[i] %
 // 16, b]] ^ flip[b], for packed [N/16, K/32, tile bytes], sources [16, block bytes] (int64), flip [block bytes].
-// With quant/gguf_tiles.py's tables this undoes gguf_pack for a few features: a tied embedding's lookups read
+// With model/backends/gguf_tiles.py's tables this undoes gguf_pack for a few features: a tied embedding's lookups read
 // its LM head's packed copy (one call instead of ~8 torch ops a step).
 at::Tensor gather_tile_bytes(const at::Tensor& packed, const at::Tensor& rows, const at::Tensor& sources,
                              const at::Tensor& flip) {
@@ -82,7 +82,7 @@ at::Tensor gather_tile_bytes(const at::Tensor& packed, const at::Tensor& rows, c
 }
 
 // Whole rows of GGML blocks [n, KB * block bytes] (Q8_0, Q4_0, Q4_1 or Q4_Z) decoded into out [n, KB * 32]
-// (float32, bfloat16 or float16): the values quant/gguf.py's decoders give, float32 arithmetic in their order
+// (float32, bfloat16 or float16): the values formats/gguf.py's decoders give, float32 arithmetic in their order
 // (built without -ffast-math, which may rewrite (q - 8) * d as q * d - 8 * d), then one rounding to out's dtype.
 // A kept embedding's lookup in one call instead of ~10 torch ops (~0.07 ms of a decode step).
 #pragma GCC push_options
@@ -310,7 +310,7 @@ at::Tensor gguf_avx2_linear_silu(const at::Tensor& x, const at::Tensor& pairs);
 // Which kernel multiplies a packed weight of `tile_bytes` tiles by x: this process's (gguf_kernel(); gguf_pack laid
 // the weight out for it), but float32 x (a model computing in float32) takes the AVX2 kernel on a VNNI CPU too
 // (it alone reads float32 rows; the quads are the same), and on AMX the types without a tile layout (Q5_0 and the
-// re-cut K-quants, packed as quads: quant/gguf_tiles.py kernel_layout) take the VNNI kernel (every AMX CPU has
+// re-cut K-quants, packed as quads: model/backends/gguf_tiles.py kernel_layout) take the VNNI kernel (every AMX CPU has
 // AVX512-VNNI).
 enum class GgufPath { kTiles, kVnni, kAvx2 };
 

@@ -1,5 +1,5 @@
 // What the int8-activation kernels of kept GGUF blocks share (gguf_vnni.cpp: AVX512-VNNI; gguf_avx2.cpp: AVX2):
-// the block types they multiply, their tiles' sizes in the "quads" layout (quant/gguf_tiles.py), and x's rounding
+// the block types they multiply, their tiles' sizes in the "quads" layout (model/backends/gguf_tiles.py), and x's rounding
 // to int8 blocks of 32 (llama.cpp's Q8 activations), split in two (quantize_rows). One rounding for both kernels,
 // so they agree bit for bit.
 #pragma once
@@ -14,8 +14,8 @@
 #include "simd.h"
 
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8;  // GGMLQuantizationType
-constexpr int64_t kQ4_Z = 256;  // tokenmill's own: 4-bit with an integer zero point (quant/awq_format.py)
-constexpr int64_t kQ4_KS = 257, kQ6_KS = 258, kQ5_KS = 259;  // K-quant blocks re-cut to 32 weights (quant/kquants.py)
+constexpr int64_t kQ4_Z = 256;  // tokenmill's own: 4-bit with an integer zero point (formats/awq_format.py)
+constexpr int64_t kQ4_KS = 257, kQ6_KS = 258, kQ5_KS = 259;  // K-quant blocks re-cut to 32 weights (formats/kquants.py)
 
 // The bytes of a quads tile (16 features x 32 K) of each type: the quants, then the per-feature fields.
 constexpr int64_t kQuadsQ4_0 = 256 + 32, kQuadsQ4_1 = 256 + 64, kQuadsQ8_0 = 512 + 32, kQuadsQ4_Z = 256 + 48,

@@ -6,9 +6,9 @@
 //   Q4_1  q * d + m         ->  d dx sum q qx + m dx sum qx
 //   Q8_0  q * d             ->  d dx (sum (q + 128) qx - 128 sum qx)   (the bytes hold q + 128: VPDPBUSD's
 //                                                                         first operand is unsigned)
-//   Q4_Z  (q - z) * s       ->  s dx (sum q qx - z sum qx)             (AWQ's groups, quant/awq_format.py)
+//   Q4_Z  (q - z) * s       ->  s dx (sum q qx - z sum qx)             (AWQ's groups, formats/awq_format.py)
 //   Q5_0  (q - 16) * d      ->  d dx (sum q qx - 16 sum qx)            (q's fifth bit ORed in as the quads load)
-//   Q4_KS (d sc) q - dmin m ->  d sc dx sum q qx - dmin m dx sum qx    (a Q4_K sub-block, quant/kquants.py)
+//   Q4_KS (d sc) q - dmin m ->  d sc dx sum q qx - dmin m dx sum qx    (a Q4_K sub-block, formats/kquants.py)
 //   Q5_KS the same, q's fifth bit ORed in as Q5_0's                      (a Q5_K sub-block)
 //   Q6_KS (d s) (q - 32)    ->  d dx (s_lo (sum_lo q qx - 32 sum_lo qx) + s_hi (... over K 16..31))
 //                                                                       (a Q6_K block of 32: two scales of 16)
@@ -19,7 +19,7 @@
 // rounding alone flipped near-ties (docs/performance/quantization.md), two track bfloat16 x. Each output element is the same sequence of operations whatever the batch (the integer
 // sums are exact; the float32 ones run block after block), so a row's result never depends on its batch.
 //
-// Packed at load (quant/gguf_tiles.py, layout "quads") per 16 features x 32 K, with gguf_pack's fields:
+// Packed at load (model/backends/gguf_tiles.py, layout "quads") per 16 features x 32 K, with gguf_pack's fields:
 //   Q4: 4 x 64 bytes: vector t, dword lane j, byte i = feature j's quant byte 4t + i (its low nibble is K 4t + i,
 //       its high nibble K 16 + 4t + i), so one AND or one shift gives the unsigned bytes of four K quads.
 //   Q8_0: 8 x 64 bytes: vector t, lane j, byte i = feature j's q[4t + i] + 128; Q6_KS's the same, q as it is.

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.quant.gguf_blocks import Q4_KS, Q5_KS, Q6_KS, GGMLQuantizationType
+from tokenmill.formats.gguf_blocks import Q4_KS, Q5_KS, Q6_KS, GGMLQuantizationType
 
 Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q8_0 = (int(GGMLQuantizationType.Q4_K), int(GGMLQuantizationType.Q5_K),
                                       int(GGMLQuantizationType.Q6_K), int(GGMLQuantizationType.Q5_0),

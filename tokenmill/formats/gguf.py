@@ -2,7 +2,7 @@
 
 Why our own reader: `gguf.GGUFReader` builds a numpy view per metadata string and takes ~3-5 s on the
 49k-token SmolLM2 vocabulary; parsing the header with `struct` takes a fraction of a second. The block formats the
-tensors are stored in, and their dequantizers, are quant/gguf_blocks.py. torch is imported inside the functions that
+tensors are stored in, and their dequantizers, are formats/gguf_blocks.py. torch is imported inside the functions that
 use it: the API process reads GGUF headers (the tokenizer) without loading the model stack.
 """
 
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.quant.gguf_blocks import dequantize, tensor_nbytes
+from tokenmill.formats.gguf_blocks import dequantize, tensor_nbytes
 
 if TYPE_CHECKING:
     import torch

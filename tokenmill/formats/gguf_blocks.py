@@ -1,7 +1,7 @@
 """The GGML block formats: what each tensor type's bytes are and their torch dequantizers.
 
-Apart from the file reader (quant/gguf.py) because more than GGUF files hold these blocks: AWQ groups become Q4_Z
-blocks (quant/awq_format.py), a model may keep blocks at run time (quant/gguf_linear.py) and the CPU backend decodes
+Apart from the file reader (formats/gguf.py) because more than GGUF files hold these blocks: AWQ groups become Q4_Z
+blocks (formats/awq_format.py), a model may keep blocks at run time (quant/gguf_linear.py) and the CPU backend decodes
 an embedding's rows from them. Why our own dequantizers: they are vectorized torch ops (fast at load), and the
 quantized kernel path keeps these same block layouts. torch is imported inside the functions that use it: the API
 process reads GGUF headers (the tokenizer) without loading the model stack.
@@ -23,11 +23,11 @@ if TYPE_CHECKING:
 
 
 # tokenmill's own block type, never in a GGUF file: 32 four-bit weights with a float16 scale s and an integer
-# zero point z, w = (q - z) * s (AWQ's format, group sizes of 32 or more, quant/awq_format.py). 19 bytes a block:
+# zero point z, w = (q - z) * s (AWQ's format, group sizes of 32 or more, formats/awq_format.py). 19 bytes a block:
 # s, z, then 16 bytes of nibbles ordered as Q4_0's.
 Q4_Z = 256
 Q4_Z_BLOCK_BYTES = 19
-# A K-quant's 256-weight super-block re-cut into blocks of 32 (quant/kquants.py), never in a file either: the file's
+# A K-quant's 256-weight super-block re-cut into blocks of 32 (formats/kquants.py), never in a file either: the file's
 # quants and scales, so each block dequantizes to exactly the values of llama.cpp's dequantizer, whatever 32-wide
 # block kernel reads it.
 #   Q4_KS (from Q4_K): 24 bytes: float32 d * sc and -(dmin * m) (the super-block's float16 scales times the

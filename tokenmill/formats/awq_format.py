@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.quant.gguf_blocks import Q4_Z, Q4_Z_BLOCK_BYTES, GGMLBlocks
+from tokenmill.formats.gguf_blocks import Q4_Z, Q4_Z_BLOCK_BYTES, GGMLBlocks
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an int32 holds feature AWQ_ORDER[i] of its eight
 BLOCK = 32  # weights per Q4_Z block

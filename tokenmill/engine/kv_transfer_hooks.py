@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tokenmill.config import EngineConfig
-from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.disagg.transfer import KVTransferParams, SendResult, TransferLayout
 from tokenmill.engine.hooks import RequestHooks
 from tokenmill.errors import ConfigError
+from tokenmill.kv_transfer_config import KVTransferConfig
 from tokenmill.model_config import ModelConfig
 
 if TYPE_CHECKING:

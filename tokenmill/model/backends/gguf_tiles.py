@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from tokenmill.quant.gguf_blocks import KEPT_TYPES, Q4_KS, Q4_Z, Q5_KS, Q6_KS, GGMLQuantizationType
+from tokenmill.formats.gguf_blocks import KEPT_TYPES, Q4_KS, Q4_Z, Q5_KS, Q6_KS, GGMLQuantizationType
 
 Q4_0, Q4_1, Q8_0, Q5_0 = (int(GGMLQuantizationType.Q4_0), int(GGMLQuantizationType.Q4_1),
                           int(GGMLQuantizationType.Q8_0), int(GGMLQuantizationType.Q5_0))
@@ -16,7 +16,7 @@ Q4_0, Q4_1, Q8_0, Q5_0 = (int(GGMLQuantizationType.Q4_0), int(GGMLQuantizationTy
 # them: float16 scales and mins, Q4_Z's uint8 zero point, the K-quants' super-block scales and 6-bit or int8 ones)
 BLOCK_LAYOUT = {Q4_0: (18, 2, (2,)), Q4_1: (20, 4, (2, 2)), Q8_0: (34, 2, (2,)), Q4_Z: (19, 3, (2, 1)),
                 Q4_KS: (24, 8, (4, 4)), Q6_KS: (36, 4, (2, 1, 1)), Q5_0: (22, 6, (2, 4)), Q5_KS: (28, 12, (4, 4, 4))}
-# the K-quants' blocks (quant/kquants.py) and Q5_0 (its fifth bits a 32-bit field per block): the int8 kernels'
+# the K-quants' blocks (formats/kquants.py) and Q5_0 (its fifth bits a 32-bit field per block): the int8 kernels'
 # alone (csrc/gguf_vnni.cpp, csrc/gguf_avx2.cpp), no AMX tiles (an AMX CPU runs them on the VNNI kernel)
 QUADS_ONLY = (Q4_KS, Q6_KS, Q5_0, Q5_KS)
 assert set(BLOCK_LAYOUT) == set(KEPT_TYPES) | set(QUADS_ONLY)
