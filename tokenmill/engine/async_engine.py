@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from tokenmill.config import EngineConfig
 from tokenmill.disagg.transfer import KVTransferParams
@@ -26,9 +25,8 @@ from tokenmill.engine.admission import ContextLimits, admit, check_generates, ch
 from tokenmill.engine.messages import AbortRequests, EngineOutputs, EngineReady, UnloadLoRA
 from tokenmill.engine.output_processor import MetricsObserver, OutputProcessor, RequestState, SampleDelta
 from tokenmill.engine.output_stream import OutputStream, Update, deliver
-from tokenmill.engine.policy import ITL_STEP_SHARE, aged_level
 from tokenmill.engine.process_client import EngineDeadError, EngineProcessClient
-from tokenmill.engine.step_cost import predict_ttft, stretched_step_seconds
+from tokenmill.engine.slo_admission import SloAdmission
 from tokenmill.engine.step_types import SchedulerStats
 from tokenmill.errors import InvalidRequest, ServerBusy, ServerOverloaded, TokenmillError
 from tokenmill.lora.request import LoRARequest
@@ -40,16 +38,10 @@ from tokenmill.tokenizer import Tokenizer
 log = logging.getLogger("tokenmill")
 
 HEALTH_STALE_S = 10.0  # a heartbeat older than this (the loop is stuck) makes /health 503
-# the TTFT prediction's bias (what the engine's step cost does not see: tokenizing, the trip between the processes,
-# the output's way back) is learnt per priority from each first token, this much of the latest error at a time, the
-# error clipped (a low-priority request passed over for a minute says nothing about the next one's tokenizing)
-TTFT_BIAS_RATE = 0.1
-TTFT_BIAS_CLIP_S = 0.5
 STREAM_UPDATE_LIMIT = 4096  # a request's updates its reader may leave unread (one a step) before it is aborted
 # a structured output constraint not checked by then is refused (503: a busy server, or a grammar too costly), its
 # check killed
 GRAMMAR_CHECK_TIMEOUT_S = 10.0
-SLO_ADMISSION = ("off", "reject", "degrade")  # --slo-admission: what a request predicted to miss its TTFT target gets
 
 
 @dataclass(kw_only=True)
@@ -79,10 +71,8 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, *, max_waiting_requests: int = 256, max_waiting_tokens: int | None = None,
                  observer: MetricsObserver | None = None, client: EngineProcessClient | None = None,
                  slo_admission: str = "off"):
-        if slo_admission not in SLO_ADMISSION:
-            raise ValueError(f"slo_admission must be one of {', '.join(SLO_ADMISSION)}")
         self.config = config
-        self.slo_admission = slo_admission
+        self.slo = SloAdmission(config.scheduler, slo_admission)  # the TTFT forecast and --slo-admission
         self.client = client or EngineProcessClient(config)
         self.max_waiting_requests = max_waiting_requests
         self.max_waiting_tokens = max_waiting_tokens
@@ -103,7 +93,6 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._last_heartbeat = 0.0
         self.grammars = GrammarChecker()  # structured output's constraints, checked once each in worker processes
-        self.ttft_bias: dict[int, float] = {}  # priority -> seconds the step-cost prediction misses by, learnt
 
     @property
     def observer(self) -> MetricsObserver | None:
@@ -184,47 +173,13 @@ class AsyncEngine:
         return None
 
     def predicted_ttft(self, new_tokens: int, priority: int = 0, itl_ms: float | None = None) -> float | None:
-        """Seconds until the first token of a request with `new_tokens` prompt tokens, from the engine's measured step
-        cost: the prompt tokens ahead of it (waiting, and the rest of prefills under way; under policy priority only
-        those of requests at its level or better, aging counted) and the running decodes, in steps no bigger than an
-        ITL target lets them be (the request's, else the server's) or --max-decode-slowdown, plus the bias learnt
-        from earlier first tokens at its priority (`ttft_bias`: what the step cost does not see); None until the
-        engine has measured its steps."""
-        sc, stats, now = self.config.scheduler, self.stats, time.monotonic()
-        by_rank = sc.policy == "priority"
-        ahead = [t for t, p, arrival in self._unstarted.values()
-                 if not by_rank or aged_level(p, arrival, now, sc.priority_aging_s) <= priority]
-        under_way = sum(t for level, t in stats.prefill_tokens_by_level.items() if not by_rank or level <= priority)
-        itl_ms = itl_ms or sc.slo_itl_ms
-        limits = [ITL_STEP_SHARE * itl_ms / 1e3 if itl_ms else None,
-                  stretched_step_seconds(stats.step_cost, sc.max_decode_slowdown, stats.num_running,
-                                         stats.running_context_tokens)]
-        model = predict_ttft(new_tokens, [under_way, *ahead], stats.num_running, stats.running_context_tokens,
-                             stats.step_cost, min((x for x in limits if x is not None), default=None),
-                             sc.max_num_batched_tokens)
-        return None if model is None else max(model + self.ttft_bias.get(priority, 0.0), 0.0)
+        """Seconds until the first token of a request this size (engine/slo_admission.py); None until the engine
+        has measured its steps."""
+        return self.slo.predict(self.stats, self._unstarted.values(), new_tokens, priority, itl_ms)
 
-    def _learn_ttft(self, state: RequestState) -> None:
-        """A request's first token came: move the prediction's bias toward the error it made."""
-        m = state.metrics
-        if state.predicted_ttft is None or state.ttft_learned or m.first_token_time is None:
-            return
-        state.ttft_learned = True
-        error = m.first_token_time - m.arrival_time - state.predicted_ttft
-        p = state.params.priority
-        self.ttft_bias[p] = self.ttft_bias.get(p, 0.0) + TTFT_BIAS_RATE * max(-TTFT_BIAS_CLIP_S,
-                                                                              min(error, TTFT_BIAS_CLIP_S))
-
-    def _admit_by_slo(self, params: SamplingParams, predicted: float | None) -> SamplingParams:
-        """--slo-admission: a request whose predicted TTFT is past its target is refused now (reject: 429 with a
-        Retry-After of the predicted wait), or runs one priority level lower (degrade); off: admitted as it is."""
-        target = params.slo_ttft_ms or self.config.scheduler.slo_ttft_ms
-        if self.slo_admission == "off" or predicted is None or not target or predicted <= target / 1e3:
-            return params
-        if self.slo_admission == "degrade":
-            return replace(params, priority=params.priority + 1)
-        raise ServerOverloaded(f"the predicted time to first token is {predicted:.2f} s, past this request's target "
-                               f"of {target:g} ms (slo_ttft_ms); retry later", retry_after=math.ceil(predicted))
+    @property
+    def ttft_bias(self) -> dict[int, float]:
+        return self.slo.ttft_bias
 
     def _check_fits_queue(self, num_prompts: int, params: SamplingParams, new_tokens: int) -> None:
         """A request bigger than the whole waiting queue can never join it: retrying cannot help, so not a 429."""
@@ -277,7 +232,7 @@ class AsyncEngine:
             if overloaded is not None:
                 raise overloaded
             predicted = self.predicted_ttft(new_tokens, params.priority, params.slo_itl_ms)
-            params = self._admit_by_slo(params, predicted)
+            params = self.slo.admit(params, predicted)
             states = []
             for i, ((text, ids), mt) in enumerate(zip(prompts, max_tokens)):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
@@ -343,7 +298,7 @@ class AsyncEngine:
             for state, error in processed.rejected:  # the admission check should make this unreachable
                 deliveries += self._end(state, error)
             for state in processed.requests:
-                self._learn_ttft(state)
+                self.slo.learn(state)
                 if state.finished:
                     deliveries += self._end(state, state.error, state.deltas())
                 else:
