@@ -24,7 +24,6 @@ byte for byte.
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -51,6 +50,7 @@ from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.pd_proxy import PDProxy
 from tokenmill.router.policies import reads_prompt
 from tokenmill.router.replicas import ReplicaPool
+from tokenmill.router.status import add_status_routes
 
 __all__ = ["CascadeConfig", "build_router_app", "run_router"]
 
@@ -138,41 +138,7 @@ def build_router_app(pool: ReplicaPool, policy: Any, guard: GuardSettings | None
     async def embeddings(request: Request) -> Response:
         return await forward(request, "/v1/embeddings")
 
-    async def models_of(backend) -> list | None:
-        try:
-            resp = await client().get(backend.url + "/v1/models", timeout=10.0)
-            data = resp.json()["data"] if resp.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
-            return None
-        return data if isinstance(data, list) else None
-
-    @app.get("/v1/models", response_model=None)
-    async def models() -> Response:
-        """Every model some healthy replica lists (replicas may serve different models), each once, as the first
-        replica that lists it describes it."""
-        answers = [a for a in await asyncio.gather(*(models_of(b) for b in pool.healthy())) if a is not None]
-        if not answers:
-            return error_response(503, "no healthy replica answered", "server_error")
-        cards: dict[str, dict] = {}
-        for data in answers:
-            for card in data:
-                if isinstance(card, dict) and isinstance(card.get("id"), str):
-                    cards.setdefault(card["id"], card)
-        return JSONResponse({"object": "list", "data": list(cards.values())})
-
-    @app.get("/health", response_model=None)
-    async def health() -> JSONResponse:
-        n = len(pool.healthy())
-        body = {"healthy_backends": n, "backends": len(pool.backends)}
-        if pd is not None:  # both halves are needed
-            body["healthy_prefill_backends"] = p = len(pd.prefill.healthy())
-            n = min(n, p)
-        return JSONResponse(body, status_code=200 if n else 503)
-
-    @app.get("/metrics", response_model=None)
-    async def prometheus() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
-
+    add_status_routes(app, pool, pd, metrics, client)
     add_admin_routes(app, pool)
     return app
 

@@ -13,9 +13,9 @@ import logging
 
 from fastapi import FastAPI, Request
 
-from tokenmill.disagg.config import KVTransferConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.errors import InvalidRequest
+from tokenmill.kv_transfer_config import KVTransferConfig
 from tokenmill.server.json_body import parse_json
 
 log = logging.getLogger("tokenmill")

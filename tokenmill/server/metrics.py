@@ -22,115 +22,101 @@ _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3
                 10.0)
 
 
+_M = ("model_name",)  # every series' label: the served name
+_PREDICTION_ERROR_BUCKETS = (-10, -5, -2, -1, -0.5, -0.25, -0.1, 0, 0.1, 0.25, 0.5, 1, 2, 5, 10)
+
+# Every series, in the order the registry lists them (docs/hooks.py builds the metrics reference page from it):
+# (attribute, type, series name, labels, histogram buckets or None, help).
+_SERIES: tuple[tuple[str, type, str, tuple[str, ...], tuple[float, ...] | None, str], ...] = (
+    ("requests", Counter, "tokenmill_requests", ("model_name", "outcome"), None,
+     "Finished requests (each of n samples counts) by outcome: stop, length, abort, error"),
+    ("rejected", Counter, "tokenmill_requests_rejected", ("model_name", "status"), None,
+     "Requests refused before reaching the engine, by HTTP status"),
+    ("prompt_tokens", Counter, "tokenmill_prompt_tokens", _M, None, "Prompt tokens of accepted requests"),
+    ("generation_tokens", Counter, "tokenmill_generation_tokens", _M, None, "Generated tokens"),
+    ("ttft", Histogram, "tokenmill_time_to_first_token_seconds", _M, _LATENCY_BUCKETS, "Arrival to first token"),
+    ("itl", Histogram, "tokenmill_inter_token_latency_seconds", _M, _ITL_BUCKETS,
+     "Between consecutive tokens of a sample"),
+    ("e2e", Histogram, "tokenmill_e2e_request_latency_seconds", _M, _LATENCY_BUCKETS, "Arrival to the last token"),
+    ("queue_time", Histogram, "tokenmill_request_queue_time_seconds", _M, _LATENCY_BUCKETS,
+     "Arrival to first scheduled"),
+    ("running", Gauge, "tokenmill_num_requests_running", _M, None, "Requests the engine is running"),
+    ("waiting", Gauge, "tokenmill_num_requests_waiting", _M, None, "Requests waiting in the engine (incl. preempted)"),
+    ("waiting_tokens", Gauge, "tokenmill_num_waiting_tokens", _M, None, "Tokens still to compute of waiting requests"),
+    ("kv_usage", Gauge, "tokenmill_kv_cache_usage_ratio", _M, None, "Fraction of KV cache blocks in use (0 to 1)"),
+    ("preemptions", Counter, "tokenmill_num_preemptions", _M, None, "Requests preempted (recomputed later)"),
+    ("aborts", Counter, "tokenmill_request_aborts", _M, None, "Requests aborted (client gone, shutdown)"),
+    ("prefill_computed", Counter, "tokenmill_prefill_tokens_computed", _M, None,
+     "Prompt tokens run through the model (cache hits excluded, recomputation after preemption included)"),
+    ("prefix_queries", Counter, "tokenmill_prefix_cache_queries", _M, None,
+     "Prompt tokens looked up in the prefix cache when requests were admitted"),
+    ("prefix_hits", Counter, "tokenmill_prefix_cache_hits", _M, None, "Of those, tokens found cached (not recomputed)"),
+    ("prefix_hit_rate", Gauge, "tokenmill_prefix_cache_hit_ratio", _M, None, "Prefix cache hits / queries since start"),
+    ("prefix_blocks", Gauge, "tokenmill_prefix_cache_blocks", _M, None, "KV blocks held by the prefix cache"),
+    ("prefix_evictions", Counter, "tokenmill_prefix_cache_evicted_blocks", _M, None,
+     "Cached KV blocks evicted to make room"),
+    ("spec_drafts", Counter, "tokenmill_spec_decode_num_drafts", _M, None,
+     "Speculative verify passes of one request that carried draft tokens"),
+    ("spec_draft_tokens", Counter, "tokenmill_spec_decode_num_draft_tokens", _M, None,
+     "Draft tokens proposed and verified"),
+    ("spec_accepted", Counter, "tokenmill_spec_decode_num_accepted_tokens", _M, None, "Draft tokens accepted"),
+    ("spec_accepted_per_pos", Counter, "tokenmill_spec_decode_num_accepted_tokens_per_pos", ("model_name", "position"),
+     None, "Draft tokens accepted, by their position in the draft (0 = first)"),
+    ("ttft_by_priority", Histogram, "tokenmill_time_to_first_token_by_priority_seconds", ("model_name", "priority"),
+     _LATENCY_BUCKETS, "Arrival to first token, by request priority"),
+    ("itl_by_priority", Histogram, "tokenmill_inter_token_latency_by_priority_seconds", ("model_name", "priority"),
+     _ITL_BUCKETS, "Between consecutive tokens of a sample, by request priority"),
+    ("slo_requests", Counter, "tokenmill_slo_requests", ("model_name", "priority", "outcome"), None,
+     ("Finished requests with latency targets, by priority and whether they met every target (TTFT, and mean ITL "
+      "as TPOT): goodput is the rate of outcome=met")),
+    ("ttft_prediction_error", Histogram, "tokenmill_ttft_prediction_error_seconds", _M, _PREDICTION_ERROR_BUCKETS,
+     "Actual minus predicted time to first token (admission's prediction)"),
+    ("preemptions_by_cause", Counter, "tokenmill_num_preemptions_by_cause", ("model_name", "cause"), None,
+     "Requests preempted, by cause: blocks (the pool ran short) or priority (a better-ranked request took the place)"),
+    ("kv_transfer_bytes", Counter, "tokenmill_kv_transfer_bytes", ("model_name", "direction"), None,
+     "KV bytes shipped to consumers (sent) or arrived from producers (received), disaggregated prefill/decode"),
+    ("kv_transfer_blocks", Counter, "tokenmill_kv_transfer_blocks", ("model_name", "direction"), None,
+     "KV blocks (of this engine's block size) sent or received"),
+    ("kv_transfers", Counter, "tokenmill_kv_transfers", ("model_name", "outcome"), None,
+     ("KV transfers by outcome: sent, send_failed, received, dropped (refused, broken off, expired unclaimed), "
+      "missed (a consumer request whose KV had not arrived: it computed its prompt)")),
+    ("kv_loaded_tokens", Counter, "tokenmill_kv_transfer_loaded_tokens", _M, None,
+     "Prompt tokens a consumer loaded instead of computing"),
+    ("kv_transfer_seconds", Histogram, "tokenmill_kv_transfer_seconds", _M, _LATENCY_BUCKETS,
+     "Per transfer, from the first KV handed over to the consumer's acknowledgement (overlaps the prefill)"),
+    ("kv_rejected_connections", Counter, "tokenmill_kv_transfer_rejected_connections", _M, None,
+     "KV transfer connections dropped for not proving they hold kv_secret"),
+    ("kv_buffered", Gauge, "tokenmill_kv_transfer_buffered_bytes", _M, None, "Received KV waiting to be claimed"),
+    ("leaked_blocks", Gauge, "tokenmill_leaked_blocks", _M, None,
+     "KV blocks still held the last time no request was in flight: 0 unless there is a bug"),
+    ("engine_alive", Gauge, "tokenmill_engine_alive", _M, None, "1 while the engine loop is alive"),
+    ("weight_bytes", Gauge, "tokenmill_model_weight_bytes", ("model_name", "format"), None,
+     "Bytes the model's weights hold in the engine, by weight format (as the start-up log says)"),
+)
+
+
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, model_name: str, slo_ttft_ms: float | None = None, slo_itl_ms: float | None = None):
         self.registry = r = CollectorRegistry()
+        for attr, kind, name, labels, buckets, doc in _SERIES:
+            extra = {} if buckets is None else {"buckets": buckets}
+            setattr(self, attr, kind(name, doc, labels, registry=r, **extra))
         self._slo_defaults = (slo_ttft_ms, slo_itl_ms)  # the server's targets for requests that give none
-        labels = ["model_name"]
-        self._model = model_name
+        self._model = m = model_name
         # the latest latencies, (when, seconds), for the dashboard's percentiles over the last minutes (server/ui.py)
         self.recent_ttft: deque[tuple[float, float]] = deque(maxlen=20_000)
         self.recent_itl: deque[tuple[float, float]] = deque(maxlen=50_000)
         self.rejected_total = 0
         self.prompt_tokens_total = self.generation_tokens_total = 0
-        self.requests = Counter("tokenmill_requests", "Finished requests (each of n samples counts) by outcome: "
-                                "stop, length, abort, error", ["model_name", "outcome"], registry=r)
-        self.rejected = Counter("tokenmill_requests_rejected", "Requests refused before reaching the engine, "
-                                "by HTTP status", ["model_name", "status"], registry=r)
-        self.prompt_tokens = Counter("tokenmill_prompt_tokens", "Prompt tokens of accepted requests", labels,
-                                     registry=r)
-        self.generation_tokens = Counter("tokenmill_generation_tokens", "Generated tokens", labels, registry=r)
-        self.ttft = Histogram("tokenmill_time_to_first_token_seconds", "Arrival to first token", labels,
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("tokenmill_inter_token_latency_seconds", "Between consecutive tokens of a sample",
-                             labels, buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("tokenmill_e2e_request_latency_seconds", "Arrival to the last token", labels,
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("tokenmill_request_queue_time_seconds", "Arrival to first scheduled", labels,
-                                    buckets=_LATENCY_BUCKETS, registry=r)
-        self.running = Gauge("tokenmill_num_requests_running", "Requests the engine is running", labels, registry=r)
-        self.waiting = Gauge("tokenmill_num_requests_waiting", "Requests waiting in the engine (incl. preempted)",
-                             labels, registry=r)
-        self.waiting_tokens = Gauge("tokenmill_num_waiting_tokens", "Tokens still to compute of waiting requests",
-                                    labels, registry=r)
-        self.kv_usage = Gauge("tokenmill_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0 to 1)",
-                              labels, registry=r)
-        self.preemptions = Counter("tokenmill_num_preemptions", "Requests preempted (recomputed later)", labels,
-                                   registry=r)
-        self.aborts = Counter("tokenmill_request_aborts", "Requests aborted (client gone, shutdown)", labels,
-                              registry=r)
-        self.prefill_computed = Counter("tokenmill_prefill_tokens_computed", "Prompt tokens run through the model "
-                                        "(cache hits excluded, recomputation after preemption included)", labels,
-                                        registry=r)
-        self.prefix_queries = Counter("tokenmill_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
-                                      "when requests were admitted", labels, registry=r)
-        self.prefix_hits = Counter("tokenmill_prefix_cache_hits", "Of those, tokens found cached (not recomputed)",
-                                   labels, registry=r)
-        self.prefix_hit_rate = Gauge("tokenmill_prefix_cache_hit_ratio", "Prefix cache hits / queries since start",
-                                     labels, registry=r)
-        self.prefix_blocks = Gauge("tokenmill_prefix_cache_blocks", "KV blocks held by the prefix cache", labels,
-                                   registry=r)
-        self.prefix_evictions = Counter("tokenmill_prefix_cache_evicted_blocks", "Cached KV blocks evicted to make "
-                                        "room", labels, registry=r)
-        self.spec_drafts = Counter("tokenmill_spec_decode_num_drafts", "Speculative verify passes of one request "
-                                   "that carried draft tokens", labels, registry=r)
-        self.spec_draft_tokens = Counter("tokenmill_spec_decode_num_draft_tokens", "Draft tokens proposed and "
-                                         "verified", labels, registry=r)
-        self.spec_accepted = Counter("tokenmill_spec_decode_num_accepted_tokens", "Draft tokens accepted", labels,
-                                     registry=r)
-        self.spec_accepted_per_pos = Counter("tokenmill_spec_decode_num_accepted_tokens_per_pos", "Draft tokens "
-                                             "accepted, by their position in the draft (0 = first)",
-                                             ["model_name", "position"], registry=r)
-        by_priority = ["model_name", "priority"]
-        self.ttft_by_priority = Histogram("tokenmill_time_to_first_token_by_priority_seconds", "Arrival to first "
-                                          "token, by request priority", by_priority, buckets=_LATENCY_BUCKETS,
-                                          registry=r)
-        self.itl_by_priority = Histogram("tokenmill_inter_token_latency_by_priority_seconds", "Between consecutive "
-                                         "tokens of a sample, by request priority", by_priority,
-                                         buckets=_ITL_BUCKETS, registry=r)
-        self.slo_requests = Counter("tokenmill_slo_requests", "Finished requests with latency targets, by priority "
-                                    "and whether they met every target (TTFT, and mean ITL as TPOT): goodput is the "
-                                    "rate of outcome=met", ["model_name", "priority", "outcome"], registry=r)
-        self.ttft_prediction_error = Histogram("tokenmill_ttft_prediction_error_seconds", "Actual minus predicted "
-                                               "time to first token (admission's prediction)", labels,
-                                               buckets=(-10, -5, -2, -1, -0.5, -0.25, -0.1, 0, 0.1, 0.25, 0.5, 1,
-                                                        2, 5, 10), registry=r)
-        self.preemptions_by_cause = Counter("tokenmill_num_preemptions_by_cause", "Requests preempted, by cause: "
-                                            "blocks (the pool ran short) or priority (a better-ranked request took "
-                                            "the place)", ["model_name", "cause"], registry=r)
-        self._causes_seen: dict[str, int] = {}
-        kv = ["model_name", "direction"]
-        self.kv_transfer_bytes = Counter("tokenmill_kv_transfer_bytes", "KV bytes shipped to consumers (sent) or "
-                                         "arrived from producers (received), disaggregated prefill/decode", kv,
-                                         registry=r)
-        self.kv_transfer_blocks = Counter("tokenmill_kv_transfer_blocks", "KV blocks (of this engine's block size) "
-                                          "sent or received", kv, registry=r)
-        self.kv_transfers = Counter("tokenmill_kv_transfers", "KV transfers by outcome: sent, send_failed, received, "
-                                    "dropped (refused, broken off, expired unclaimed), missed (a consumer request "
-                                    "whose KV had not arrived: it computed its prompt)", ["model_name", "outcome"],
-                                    registry=r)
-        self.kv_loaded_tokens = Counter("tokenmill_kv_transfer_loaded_tokens", "Prompt tokens a consumer loaded "
-                                        "instead of computing", labels, registry=r)
-        self.kv_transfer_seconds = Histogram("tokenmill_kv_transfer_seconds", "Per transfer, from the first KV "
-                                             "handed over to the consumer's acknowledgement (overlaps the prefill)",
-                                             labels, buckets=_LATENCY_BUCKETS, registry=r)
-        self.kv_rejected_connections = Counter("tokenmill_kv_transfer_rejected_connections", "KV transfer "
-                                               "connections dropped for not proving they hold kv_secret", labels,
-                                               registry=r)
-        self.kv_buffered = Gauge("tokenmill_kv_transfer_buffered_bytes", "Received KV waiting to be claimed",
-                                 labels, registry=r)
-        self._kv_seen: dict[tuple, int] = {}
         self.block_size = 16  # for the blocks counter (app.py sets the engine's)
-        self.leaked_blocks = Gauge("tokenmill_leaked_blocks", "KV blocks still held the last time no request was "
-                                   "in flight: 0 unless there is a bug", labels, registry=r)
-        self.engine_alive = Gauge("tokenmill_engine_alive", "1 while the engine loop is alive", labels, registry=r)
-        self.weight_bytes = Gauge("tokenmill_model_weight_bytes", "Bytes the model's weights hold in the engine, by "
-                                  "weight format (as the start-up log says)", ["model_name", "format"], registry=r)
-        self.engine_alive.labels(model_name).set(1)
+        # totals last reported (engine stats, KV connector), so the counters take only the increase
+        self._causes_seen: dict[str, int] = {}
+        self._kv_seen: dict[tuple, int] = {}
+        self._spec_seen: tuple[int, ...] = ()
+        self.engine_alive.labels(m).set(1)
         # children bound once: .labels() per observation would cost a dict lookup and a lock each time
-        m = model_name
         self._gen, self._ttft, self._itl = self.generation_tokens.labels(m), self.ttft.labels(m), self.itl.labels(m)
         self._e2e, self._queue = self.e2e.labels(m), self.queue_time.labels(m)
         self._running, self._waiting = self.running.labels(m), self.waiting.labels(m)
@@ -145,10 +131,8 @@ class ServerMetrics:
         self._prefill = self.prefill_computed.labels(m)
         self._from_totals = (self._preempt, self._prefill, self._pq, self._ph, self._pevict)
         self._totals_seen = (0,) * len(self._from_totals)
-        self._spec_seen: tuple[int, ...] = ()
         for outcome in ("stop", "length", "abort", "error"):
             self.requests.labels(m, outcome)
-
 
     def set_weights(self, weight_format: str, weight_bytes: int) -> None:
         """Once the engine is ready: what its weights are and take."""
