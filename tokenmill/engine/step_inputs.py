@@ -41,7 +41,7 @@ def micro_batches(ordered: list[ScheduledRequest], n: int, split_chunks: bool) -
 
 class StepInputs:
     """ModelRunner's input building: tensors on `self.device`, KV slots in blocks of `self.block_size`, the pages
-    of each layer as `self.kv_layout` lays them out."""
+    of each layer as `self.kv_layout` lays them out, state slots where `self.cache` holds state layers."""
 
     def _inputs(self, spans: list[Span], num_paged: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Token ids, positions and attention metadata of these spans' tokens, the first `num_paged` spans read
@@ -53,7 +53,7 @@ class StepInputs:
             positions.extend(range(start, start + n))
             slots.extend(token_slots(req.block_ids, start, start + n, self.block_size))
         meta = AttentionMetadata(slot_mapping=self._long(slots))
-        if self.kv_layout.state_layers:  # each request's rows and its state slot, in batch order
+        if self.cache.has_state:  # each request's rows and its state slot, in batch order
             row = 0
             for s, _, n in spans:
                 meta.state_spans.append((row, row + n, s.request.state_slot))
