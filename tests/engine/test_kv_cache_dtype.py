@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.models.reference import make_llm
 from tests.models.tiny import make_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import ConfigError
@@ -25,7 +26,7 @@ def generate(llm: LLM, batch=BATCH, tokens: int = 12):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fp8_cache_halves_bytes_and_serves_every_path(tiny, dtype):
+def test_fp8_cache_halves_bytes_and_serves_every_path(tiny, dtype, monkeypatch):
     full = LLM(tiny, dtype=dtype, kv_cache_memory=KV)
     fp8 = LLM(tiny, dtype=dtype, kv_cache_memory=KV, kv_cache_dtype="fp8")
     a, b = full.engine.core.cache_info, fp8.engine.core.cache_info
@@ -34,8 +35,7 @@ def test_fp8_cache_halves_bytes_and_serves_every_path(tiny, dtype):
     assert fp8.engine.core.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
     outs = generate(fp8)
     # the reference runner (plain torch, no C++) reads and writes the same codes: the same tokens
-    ref = LLM(tiny, dtype="float32", kv_cache_memory=KV, kv_cache_dtype="fp8")
-    ref.engine.core.runner.use_kernel = False
+    ref = make_llm(tiny, "reference", monkeypatch, dtype="float32", kv_cache_memory=KV, kv_cache_dtype="fp8")
     if dtype == "float32":
         assert [o.token_ids for o in generate(ref)] == [o.token_ids for o in outs]
     # close to the full-precision cache: each prompt token's logprob (every position reads the cache) moves little

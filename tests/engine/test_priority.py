@@ -23,9 +23,9 @@ def request(rid: str, prompt_len: int = 8, max_tokens: int = 8, priority: int = 
                    itl_target=itl)
 
 
-def scheduler(num_blocks: int = 64, block_size: int = 4, **cfg) -> Scheduler:
+def scheduler(num_blocks: int = 64, block_size: int = 4, step_cost=None, **cfg) -> Scheduler:
     cfg.setdefault("policy", "priority")
-    return Scheduler(SchedulerConfig(**cfg), KVCacheManager(num_blocks, block_size))
+    return Scheduler(SchedulerConfig(**cfg), KVCacheManager(num_blocks, block_size), step_cost=step_cost)
 
 
 def step(sched: Scheduler):
@@ -85,8 +85,7 @@ def test_two_requests_never_preempt_each_other_back_and_forth():
 
 
 def test_an_itl_target_caps_the_step_to_what_the_measured_cost_fits():
-    sched = scheduler(num_blocks=256, max_num_batched_tokens=512, policy="continuous")
-    sched.step_cost = fitted(0.010, 0.001)  # 10 ms + 1 ms per token: 40 tokens fit in 0.8 x 62.5 ms
+    sched = scheduler(num_blocks=256, max_num_batched_tokens=512, policy="continuous", step_cost=fitted(0.010, 0.001))  # 10 ms + 1 ms per token: 40 tokens fit in 0.8 x 62.5 ms
     for i in range(4):
         sched.add_request(request(f"d{i}", prompt_len=4, max_tokens=50, itl=0.0625))
     step(sched)  # their prompts
@@ -105,8 +104,7 @@ def test_an_itl_target_caps_the_step_to_what_the_measured_cost_fits():
 
 
 def test_an_itl_target_never_starves_the_decodes_themselves():
-    sched = scheduler(policy="continuous")
-    sched.step_cost = fitted(0.030, 0.001)  # the fixed cost alone is over the 20 ms target
+    sched = scheduler(policy="continuous", step_cost=fitted(0.030, 0.001))  # the fixed cost alone is over the 20 ms target
     for i in range(5):
         sched.add_request(request(f"d{i}", prompt_len=4, max_tokens=6, itl=0.020))
     step(sched)
@@ -147,8 +145,7 @@ def test_a_finished_request_is_not_ranked():
 
 
 def test_by_rank_an_itl_target_protects_its_decodes_before_lower_priority_ones():
-    sched = scheduler(num_blocks=1024)
-    sched.step_cost = fitted(0.010, 0.001)  # 40 tokens fit in 0.8 x 62.5 ms
+    sched = scheduler(num_blocks=1024, step_cost=fitted(0.010, 0.001))  # 40 tokens fit in 0.8 x 62.5 ms
     for i in range(30):
         sched.add_request(request(f"batch-{i}", prompt_len=4, max_tokens=50, priority=1))
     for i in range(20):
@@ -170,8 +167,7 @@ def test_by_rank_an_itl_target_protects_its_decodes_before_lower_priority_ones()
 
 
 def test_under_an_itl_target_chunks_deep_into_a_long_prompt_shrink_and_every_step_fits_the_target():
-    sched = scheduler(num_blocks=2048, block_size=16, max_num_batched_tokens=512, policy="continuous")
-    sched.step_cost = fitted_with_pairs(0.010, 2e-4, 1e-7)
+    sched = scheduler(num_blocks=2048, block_size=16, max_num_batched_tokens=512, policy="continuous", step_cost=fitted_with_pairs(0.010, 2e-4, 1e-7))
     cost, target = sched.step_cost.fitted, 0.100
     for i in range(4):
         sched.add_request(request(f"d{i}", prompt_len=4, max_tokens=400, itl=target))
@@ -303,8 +299,7 @@ def test_requests_preempted_for_priority_resume_with_unchanged_output(tiny_dir):
 
 
 def test_prompts_still_move_when_an_itl_target_leaves_them_no_time():
-    sched = scheduler(num_blocks=256, policy="continuous")
-    sched.step_cost = fitted(0.030, 0.001)  # the fixed cost alone is over the 20 ms target
+    sched = scheduler(num_blocks=256, policy="continuous", step_cost=fitted(0.030, 0.001))  # the fixed cost alone is over the 20 ms target
     for i in range(3):
         sched.add_request(request(f"d{i}", prompt_len=4, max_tokens=200, itl=0.020))
     step(sched)

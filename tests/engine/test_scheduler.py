@@ -108,8 +108,7 @@ def drain_and_check_pool(sched: Scheduler) -> None:
 
 def three_decodes_and_a_prompt(config: SchedulerConfig, cost: StepCost) -> Scheduler:
     """A scheduler whose step cost is `cost`, with three requests decoding and a 200-token prompt just queued."""
-    sched = Scheduler(config, KVCacheManager(256, 4))
-    sched.step_cost = FixedCost(cost)
+    sched = Scheduler(config, KVCacheManager(256, 4), step_cost=FixedCost(cost))
     for i in range(3):
         sched.add_request(make_request(f"d{i}", 4, 30))
     run_step(sched)
@@ -144,8 +143,8 @@ def test_a_wave_of_prompts_stretches_the_steps_beside_few_decodes():
     its own time, so a wave of arrivals is prefilled in long steps (a fixed 3x held 64 ShareGPT streams' TTFT p50
     at 10-13 s); as the prompts start decoding, the steps shrink back towards 3x."""
     cost = StepCost(fixed=0.010, per_token=0.002)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_decode_slowdown=3.0), KVCacheManager(512, 4))
-    sched.step_cost = FixedCost(cost)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_decode_slowdown=3.0), KVCacheManager(512, 4),
+                      step_cost=FixedCost(cost))
     sched.add_request(make_request("d", 4, 60))
     run_step(sched)
     for i in range(4):
@@ -226,7 +225,7 @@ def test_random_workload_with_aborts_and_preemptions_leaves_the_pool_whole(seed,
     kv = KVCacheManager(rng.randint(12, 40), rng.choice([1, 4, 16]))
     sched = Scheduler(SchedulerConfig(max_num_seqs=rng.randint(1, 8), max_num_batched_tokens=rng.randint(8, 64),
                                       long_prefill_token_threshold=threshold, new_token_ratio=ratio), kv)
-    sched.max_steps = steps
+    sched.limit_runs(steps)
     capacity = kv.pool.num_blocks * kv.block_size
     n_added, preemptions = 0, 0
     for step in range(400):
@@ -250,9 +249,9 @@ def test_random_workload_with_aborts_and_preemptions_leaves_the_pool_whole(seed,
 
 
 # ---- long prefills share the step ---------------------------------------------------------------------------------
-def long_prefill_scheduler(threshold=None, num_blocks=1024) -> Scheduler:
+def long_prefill_scheduler(threshold=None, num_blocks=1024, step_cost=None) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_batched_tokens=512, long_prefill_token_threshold=threshold),
-                     KVCacheManager(num_blocks, 16))
+                     KVCacheManager(num_blocks, 16), step_cost=step_cost)
 
 
 def chunks(out) -> list[tuple[str, int]]:
@@ -311,8 +310,8 @@ def test_a_long_prefill_goes_before_prompts_that_arrive_after_its_virtual_finish
     prompt arriving soon after a long one still goes first, one arriving after the long one would have finished
     alone waits its turn (fewest tokens left first would let a stream of such arrivals starve the long one)."""
     for delay, expected in ((1.0, [("long", 128), ("mid", 384)]), (9.0, [("long", 512)])):
-        sched = long_prefill_scheduler()
-        sched.step_cost = SimpleNamespace(fitted=StepCost(fixed=0.0, per_token=1e-3))  # "long" alone: 8 s
+        # "long" alone: 8 s
+        sched = long_prefill_scheduler(step_cost=SimpleNamespace(fitted=StepCost(fixed=0.0, per_token=1e-3)))
         long, mid = make_request("long", 8000, 2), make_request("mid", 1200, 2)
         sched.add_request(long)
         run_step(sched)
@@ -394,7 +393,7 @@ def test_long_prefill_token_threshold_is_validated():
 # ---- multi-step decode ----------------------------------------------------------------------------------------------
 def multi_step_scheduler(steps=4, num_blocks=64, block_size=4) -> Scheduler:
     sched = Scheduler(SchedulerConfig(), KVCacheManager(num_blocks, block_size))
-    sched.max_steps = steps
+    sched.limit_runs(steps)
     return sched
 
 

@@ -14,13 +14,13 @@ import torch
 from safetensors.torch import load_file
 
 from tests.greedy import assert_matches_reference, hf_greedy
+from tests.models import reference
 from tests.models.gguf_writer import llama_like_writer, write
 from tests.models.tiny import SMOLLM2_VOCAB, BuiltOnFirstUse, make_tiny_model
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine import runner as runner_module
 from tokenmill.errors import ConfigError, ModelLoadError
 from tokenmill.model import cpu_kernels
-from tokenmill.model.backends import CpuBackend, TorchBackend, select_backend
+from tokenmill.model.backends import CpuBackend, TorchBackend
 from tokenmill.model.backends.cpu_decode import LAYER_STACK
 from tokenmill.model.loader import load_model_config, load_weights
 from tokenmill.model_config import ModelConfig
@@ -96,16 +96,8 @@ def families(tmp_path_factory) -> dict[str, Family]:
 
 
 def make_llm(model: Path, backend: str, monkeypatch, **kwargs) -> LLM:
-    """LLM on the CPU kernel backend, or on the plain-PyTorch reference (the runner's select_backend told so)."""
-    with monkeypatch.context() as m:
-        if backend == "reference":
-            m.setattr(runner_module, "select_backend",
-                      lambda device, use_kernels=True, batch_invariant=False: select_backend(device, False,
-                                                                                            batch_invariant))
-        llm = LLM(str(model), dtype="float32", **{"kv_cache_memory": KV, **kwargs})
-    want = TorchBackend if backend == "reference" else CpuBackend
-    assert type(llm.engine.core.runner.backend) is want
-    return llm
+    """LLM in float32 on the CPU kernel backend or on the plain-PyTorch reference."""
+    return reference.make_llm(str(model), backend, monkeypatch, **{"dtype": "float32", "kv_cache_memory": KV, **kwargs})
 
 
 def check_greedy(model: Path, backend: str, monkeypatch, family: Family, **kwargs) -> LLM:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 from tokenmill.engine.step_cost import StepCost, attention_pairs, stretched_step_seconds
-from tokenmill.request import Request
+from tokenmill.request import Request, RequestStatus
 
 LPM_MAX_QUEUE = 128  # longest waiting queue ranked by cached prefix; longer ones are served first come first
 LPM_MAX_SKIPS = 16  # a waiting request overtaken this many times is tried first
@@ -102,6 +102,15 @@ class FcfsPolicy:
             return order  # on a long queue ranking costs more than it saves
         cached = {id(r): cached_prefix_len(r) for _, r in order}
         return sorted(order, key=lambda e: (e[1].num_skips < LPM_MAX_SKIPS, -cached[id(e[1])], e[0]))
+
+
+def count_skips(queue: list[Request]) -> None:
+    """After admission: each request of the waiting `queue` that someone later in it went before was overtaken once
+    more (the bound on how long the cached-prefix order may pass a request over)."""
+    last = max((i for i, r in enumerate(queue) if r.status is RequestStatus.RUNNING), default=0)
+    for req in queue[:last]:
+        if req.status is not RequestStatus.RUNNING:
+            req.num_skips += 1
 
 
 class StaticPolicy(FcfsPolicy):

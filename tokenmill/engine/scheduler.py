@@ -51,6 +51,7 @@ from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.multi_step import run_length
 from tokenmill.engine.policy import (
     StepBudget,
+    count_skips,
     make_policy,
     prefill_finish_key,
     prefill_tokens_by_level,
@@ -165,7 +166,7 @@ class Scheduler:
             self._grow(budget, capped)  # phase C
             if passed_over and budget.left and all(s.samples_next_token for s in capped):
                 self._admit_waiting(out, budget, now, None, capped)
-            self._count_skips(queue)
+            count_skips(queue)
         out.scheduled = [s for s in out.scheduled if s.num_new_tokens]  # chunks phase A left for C, or out of time
         if self.max_steps > 1 and out.scheduled:
             out.num_steps = run_length(out, self.kv, self.max_steps, self.lookahead, bool(self.waiting))
@@ -285,13 +286,6 @@ class Scheduler:
     def _finish_key(s: ScheduledRequest, cost: StepCost | None) -> float:
         """A capped prefill's prefill_finish_key after this step's chunk."""
         return prefill_finish_key(s.request, s.num_left, s.request.num_computed_tokens + s.num_new_tokens, cost)
-
-    def _count_skips(self, queue: list[Request]) -> None:
-        """Each waiting request that someone later in `queue` went before was overtaken once more."""
-        last = max((i for i, r in enumerate(queue) if r.status is RequestStatus.RUNNING), default=0)
-        for req in queue[:last]:
-            if req.status is not RequestStatus.RUNNING:
-                req.num_skips += 1
 
     def _form_static_batch(self, now: float) -> None:
         """Static batching: a fixed batch joins together and no one else joins until all of it has ended."""
