@@ -37,6 +37,7 @@ from tokenmill.bench.datasets import chat_token_ids, load_sharegpt, random_reque
 from tokenmill.bench.offline import run_offline
 from tokenmill.model.cpu_kernels import cpu_isa
 from tokenmill.model.loader import default_model_path
+from tokenmill.spec.draft_model import last_logits
 
 CODE = [
     '''def moving_average(values, window):
@@ -166,11 +167,11 @@ def cost(runs: int, kv: int, quantization: str, k: int) -> None:
     context = [int(t) for t in torch.randint(100, 20000, (256,), generator=torch.Generator().manual_seed(0))]
 
     def step_ms(runner, n: int) -> float:
-        runner.forward_last([(blocks, 0, context)])
+        last_logits(runner, [(blocks, 0, context)])
         times = []
         for _ in range(20 * runs):
             t = time.perf_counter()
-            runner.forward_last([(blocks, 256, context[:n])])
+            last_logits(runner, [(blocks, 256, context[:n])])
             times.append(time.perf_counter() - t)
         return statistics.median(times) * 1e3
 

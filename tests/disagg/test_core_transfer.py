@@ -16,6 +16,7 @@ from tests.models.tiny import make_tiny_model
 from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.disagg.auth import transfer_token
 from tokenmill.disagg.transfer import KVTransferParams
+from tokenmill.engine import kv_transfer_hooks
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.messages import AddRequest
 from tokenmill.sampling_params import SamplingParams
@@ -128,8 +129,8 @@ def test_the_loaded_kv_is_what_the_consumer_attends_to(pair, monkeypatch):
     """Zeroed KV in flight changes the answer: the consumer really reads what arrived (the test above has teeth)."""
     prompt = prompt_of(40, 1)
     ref = tokens(run(pair.colocated, add("r", prompt)), "r")
-    real = pair.producer.runner.read_kv
-    monkeypatch.setattr(pair.producer.runner, "read_kv", lambda *a: torch.zeros_like(real(*a)))
+    real = kv_transfer_hooks.read_tokens
+    monkeypatch.setattr(kv_transfer_hooks, "read_tokens", lambda *a: torch.zeros_like(real(*a)))
     _, decoded = disaggregated(pair, prompt, "zeroed")
     assert tokens(decoded, "d-zeroed") != ref
 

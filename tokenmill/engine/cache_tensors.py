@@ -23,6 +23,7 @@ class CacheTensors:
     def __init__(self, layout: KVLayout, page_shape: tuple[int, ...], kv_dtype: torch.dtype, device: torch.device,
                  num_state_slots: int = 0):
         self.layout = layout
+        self.block_size, self.device = page_shape[1], device
         # Zeroed, not empty: masked-out slots are still multiplied by 0 and must not hold NaN bit patterns.
         pages = [(torch.zeros(page_shape, dtype=kv_dtype, device=device),
                   torch.zeros(page_shape, dtype=kv_dtype, device=device)) for _ in range(layout.num_slots)]
@@ -44,6 +45,10 @@ class CacheTensors:
     def paged_layers(self) -> list[tuple[int, tuple[torch.Tensor, torch.Tensor]]]:
         """(layer, (keys, values)) of every paged layer."""
         return [(i, kv) for i, kv in enumerate(self.per_layer) if self.layout.layer_slots[i] is not None]
+
+    def slot_index(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        """token_slots of positions [start, end) as a tensor on the cache's device."""
+        return torch.tensor(token_slots(block_ids, start, end, self.block_size), dtype=torch.long, device=self.device)
 
     # ---- per-request state (state layers only) ---------------------------------------------------------------
     def reset_states(self, slots: list[int]) -> None:

@@ -77,7 +77,7 @@ class EngineCore:
         self.kv_transfer: KVTransferHooks | None = None
         if config.kv_transfer is not None:
             self.kv_transfer = KVTransferHooks.build(config, self.model_config, self.cache_info, self.kv_dtype,
-                                                     self.runner)
+                                                     self.runner.cache)
             self.connector = self.kv_transfer.connector
             self.hooks.append(self.kv_transfer)
         self.lora = LoRAHooks(self.runner.lora)

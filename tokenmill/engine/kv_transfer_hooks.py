@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tokenmill.config import EngineConfig
+from tokenmill.disagg.kv_io import PagedCache, read_tokens, write_tokens
 from tokenmill.disagg.transfer import KVTransferParams, SendResult, TransferLayout
 from tokenmill.engine.hooks import RequestHooks
 from tokenmill.errors import ConfigError
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
     from tokenmill.disagg.connector import KVConnector, Received
     from tokenmill.engine.messages import AddRequest, EngineCoreOutput
     from tokenmill.engine.model_spec import CacheInfo
-    from tokenmill.engine.runner import ModelRunner
     from tokenmill.engine.step_types import SchedulerOutput, StepResult
     from tokenmill.request import Request
 
@@ -54,15 +54,16 @@ class ExternalKV:
 class KVTransferHooks(RequestHooks):
     @classmethod
     def build(cls, config: EngineConfig, model: ModelConfig, cache: CacheInfo, kv_dtype: torch.dtype,
-              runner: ModelRunner) -> KVTransferHooks:
+              cache_tensors: PagedCache) -> KVTransferHooks:
         """The connector for --kv-transfer-config, for this model's KV layout, and the hooks around it."""
         from tokenmill.disagg import make_connector
 
         layout = TransferLayout(model.num_layers, model.num_kv_heads, model.head_dim, cache.dtype, kv_dtype.itemsize)
-        return cls(config.kv_transfer, make_connector(config.kv_transfer, layout), runner, config.kv_block_size)
+        return cls(config.kv_transfer, make_connector(config.kv_transfer, layout), cache_tensors, config.kv_block_size)
 
-    def __init__(self, config: KVTransferConfig, connector: KVConnector, runner: ModelRunner, block_size: int):
-        self.config, self.connector, self.runner, self.block_size = config, connector, runner, block_size
+    def __init__(self, config: KVTransferConfig, connector: KVConnector, cache_tensors: PagedCache, block_size: int):
+        self.config, self.connector, self.block_size = config, connector, block_size
+        self.cache_tensors = cache_tensors  # where the shipped KV is read and the received KV written
         self._shipments: dict[str, Shipment] = {}  # producer: sequence id -> its shipment
         # producer: transfer id -> (sequence, its final output, held back until the transfer's outcome is known)
         self._awaiting_outcome: dict[str, tuple[str, EngineCoreOutput | None]] = {}
@@ -184,7 +185,7 @@ class KVTransferHooks(RequestHooks):
             start, end = req.pending_load
             req.pending_load = None
             ext = self._external[self._loading_from[req.request_id]]
-            self.runner.write_kv(req.block_ids, start, ext.received.data[start:end])
+            write_tokens(self.cache_tensors, self.connector.layout, req.block_ids, start, ext.received.data[start:end])
             self.connector.count(loaded_tokens=end - start)
             self._untake(req.request_id)
 
@@ -206,7 +207,8 @@ class KVTransferHooks(RequestHooks):
                 continue
             end = min(req.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens)
             if end > ship.sent:
-                self.connector.send(ship.transfer_id, ship.sent, self.runner.read_kv(req.block_ids, ship.sent, end))
+                kv = read_tokens(self.cache_tensors, self.connector.layout, req.block_ids, ship.sent, end)
+                self.connector.send(ship.transfer_id, ship.sent, kv)
                 ship.sent = end
             if end == req.num_prompt_tokens:
                 self.connector.end(ship.transfer_id)

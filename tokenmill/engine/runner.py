@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill.engine.cache_tensors import CacheTensors, token_slots
+from tokenmill.engine.cache_tensors import CacheTensors
 from tokenmill.engine.kv_layout import KVLayout
 from tokenmill.engine.lora_pool import LoRAPool
 from tokenmill.engine.multi_step_runner import MultiStepRunner, request_stop_ids
@@ -160,29 +160,6 @@ class ModelRunner(StepInputs, MultiStepRunner):
 
     def release(self, request_id: str) -> None:
         self.base_seeds.pop(request_id, None)
-
-    # ---- KV in and out (disaggregated prefill/decode: tokenmill/disagg/) ---------------------------------
-    @torch.inference_mode()
-    def read_kv(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
-        """A host copy of tokens [start, end)'s K/V, token-major: [tokens, layers, 2, kv heads, head dim]."""
-        slots = self._long(token_slots(block_ids, start, end, self.block_size))
-        cfg = self.cfg
-        out = torch.empty((end - start, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim),
-                          dtype=self.kv_caches[0][0].dtype, device=self.device)
-        for layer, (k, v) in self.cache.paged_layers():
-            out[:, layer, 0] = k.view(-1, cfg.num_kv_heads, cfg.head_dim).index_select(0, slots)
-            out[:, layer, 1] = v.view(-1, cfg.num_kv_heads, cfg.head_dim).index_select(0, slots)
-        return out.cpu()
-
-    @torch.inference_mode()
-    def write_kv(self, block_ids: list[int], start: int, kv: torch.Tensor) -> None:
-        """Write `kv` ([tokens, layers, 2, kv heads, head dim], as read_kv gives it) at tokens [start, ...)."""
-        slots = self._long(token_slots(block_ids, start, start + len(kv), self.block_size))
-        kv = kv.to(self.device)
-        cfg = self.cfg
-        for layer, (k, v) in self.cache.paged_layers():
-            k.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, slots, kv[:, layer, 0])
-            v.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, slots, kv[:, layer, 1])
 
     # ---- one step ----------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -350,21 +327,14 @@ class ModelRunner(StepInputs, MultiStepRunner):
         return result
 
     @torch.inference_mode()
-    def forward_last(self, spans: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
-        """Logits of each span's last token; a span is (block ids, first position, its tokens), each reading
-        its context through the block tables and writing its K/V there. For a draft model, which runs spans of
-        its own beside the scheduler's steps (spec/draft_model.py)."""
-        input_ids, positions, slots, last_rows = [], [], [], []
-        for block_ids, start, tokens in spans:
-            input_ids.extend(tokens)
-            positions.extend(range(start, start + len(tokens)))
-            slots.extend(token_slots(block_ids, start, start + len(tokens), self.block_size))
-            last_rows.append(len(input_ids) - 1)
-        meta = AttentionMetadata(slot_mapping=self._long(slots))
-        self._paged_metadata(meta, [(b, start, len(t)) for b, start, t in spans])
-        hidden = self.calls.forward(self.model, [(self._long(input_ids), self._long(positions), meta)],
-                                    self.kv_caches)
-        return self.calls.logits(self.model, hidden[self._long(last_rows)])
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor, AttentionMetadata]) -> torch.Tensor:
+        """The hidden states of one batch of token ids, positions and metadata (e.g. `span_inputs`'), its K/V
+        written to the cache: for callers that run the model beside the scheduler's steps (a draft model)."""
+        return self.calls.forward(self.model, [inputs], self.kv_caches)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.calls.logits(self.model, hidden)
 
     def _sampling_rows(self, s: ScheduledRequest) -> list[SamplingRow]:
         """One row per output position this step samples: the next token, then one after each draft token (its

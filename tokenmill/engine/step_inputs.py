@@ -71,6 +71,21 @@ class StepInputs:
                                          for s, offset, n in spans], len(paged))
         return self._long(input_ids), self._long(positions), meta
 
+    def span_inputs(self, spans: list[tuple[list[int], int, list[int]]],
+                    ) -> tuple[tuple[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]:
+        """Inputs of token spans outside the scheduler's steps, each (block ids, first position, its tokens),
+        reading its context through its block table and writing its K/V there; and the row of each span's last
+        token."""
+        input_ids, positions, slots, last_rows = [], [], [], []
+        for block_ids, start, tokens in spans:
+            input_ids.extend(tokens)
+            positions.extend(range(start, start + len(tokens)))
+            slots.extend(token_slots(block_ids, start, start + len(tokens), self.block_size))
+            last_rows.append(len(input_ids) - 1)
+        meta = AttentionMetadata(slot_mapping=self._long(slots))
+        self._paged_metadata(meta, [(b, start, len(t)) for b, start, t in spans])
+        return (self._long(input_ids), self._long(positions), meta), self._long(last_rows)
+
     def _window_metadata(self, meta: AttentionMetadata, spans: list[tuple[Request, int, int]],
                          num_paged: int) -> None:
         """A hybrid KV layout (engine/kv_layout.py): the metadata of each window table (its slots and block

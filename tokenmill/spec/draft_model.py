@@ -38,6 +38,13 @@ def check_draft_config(draft: ModelConfig, target: ModelConfig, path: str) -> No
                           f"tokens, the target {target.vocab_size}; a draft must share the target's tokenizer")
 
 
+def last_logits(runner: ModelRunner, spans: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
+    """The logits of each span's last token, a span being (block ids, first position, its tokens): the draft's
+    own forward passes, beside the target's steps, reading and writing K/V through the shared block tables."""
+    inputs, last_rows = runner.span_inputs(spans)
+    return runner.logits(runner.forward(inputs)[last_rows])
+
+
 @dataclass
 class DraftTarget:
     """What a draft model needs of the engine it drafts for: the target's runner (its device, dtype and per-request
@@ -100,7 +107,7 @@ class DraftModelProposer:
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = list(range(len(requests)))
         for step in range(max(ks)):
-            logits = self.runner.forward_last([spans[i] for i in active])
+            logits = last_logits(self.runner, [spans[i] for i in active])
             for i, (b, start, toks) in zip(active, [spans[i] for i in active]):
                 states[i].tokens.extend(toks)
             rows = [self._row(requests[i], drafts[i]) for i in active]
