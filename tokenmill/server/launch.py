@@ -15,9 +15,9 @@ from pathlib import Path
 
 import uvicorn
 
-from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine_args import EngineArgs
 from tokenmill.server.http_server import JSONErrorH11Protocol, Server
+from tokenmill.server.model_app import start_model_app
 
 
 def default_served_name(model: str | None) -> str:
@@ -61,6 +61,7 @@ def serve(args: argparse.Namespace) -> int:
     check_server_flags(args)
     config = EngineArgs.from_cli_args(args).create_engine_config()
     names = args.served_model_name or [default_served_name(args.model)]
+    settings = server_settings(args, names, str(args.model or default_served_name(None)))
 
     state = {"exit_code": 0, "server": None}
 
@@ -69,20 +70,12 @@ def serve(args: argparse.Namespace) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
 
-    from tokenmill.server.app import create_app
-    from tokenmill.server.metrics import ServerMetrics
-
-    metrics = ServerMetrics(names[0], config.scheduler.slo_ttft_ms, config.scheduler.slo_itl_ms)
-    engine = AsyncEngine(config, max_waiting_requests=args.max_waiting_requests,
-                         max_waiting_tokens=args.max_waiting_tokens, observer=metrics,
-                         slo_admission=args.slo_admission)
+    served = None
     try:
-        info = engine.start()
-        print(info.startup_summary, file=sys.stderr, flush=True)
-        settings = server_settings(args, names, str(args.model or default_served_name(None)))
-        app = create_app(engine, settings, metrics)
+        served = start_model_app(config, args, settings)
+        engine = served.engine
         # uvicorn's own timeout is only the backstop: Server ends what is left at --shutdown-timeout with a 503
-        uconfig = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on",
+        uconfig = uvicorn.Config(served.app, host=args.host, port=args.port, log_level="warning", lifespan="on",
                                  access_log=args.access_log, timeout_graceful_shutdown=args.shutdown_timeout + 5,
                                  timeout_keep_alive=5, http=JSONErrorH11Protocol)
         server = Server(uconfig, names[0], engine, args.shutdown_timeout)
@@ -98,7 +91,8 @@ def serve(args: argparse.Namespace) -> int:
         if not server.started and state["exit_code"] == 0:
             state["exit_code"] = 1  # uvicorn could not start (port in use, ...): it said why
     finally:
-        engine.shutdown()
+        if served is not None:
+            served.engine.shutdown()
         for s, h in old.items():
             signal.signal(s, h)
     return state["exit_code"]

@@ -9,13 +9,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenmill.server.model_app import start_model_app
 from tokenmill.server.model_pool import Loaded, ModelEntry
 from tokenmill.server.settings import ServerSettings
+
 
 def weight_file_bytes(path: str | Path) -> int:
     """The bytes of a model's weight files: a GGUF file's size, or a directory's *.safetensors. A first estimate
@@ -49,23 +50,10 @@ class EngineBackend:
         return weight_file_bytes(resolve_model_path(entry.path)) + kv_budget(entry.config)
 
     def load(self, entry: ModelEntry) -> Loaded:
-        from tokenmill.engine.async_engine import AsyncEngine
-        from tokenmill.server.app import create_app
-        from tokenmill.server.metrics import ServerMetrics
-
-        config, args = entry.config, self.args
-        metrics = ServerMetrics(entry.name, config.scheduler.slo_ttft_ms, config.scheduler.slo_itl_ms)
-        engine = AsyncEngine(config, max_waiting_requests=args.max_waiting_requests,
-                             max_waiting_tokens=args.max_waiting_tokens, observer=metrics,
-                             slo_admission=args.slo_admission)
-        try:
-            info = engine.start()
-            print(f"model {entry.name}: {info.startup_summary}", file=sys.stderr, flush=True)
-            app = create_app(engine, self.settings_of(entry.name, entry.path), metrics)
-        except BaseException:
-            engine.shutdown()
-            raise
-        return Loaded(app, engine, metrics.registry, info.weight_bytes + info.kv_bytes, info.max_model_len)
+        served = start_model_app(entry.config, self.args, self.settings_of(entry.name, entry.path),
+                                 label=f"model {entry.name}: ")
+        return Loaded(served.app, served.engine, served.metrics.registry,
+                      served.info.weight_bytes + served.info.kv_bytes, served.info.max_model_len)
 
     def attach(self, loaded: Loaded, loop: asyncio.AbstractEventLoop, on_dead: Callable[[str], None]) -> None:
         loaded.engine.on_dead = on_dead
