@@ -1,6 +1,6 @@
 """What a config.json says about the model families' variations, read into ModelConfig's fields (config.py) and
 shared with the GGUF reader: rope scaling (llama3, Phi-3's long-rope), SmolLM3's NoPE layers, sliding windows
-(Gemma 3's local layers; refused or cut to the window elsewhere), mixtures of experts.
+(Gemma 3's local layers; refused or cut to the window elsewhere), mixtures of experts, LFM2's convolution layers.
 Plain Python: the API process reads configs without the model stack."""
 
 from __future__ import annotations
@@ -148,3 +148,50 @@ def gemma3_hf_fields(sliding_window: int | None, sliding_layers: list[int], num_
             "layer_types": ["sliding_attention" if i in sliding_layers else "full_attention"
                             for i in range(num_layers)],
             "rope_local_base_freq": rope_local_theta, "query_pre_attn_scalar": query_pre_attn_scalar}
+
+
+LFM2 = "Lfm2ForCausalLM"
+# Llama-family tensor names -> LFM2's (the fused projections' shards named as checkpoints name them)
+LFM2_NAMES = (("self_attn.o_proj.", "self_attn.out_proj."), ("self_attn.q_norm.", "self_attn.q_layernorm."),
+              ("self_attn.k_norm.", "self_attn.k_layernorm."), (".input_layernorm.", ".operator_norm."),
+              (".post_attention_layernorm.", ".ffn_norm."), (".mlp.gate_proj.", ".feed_forward.w1."),
+              (".mlp.up_proj.", ".feed_forward.w3."), (".mlp.down_proj.", ".feed_forward.w2."),
+              ("model.norm.", "model.embedding_norm."))
+
+
+def lfm2_name(llama_name: str) -> str:
+    for ours, theirs in LFM2_NAMES:
+        llama_name = llama_name.replace(ours, theirs)
+    return llama_name
+
+
+def hf_lfm2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """LFM2's ModelConfig fields: which layers are short convolutions (`layer_types`, or every layer not in
+    `full_attn_idxs`), the convolution's width and bias, and the feed-forward width as Lfm2Config derives it
+    (two thirds of `block_ff_dim`, times `block_ffn_dim_multiplier`, rounded up to `block_multiple_of`)."""
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        full = cfg.get("full_attn_idxs")
+        types = ["full_attention" if full is None or i in full else "conv" for i in range(layers)]
+    width = cfg.get("block_ff_dim") or cfg["intermediate_size"]
+    if cfg.get("block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        multiplier = cfg.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            of = cfg.get("block_multiple_of", 256)
+            width = of * ((int(multiplier * width) + of - 1) // of)
+    rope = cfg.get("rope_parameters") or {}
+    return {"intermediate_size": width, "conv_layers": [i for i, t in enumerate(types) if t == "conv"],
+            "conv_kernel": int(cfg.get("conv_L_cache", 3)), "conv_bias": bool(cfg.get("conv_bias", False)),
+            "rms_norm_eps": cfg.get("norm_eps", 1e-5),
+            "rope_theta": float(rope.get("rope_theta") or cfg.get("rope_theta") or 1_000_000.0),
+            "tie_word_embeddings": cfg.get("tie_embedding", cfg.get("tie_word_embeddings", True))}
+
+
+def lfm2_hf_fields(num_layers: int, conv_layers: list[int], conv_kernel: int, conv_bias: bool,
+                   rms_norm_eps: float) -> dict[str, Any]:
+    """The config.json keys hf_lfm2_fields reads back (ModelConfig.to_hf_dict): the width as it is."""
+    return {"layer_types": ["conv" if i in conv_layers else "full_attention" for i in range(num_layers)],
+            "conv_L_cache": conv_kernel, "conv_bias": conv_bias, "block_auto_adjust_ff_dim": False,
+            "norm_eps": rms_norm_eps}

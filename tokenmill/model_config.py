@@ -10,19 +10,22 @@ from typing import Any
 from tokenmill.errors import ConfigError
 from tokenmill.family_config import (
     GEMMA3,
+    LFM2,
     MOE_ARCHITECTURES,
     OLMOE,
     gemma3_hf_fields,
     hf_gemma3_fields,
+    hf_lfm2_fields,
     hf_max_positions,
     hf_moe_fields,
     hf_nope_layers,
     hf_rope_scaling,
+    lfm2_hf_fields,
     moe_hf_fields,
 )
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "SmolLM3ForCausalLM", GEMMA3, *MOE_ARCHITECTURES)
+                           "Phi3ForCausalLM", "SmolLM3ForCausalLM", GEMMA3, *MOE_ARCHITECTURES, LFM2)
 # Architectures of model classes registered from outside the package (model/registry.py register_model), read as
 # Llama-family configs -> the weights (HF name -> shape) a config of it needs
 REGISTERED_ARCHITECTURES: dict[str, Callable[[ModelConfig], dict[str, tuple[int, ...]]]] = {}
@@ -34,7 +37,7 @@ BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCaus
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                "gemma3_text": GEMMA3, "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-               "olmoe": OLMOE}
+               "olmoe": OLMOE, "lfm2": LFM2}
 
 
 @dataclass
@@ -81,6 +84,11 @@ class ModelConfig:
     clip_qkv: float | None = None  # OLMoE: q, k (after their norms) and v clamped to [-clip, clip]
     # expert parallelism: the experts [start, start + count) this rank holds (parallel/layout.py); None: all
     expert_range: tuple[int, int] | None = None
+    # LFM2: `conv_layers` are gated short convolutions of width `conv_kernel` instead of attention (a state of the
+    # last conv_kernel - 1 inputs per request)
+    conv_layers: list[int] = field(default_factory=list)
+    conv_kernel: int = 0
+    conv_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES and self.architecture not in REGISTERED_ARCHITECTURES:
@@ -136,13 +144,15 @@ class ModelConfig:
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
         family = hf_gemma3_fields(cfg) if arch == GEMMA3 else {"rope_scaling": hf_rope_scaling(cfg)}
+        if arch == LFM2:
+            family.update(hf_lfm2_fields(cfg))
         if arch in MOE_ARCHITECTURES:
             family.update(hf_moe_fields(arch, cfg))
         return cls(**{**dict(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=cfg.get("intermediate_size") or cfg.get("block_ff_dim"),
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
@@ -153,7 +163,7 @@ class ModelConfig:
             tie_word_embeddings=headless or cfg.get("tie_word_embeddings", False),
             headless=headless,
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", GEMMA3, "Qwen3MoeForCausalLM", OLMOE),
+            qk_norm=arch in ("Qwen3ForCausalLM", GEMMA3, "Qwen3MoeForCausalLM", OLMOE, LFM2),
             partial_rotary_factor=float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor")
                                         or 1.0),
             nope_layers=hf_nope_layers(cfg) if arch == "SmolLM3ForCausalLM" else [],
@@ -174,6 +184,9 @@ class ModelConfig:
         if self.architecture == GEMMA3:
             family = gemma3_hf_fields(self.sliding_window, self.sliding_layers, self.num_layers,
                                       self.rope_local_theta, self.query_pre_attn_scalar)
+        if self.architecture == LFM2:
+            family = lfm2_hf_fields(self.num_layers, self.conv_layers, self.conv_kernel, self.conv_bias,
+                                    self.rms_norm_eps)
         if self.moe:
             family = moe_hf_fields(self.architecture, self.num_experts, self.num_experts_per_tok,
                                    self.moe_intermediate_size, self.norm_topk_prob, self.dense_layers, self.clip_qkv)

@@ -41,8 +41,8 @@ class BuiltOnFirstUse(dict):
 
 
 def _hf_config(arch: str, **kw: Any) -> Any:
-    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, OlmoeConfig, Phi3Config,
-                              Qwen2Config, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
+    from transformers import (Gemma3TextConfig, Lfm2Config, LlamaConfig, MistralConfig, MixtralConfig, OlmoeConfig,
+                              Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     if arch == "qwen3":
         return Qwen3Config(use_sliding_window=False, **kw)  # per-head q/k RMSNorm, head_dim as given
@@ -60,6 +60,9 @@ def _hf_config(arch: str, **kw: Any) -> Any:
         return Qwen3MoeConfig(use_sliding_window=False, **kw)
     if arch == "olmoe":  # q/k norms over the whole projection; clip_qkv
         return OlmoeConfig(**kw)
+    if arch == "lfm2":  # short-convolution layers but for those layer_types names full_attention; norm_eps
+        kw["norm_eps"] = kw.pop("rms_norm_eps")
+        return Lfm2Config(**kw)
     if arch == "llama":
         return LlamaConfig(**kw)
     if arch == "mistral":
@@ -67,7 +70,7 @@ def _hf_config(arch: str, **kw: Any) -> Any:
     if arch == "qwen2":
         return Qwen2Config(use_sliding_window=False, **kw)  # q/k/v always carry a bias
     raise ValueError(f"unknown tiny arch {arch!r}; use llama, qwen2, mistral, qwen3, phi3, smollm3, gemma3, mixtral, "
-                     "qwen3_moe or olmoe")
+                     "qwen3_moe, olmoe or lfm2")
 
 
 @torch.no_grad()

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.errors import ModelLoadError
+from tokenmill.family_config import LFM2, lfm2_name
 from tokenmill.model_config import REGISTERED_ARCHITECTURES, ModelConfig
 
 
@@ -43,6 +44,21 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             whole = config.architecture == "OlmoeForCausalLM"
             shapes.update({p + "self_attn.q_norm.weight": (q if whole else config.head_dim,),
                            p + "self_attn.k_norm.weight": (kv if whole else config.head_dim,)})
+    return _lfm2_shapes(config, shapes) if config.architecture == LFM2 else shapes
+
+
+def _lfm2_shapes(config: ModelConfig, llama: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """LFM2's tensors: the Llama family's under LFM2's names, its convolution layers' in place of attention."""
+    conv = {f"model.layers.{i}." for i in config.conv_layers}
+    shapes = {lfm2_name(name): shape for name, shape in llama.items()
+              if ".self_attn." not in name or name[:name.index("self_attn")] not in conv}
+    h, bias = config.hidden_size, config.conv_bias
+    for p in conv:
+        shapes.update({p + "conv.in_proj.weight": (3 * h, h), p + "conv.conv.weight": (h, 1, config.conv_kernel),
+                       p + "conv.out_proj.weight": (h, h)})
+        if bias:
+            shapes.update({p + "conv.in_proj.bias": (3 * h,), p + "conv.conv.bias": (h,),
+                           p + "conv.out_proj.bias": (h,)})
     return shapes
 
 

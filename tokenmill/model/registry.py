@@ -7,6 +7,7 @@ from torch import nn
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.gemma3 import Gemma3ForCausalLM
+from tokenmill.model.lfm2 import Lfm2ForCausalLM
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.mixtral import MixtralForCausalLM
 from tokenmill.model.olmoe import OlmoeForCausalLM
@@ -27,6 +28,7 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    "Lfm2ForCausalLM": Lfm2ForCausalLM,
 }
 
 

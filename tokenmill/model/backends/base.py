@@ -57,6 +57,37 @@ class Backend(ABC):
         rotary; None: no rotation, a NoPE layer of SmolLM3), and write k, v into the caches at slot_mapping [T].
         May rotate qkv in place."""
 
+    def short_conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor,
+                   spans: list[tuple[int, int, int]]) -> torch.Tensor:
+        """A causal depthwise convolution over each request's rows of x [T, C] (LFM2's short convolution): weight
+        [C, K], bias [C] or None. A span (start, end, slot) is one request's rows, which continue the K - 1 inputs
+        before them that its slot of `state` [slots, K - 1, C] holds; the slot then holds the span's last K - 1
+        (in place). In float32 (the state's dtype), rounded once to x's dtype; each output element is the same
+        sequence of multiply-adds whatever else is in the batch."""
+        k = weight.shape[1]
+        w = weight.float().t()  # [K, C]
+        b = bias.float() if bias is not None else None
+        out = torch.empty_like(x)
+
+        def taps(window: torch.Tensor, n: int) -> torch.Tensor:  # window [..., n + K - 1, C] -> [..., n, C]
+            acc = window[..., 0:n, :] * w[0]
+            for j in range(1, k):
+                acc = acc + window[..., j:j + n, :] * w[j]
+            return acc if b is None else acc + b
+
+        if spans and all(end - start == 1 for start, end, _ in spans):  # decodes: one gather for the batch
+            rows = torch.tensor([start for start, _, _ in spans], device=x.device)
+            slots = torch.tensor([slot for _, _, slot in spans], device=x.device)
+            window = torch.cat([state[slots], x[rows].float().unsqueeze(1)], dim=1)  # [B, K, C]
+            out[rows] = taps(window, 1).squeeze(1).to(x.dtype)
+            state[slots] = window[:, 1:]
+            return out
+        for start, end, slot in spans:
+            window = torch.cat([state[slot], x[start:end].float()])  # [K - 1 + n, C]
+            out[start:end] = taps(window, end - start).to(x.dtype)
+            state[slot] = window[end - start:]
+        return out
+
     def qk_norm(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_weight: torch.Tensor,
                 k_weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Qwen3's q_norm and k_norm: each q and k head of the fused projection's output qkv [T, (H + 2 KVH) D]
