@@ -1,5 +1,5 @@
-"""LFM2 (model/lfm2.py), short-convolution layers beside attention, against transformers' Lfm2ForCausalLM on a tiny
-random checkpoint: the config read as Lfm2Config reads it, and greedy output token for token (near-tie aware)
+"""LFM2 (model/lfm2.py), short-convolution layers beside attention, against transformers' Lfm2ForCausalLM on a
+tiny random checkpoint: the config read as Lfm2Config reads it, and greedy output token for token (near-tie aware)
 batched, in chunks and after preemption, on the CPU kernels and on the plain-PyTorch reference."""
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ TOKENS = 12
 
 @pytest.fixture(scope="module")
 def lfm2(tmp_path_factory):
-    """A tiny LFM2 (conv kernel 3, the feed-forward width derived: 2/3 of 192 rounded up to 16s) and transformers'
-    greedy answers to PROMPTS."""
+    """A tiny LFM2 (conv kernel 3, the feed-forward width derived: 2/3 of 200 rounded up to 16s) and
+    transformers' greedy answers to PROMPTS."""
     from transformers import AutoModelForCausalLM
 
-    path = make_tiny_model(tmp_path_factory.mktemp("lfm2"), arch="lfm2", num_layers=len(LAYERS), hidden_size=64,
-                           intermediate_size=200, num_heads=4, num_kv_heads=2, vocab_size=256, layer_types=LAYERS,
-                           conv_L_cache=3, block_multiple_of=16, tie_word_embeddings=True)
+    path = make_tiny_model(tmp_path_factory.mktemp("lfm2"), arch="lfm2", num_layers=len(LAYERS),
+                           hidden_size=64, intermediate_size=200, num_heads=4, num_kv_heads=2, vocab_size=256,
+                           layer_types=LAYERS, conv_L_cache=3, block_multiple_of=16, tie_word_embeddings=True)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return path, hf, {rid: hf_greedy(hf, prompt, TOKENS) for rid, prompt in PROMPTS.items()}
 
@@ -50,8 +50,8 @@ def test_the_config_is_read_as_lfm2config_reads_it(lfm2):
 
 
 def test_the_tensors_expected_are_the_checkpoints_and_the_models(lfm2):
-    """What opening a checkpoint checks (checkpoint.expected_shapes, plain Python) names every tensor transformers
-    saved, and the model's parameters map onto exactly those."""
+    """What opening a checkpoint checks (checkpoint.expected_shapes, plain Python) names every tensor
+    transformers saved, and the model's parameters map onto exactly those."""
     from safetensors import safe_open
 
     path, _, _ = lfm2
