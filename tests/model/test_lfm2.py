@@ -88,8 +88,10 @@ def test_greedy_output_matches_transformers_in_chunks_and_after_preemption(lfm2,
     path, _, ref = lfm2
     state, block = 3 * 4 * (2 * 64 * 4), 2 * 2 * 2 * 16 * 4 * 4  # 4 slots of 3 layers; 2 layers' 4 tokens
     llm = make_llm(path, "cpu", monkeypatch, dtype="float32", block_size=4, max_num_seqs=4, new_token_ratio=0,
-                   max_num_batched_tokens=4, long_prefill_token_threshold=4, kv_cache_memory=state + 10 * block)
-    assert llm.engine.core.cache_info.num_blocks < sum(-(-(len(p) + TOKENS) // 4) for p in PROMPTS.values())
+                   max_num_batched_tokens=4, long_prefill_token_threshold=4,
+                   kv_cache_memory=state + 10 * block)
+    needed = sum(-(-(len(p) + TOKENS) // 4) for p in PROMPTS.values())
+    assert llm.engine.core.cache_info.num_blocks < needed
     done = run(llm.engine, PROMPTS, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True))
     assert llm.engine.core.scheduler.num_preemptions > 0, "the pool was meant to be short"
     for rid, (tokens, logits) in ref.items():
