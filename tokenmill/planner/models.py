@@ -3,6 +3,8 @@
 Only the shape matters here (layers, widths, heads, vocabulary, experts), so any Llama-family model (Llama, Mistral,
 Qwen2, SmolLM) or mixture of experts (Mixtral, Qwen3-MoE, OLMoE) is described by one dataclass; the parameter
 counts are computed from it: the total (what memory holds) and the active ones (what a token computes).
+A hybrid (LFM2) names its state layers (planner/layers.py): their own token mixers in place of
+attention's, and a fixed state per sequence in place of every token's K and V.
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.planner.common import PlanError, weight_bytes_per_param
+from tokenmill.planner.layers import StateLayers, hf_hybrid_fields
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A decoder-only transformer with GQA attention and a SwiGLU MLP."""
+    """A decoder-only transformer with GQA attention and a SwiGLU MLP; a hybrid's state layers replace
+    attention in some of its layers (`state_layers`)."""
 
     name: str
     num_layers: int
@@ -49,6 +53,10 @@ class ModelShape:
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     moe_layers: int | None = None
+    qk_norm: bool = False  # per-head q and k RMSNorm weights (head_dim each) in each attention layer (LFM2)
+    # a hybrid: the layers whose token mixer keeps a fixed state per sequence instead of attention's KV, by
+    # kind; every other layer is an attention layer
+    state_layers: tuple[StateLayers, ...] = ()
 
     def __post_init__(self) -> None:
         for field_name in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
@@ -58,6 +66,10 @@ class ModelShape:
         if self.num_heads % self.num_kv_heads:
             raise PlanError(f"--model {self.name}: {self.num_heads} attention heads is not a multiple of "
                             f"{self.num_kv_heads} KV heads")
+        indices = [i for s in self.state_layers for i in s.layers]
+        if len(set(indices)) != len(indices) or any(not 0 <= i < self.num_layers for i in indices):
+            raise PlanError(f"--model {self.name}: state layers {sorted(indices)} are not distinct layers of "
+                            f"{self.num_layers}")
 
     # -- parameter counts -------------------------------------------------------------------------
     @property
@@ -66,12 +78,22 @@ class ModelShape:
 
     @property
     def attention_params(self) -> int:
-        """q/k/v/o projections (GQA: k and v have num_kv_heads) and the 2 norms of one block."""
+        """q/k/v/o projections (GQA: k and v have num_kv_heads), per-head q/k norms if any, and the 2 norms
+        of one block."""
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h
         if self.attention_bias:
             attn += q + 2 * kv
+        if self.qk_norm:
+            attn += 2 * self.head_dim
         return attn + 2 * h
+
+    @property
+    def state_mixer_savings(self) -> int:
+        """Parameters the state layers have fewer than attention layers would (their mixers in place of
+        attention's projections; negative if they have more)."""
+        attention_mixer = self.attention_params - 2 * self.hidden_size
+        return sum(len(s.layers) * (attention_mixer - s.mixer_params) for s in self.state_layers)
 
     @property
     def layer_params(self) -> int:
@@ -94,11 +116,12 @@ class ModelShape:
 
     @property
     def computed_params(self) -> int:
-        """Embeddings + blocks + final norm + LM head (unless tied to the embeddings)."""
+        """Embeddings + blocks (a state layer's mixer in place of attention) + final norm + LM head (unless
+        tied to the embeddings)."""
         lm_head = 0 if self.tie_word_embeddings else self.embedding_params
         moe = self.moe_layer_count
         return (self.embedding_params + (self.num_layers - moe) * self.layer_params + moe * self.moe_layer_params
-                + self.hidden_size + lm_head)
+                - self.state_mixer_savings + self.hidden_size + lm_head)
 
     @property
     def params(self) -> int:
@@ -157,9 +180,30 @@ class ModelShape:
             return self.file_format
         return dtype or self.default_dtype
 
+    # -- what a sequence keeps -----------------------------------------------------------------------
+    @property
+    def attention_layer_count(self) -> int:
+        """Layers that keep every token's K and V (all but the state layers)."""
+        return self.num_layers - sum(len(s.layers) for s in self.state_layers)
+
+    def attention_layers_in(self, layers: range) -> int:
+        """Attention layers among `layers` (a pipeline stage's)."""
+        state = {i for s in self.state_layers for i in s.layers}
+        return sum(1 for i in layers if i not in state)
+
     def kv_elements_per_token(self) -> int:
-        """K and V, every layer, every KV head (GQA: the KV heads, not the query heads)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+        """K and V, every attention layer, every KV head (GQA: the KV heads, not the query heads)."""
+        return 2 * self.attention_layer_count * self.num_kv_heads * self.head_dim
+
+    def state_bytes_in(self, layers: range) -> int:
+        """The fixed state one running sequence keeps in the state layers among `layers`, whatever its
+        length."""
+        return sum(s.state_bytes_in(layers) for s in self.state_layers)
+
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        """The whole model's state of one running sequence (0 without state layers)."""
+        return self.state_bytes_in(range(self.num_layers))
 
 
 def _hf(repo: str) -> str:
@@ -247,7 +291,8 @@ def load_model(spec: str | None) -> ModelShape:
 
 
 def from_hf_config(cfg: dict[str, Any], name: str, source: str = "") -> ModelShape:
-    """Shape from a Hugging Face config.json dictionary (Llama / Mistral / Qwen2 field names)."""
+    """Shape from a Hugging Face config.json dictionary (Llama / Mistral / Qwen2 field names; a hybrid's own
+    fields through planner/layers.py)."""
     cfg = cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
     try:
         heads = int(cfg["num_attention_heads"])
@@ -255,22 +300,24 @@ def from_hf_config(cfg: dict[str, Any], name: str, source: str = "") -> ModelSha
         arch = (cfg.get("architectures") or [""])[0]
         dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(
             str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), "bf16")
+        fields = hf_hybrid_fields(arch, cfg) or {
+            "intermediate_size": int(cfg["intermediate_size"]),
+            "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False))}
         return ModelShape(
             name=name,
             num_layers=int(cfg["num_hidden_layers"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             vocab_size=int(cfg["vocab_size"]),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)) or arch.startswith("Qwen2")
             or cfg.get("model_type") == "qwen2",
             max_context=cfg.get("max_position_embeddings"),
             source=source,
             default_dtype=dtype,
             **_hf_experts(cfg),
+            **fields,
         )
     except KeyError as e:
         raise PlanError(f"--model {name}: config.json lacks {e.args[0]!r}") from None

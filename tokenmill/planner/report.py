@@ -41,18 +41,27 @@ def _money(x: float | None) -> str:
 def render_plan(console: Console, model: ModelShape, p: Plan) -> None:
     """Model, memory and timing sections for one deployment."""
     t = _kv_table(f"{p.model} on {p.n_gpus} x {p.gpu_name} (tp={p.tp}, pp={p.pp}{f', cp={p.cp}' if p.cp > 1 else ''})")
-    t.add_row("parameters", f"{fmt_count(p.params)} ({model.num_layers} layers, hidden {model.hidden_size}, "
-                            f"{model.num_heads} heads / {model.num_kv_heads} KV heads x {model.head_dim})")
+    t.add_row("parameters", f"{fmt_count(p.params)} ({model.num_layers} layers{_layer_kinds(model)}, hidden "
+                            f"{model.hidden_size}, {model.num_heads} heads / {model.num_kv_heads} KV heads x "
+                            f"{model.head_dim})")
     if model.num_experts:
         t.add_row("active parameters", f"{fmt_count(model.active_params)} a token ({model.experts_per_token} of "
                                        f"{model.num_experts} experts in {model.moe_layer_count} layers): decode "
                                        "reads the experts its tokens use, memory holds them all")
     t.add_row("weights", f"{fmt_bytes(p.weights_bytes)} at {p.dtype} "
                          f"({fmt_bytes(p.weights_bytes_per_gpu)} per GPU)")
+    only = f"; the {model.attention_layer_count} attention layers" if model.state_layers else ""
     t.add_row("KV cache per token", f"{p.kv_bytes_per_token:,} B at {p.kv_dtype} "
-                                    f"({p.kv_bytes_per_token_per_gpu:,} B per GPU)")
+                                    f"({p.kv_bytes_per_token_per_gpu:,} B per GPU{only})")
+    if model.state_layers:
+        kinds = ", ".join(s.describe() for s in model.state_layers)
+        t.add_row("recurrent state per sequence",
+                  f"{p.state_bytes_per_sequence:,} B ({p.state_bytes_per_sequence_per_gpu:,} B per GPU; "
+                  f"{kinds}), whatever the context")
+    state = ", state included" if model.state_layers else ""
     t.add_row(f"KV per sequence ({p.context:,} tok)",
-              f"{fmt_bytes(p.kv_bytes_per_sequence)} ({fmt_bytes(p.kv_bytes_per_sequence_per_gpu)} per GPU)")
+              f"{fmt_bytes(p.kv_bytes_per_sequence)} "
+              f"({fmt_bytes(p.kv_bytes_per_sequence_per_gpu)} per GPU{state})")
     t.add_row("device memory", f"{fmt_bytes(p.memory_bytes_per_gpu)}, "
                                f"less {fmt_bytes(p.reserve_bytes_per_gpu)} runtime reserve, "
                                f"leaves {fmt_bytes(p.kv_budget_bytes_per_gpu)} for KV")
@@ -69,6 +78,14 @@ def render_plan(console: Console, model: ModelShape, p: Plan) -> None:
     console.print(t)
     for w in p.warnings:
         console.print(f"[yellow]warning:[/] {w}")
+
+
+def _layer_kinds(model: ModelShape) -> str:
+    """A hybrid's layers by kind (': 10 short convolution, 6 attention'); nothing for attention only."""
+    if not model.state_layers:
+        return ""
+    kinds = [f"{len(s.layers)} {s.kind}" for s in model.state_layers]
+    return f": {', '.join(kinds)}, {model.attention_layer_count} attention"
 
 
 def render_recommendations(console: Console, recs: list[Recommendation], tpot: float | None,

@@ -5,16 +5,21 @@ The model, stated once:
 * Memory per device = weights / (tp x pp) + a runtime reserve + KV cache. The reserve
   (RUNTIME_RESERVE_FRACTION of device memory: CUDA context, activations, allocator fragmentation, CUDA
   graphs) matches vLLM's default gpu_memory_utilization of 0.9. Everything left holds KV blocks.
-* KV bytes per token = 2 (K and V) x layers x KV heads x head_dim x bytes. Grouped-query attention
+* KV bytes per token = 2 (K and V) x attention layers x KV heads x head_dim x bytes. Grouped-query attention
   stores the KV heads, not the query heads. Tensor parallelism splits the KV heads across ranks; when
   tp > KV heads each KV head is replicated on tp / KV heads ranks (as vLLM does), so a rank still holds
   one head per layer.
+* A hybrid's state layers (LFM2's short convolutions) keep no KV but a fixed state per running sequence,
+  whatever its length (planner/layers.py; float32, as the engine keeps it). A sequence's memory is its KV
+  over the context plus that state: the KV-per-sequence figure and the sequences that fit count both.
+  Tensor parallelism splits the state's channels; each context-parallel rank holds it whole. A decode
+  step reads and writes each sequence's state.
 * A decode step at batch B reads the weights once and each sequence's KV cache once, and does
-  2 x params x B matmul FLOPs plus 4 x layers x heads x head_dim x context x B attention FLOPs. The step
-  takes max(bytes / bandwidth, FLOPs / peak): the larger wins (roofline). Tensor parallelism divides
-  both the bytes and the FLOPs by tp. The all-reduce traffic of TP (2 per layer, B x hidden values each)
-  is not modelled: on NVLink/Infinity Fabric it costs a few percent at small batch; on PCIe (L40S) it is
-  larger.
+  2 x params x B matmul FLOPs plus 4 x attention layers x heads x head_dim x context x B attention
+  FLOPs. The step takes max(bytes / bandwidth, FLOPs / peak): the larger wins (roofline). Tensor
+  parallelism divides both the bytes and the FLOPs by tp. The all-reduce traffic of TP (2 per layer,
+  B x hidden values each) is not modelled: on NVLink/Infinity Fabric it costs a few percent at small
+  batch; on PCIe (L40S) it is larger.
 * Pipeline parallelism splits the layers (and their KV) over pp stages, so it divides memory, but a
   token still passes through every stage in turn: the decode step latency stays the whole model's at the
   given tp, and with one batch in flight the deployment's throughput is the same as without pp (a
@@ -24,8 +29,8 @@ The model, stated once:
   each sequence's tokens and KV over them: KV per token per device and attention FLOPs divide by cp, and prefill's
   matmuls too (each rank computes its share of the prompt); a decode step's matmuls and weight reads do not (every
   rank computes a decode token, parallel/context.py). It is for contexts one device cannot hold.
-* Prefill of L tokens (one prompt): 2 x params x L + 2 x layers x heads x head_dim x L^2 (causal
-  attention) FLOPs against reading the weights once and writing L tokens of KV.
+* Prefill of L tokens (one prompt): 2 x params x L + 2 x attention layers x heads x head_dim x L^2
+  (causal attention) FLOPs against reading the weights once and writing L tokens of KV.
 * Efficiency: BANDWIDTH_EFFICIENCY and COMPUTE_EFFICIENCY scale the datasheet peaks. Both default to
   1.0, the pure roofline; measured engines reach roughly 0.7-0.85 of peak bandwidth and 0.5-0.7 of peak
   FLOPs, so real steps are slower. --bandwidth-efficiency / --compute-efficiency change them.
@@ -39,6 +44,7 @@ from typing import Any
 
 from tokenmill.planner.common import PlanError, fmt_bytes, kv_bytes_per_element, weight_bytes_per_param
 from tokenmill.planner.hardware import Hardware
+from tokenmill.planner.layers import pipeline_stages
 from tokenmill.planner.models import ModelShape
 
 RUNTIME_RESERVE_FRACTION = 0.10
@@ -97,7 +103,7 @@ class Plan:
     kv_budget_bytes_per_gpu: int
     kv_bytes_per_token: int
     kv_bytes_per_token_per_gpu: int
-    kv_bytes_per_sequence: int
+    kv_bytes_per_sequence: int  # KV over the context, plus the state of a hybrid's state layers
     kv_bytes_per_sequence_per_gpu: int
     weights_fit: bool
     fits: bool
@@ -115,6 +121,9 @@ class Plan:
     usd_per_million_tokens: float | None
     bandwidth_bytes_per_s: float
     peak_flops: float
+    # a hybrid's state layers: the fixed state one running sequence keeps, whatever its length (0: none)
+    state_bytes_per_sequence: int = 0
+    state_bytes_per_sequence_per_gpu: int = 0
     warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -158,7 +167,7 @@ def validate(model: ModelShape, dep: Deployment) -> None:
 # -- memory --------------------------------------------------------------------------------------
 
 def kv_bytes_per_token(model: ModelShape, kv_dtype: str) -> int:
-    """2 x layers x KV heads x head_dim x bytes (the whole model, one token)."""
+    """2 x attention layers x KV heads x head_dim x bytes (the whole model, one token)."""
     return model.kv_elements_per_token() * kv_bytes_per_element(kv_dtype)
 
 
@@ -170,16 +179,32 @@ def kv_heads_per_rank(model: ModelShape, tp: int) -> int:
 def kv_bytes_per_token_per_gpu(model: ModelShape, tp: int, pp: int, kv_dtype: str, cp: int = 1) -> int:
     """One token's KV on the most loaded device (pp stages split layers; the first stages get the extra), on
     average over a sequence's tokens under context parallelism (each rank keeps 1/cp of them)."""
-    layers = math.ceil(model.num_layers / pp)
+    layers = max(model.attention_layers_in(stage) for stage in pipeline_stages(model.num_layers, pp))
     return math.ceil(2 * layers * kv_heads_per_rank(model, tp) * model.head_dim * kv_bytes_per_element(kv_dtype) / cp)
 
 
+def state_bytes_per_sequence_per_gpu(model: ModelShape, tp: int, pp: int) -> int:
+    """One sequence's state on the device whose pipeline stage holds the most (0 without state layers):
+    tp splits its channels; context-parallel ranks each hold it whole."""
+    if not model.state_layers:
+        return 0
+    most = max(model.state_bytes_in(stage) for stage in pipeline_stages(model.num_layers, pp))
+    return math.ceil(most / tp)
+
+
+def sequence_bytes_per_gpu(model: ModelShape, dep: Deployment) -> int:
+    """One sequence of `context` tokens on a device: its KV, and a hybrid's state (each at its most loaded
+    pipeline stage)."""
+    return (kv_bytes_per_token_per_gpu(model, dep.tp, dep.pp, dep.kv_dtype, dep.cp) * dep.context
+            + state_bytes_per_sequence_per_gpu(model, dep.tp, dep.pp))
+
+
 def memory_fit(model: ModelShape, dep: Deployment) -> tuple[int, int, int, int]:
-    """(weights per device, reserve, bytes left for KV, sequences of length `context` that fit)."""
+    """(weights per device, reserve, bytes left for KV and state, sequences of `context` tokens that fit)."""
     weights_per_gpu = math.ceil(model.weight_bytes(dep.dtype) / dep.weight_shards)
     reserve = int(dep.hardware.memory_bytes * dep.reserve_fraction)
     budget = dep.hardware.memory_bytes - reserve - weights_per_gpu
-    per_seq = kv_bytes_per_token_per_gpu(model, dep.tp, dep.pp, dep.kv_dtype, dep.cp) * dep.context
+    per_seq = max(sequence_bytes_per_gpu(model, dep), 1)
     return weights_per_gpu, reserve, budget, max(budget // per_seq, 0)
 
 
@@ -209,8 +234,9 @@ def decode_cost(model: ModelShape, dep: Deployment, batch: int | None = None) ->
     """(bytes, FLOPs) per device of one decode step, summed over the pipeline stages."""
     b = dep.batch if batch is None else batch
     kv_rank = kv_bytes_per_token_per_gpu(model, dep.tp, 1, dep.kv_dtype, dep.cp)
-    nbytes = _decode_weight_bytes(model, dep, b) / dep.tp + b * dep.context * kv_rank
-    attn = 4 * model.num_layers * model.num_heads * model.head_dim * dep.context * b / dep.cp
+    state_rank = state_bytes_per_sequence_per_gpu(model, dep.tp, 1)  # read, updated and written back
+    nbytes = _decode_weight_bytes(model, dep, b) / dep.tp + b * dep.context * kv_rank + 2 * b * state_rank
+    attn = 4 * model.attention_layer_count * model.num_heads * model.head_dim * dep.context * b / dep.cp
     flops = (2 * model.decode_active_params * b + attn) / dep.tp
     return nbytes, flops
 
@@ -226,11 +252,12 @@ def decode_step_seconds(model: ModelShape, dep: Deployment, batch: int | None = 
 def prefill_seconds(model: ModelShape, dep: Deployment) -> tuple[float, str]:
     """(seconds, bound) of prefilling one prompt of `context` tokens."""
     n = dep.context
-    attn = 2 * model.num_layers * model.num_heads * model.head_dim * n * n
+    attn = 2 * model.attention_layer_count * model.num_heads * model.head_dim * n * n
     body = model.body_params - (model.decode_params - model.decode_active_params)  # a token's k experts only
     flops = (2 * body * n + 2 * model.lm_head_params + attn) / dep.tp / dep.cp
     kv_write = n * kv_bytes_per_token_per_gpu(model, dep.tp, 1, dep.kv_dtype, dep.cp)
-    nbytes = _decode_weight_bytes(model, dep, n) / dep.tp + kv_write
+    state_write = state_bytes_per_sequence_per_gpu(model, dep.tp, 1)
+    nbytes = _decode_weight_bytes(model, dep, n) / dep.tp + kv_write + state_write
     bw, peak = _rates(model, dep)
     t_mem, t_compute = nbytes / bw, flops / peak
     return (t_mem, "memory") if t_mem >= t_compute else (t_compute, "compute")
@@ -252,6 +279,8 @@ def plan(model: ModelShape, dep: Deployment) -> Plan:
     weights_per_gpu, reserve, budget, max_seqs = memory_fit(model, dep)
     kv_tok = kv_bytes_per_token(model, dep.kv_dtype)
     kv_tok_gpu = kv_bytes_per_token_per_gpu(model, dep.tp, dep.pp, dep.kv_dtype, dep.cp)
+    state = model.state_bytes_per_sequence
+    state_gpu = state_bytes_per_sequence_per_gpu(model, dep.tp, dep.pp)
     step_s, bound = decode_step_seconds(model, dep)
     prefill_s, prefill_bound = prefill_seconds(model, dep)
     nbytes, flops = decode_cost(model, dep)
@@ -266,7 +295,8 @@ def plan(model: ModelShape, dep: Deployment) -> Plan:
         memory_bytes_per_gpu=hw.memory_bytes, reserve_bytes_per_gpu=reserve,
         kv_budget_bytes_per_gpu=max(budget, 0),
         kv_bytes_per_token=kv_tok, kv_bytes_per_token_per_gpu=kv_tok_gpu,
-        kv_bytes_per_sequence=kv_tok * dep.context, kv_bytes_per_sequence_per_gpu=kv_tok_gpu * dep.context,
+        kv_bytes_per_sequence=kv_tok * dep.context + state,
+        kv_bytes_per_sequence_per_gpu=kv_tok_gpu * dep.context + state_gpu,
         weights_fit=budget >= 0, fits=max_seqs >= 1, max_concurrent_sequences=int(max_seqs),
         min_tp_to_fit=min_tp_to_fit(model, dep),
         decode_step_ms=step_s * 1e3, decode_bound=bound,
@@ -276,6 +306,7 @@ def plan(model: ModelShape, dep: Deployment) -> Plan:
         usd_per_hour_per_gpu=price,
         usd_per_million_tokens=usd_per_million(None if price is None else price * dep.n_devices, tps),
         bandwidth_bytes_per_s=bw, peak_flops=peak,
+        state_bytes_per_sequence=state, state_bytes_per_sequence_per_gpu=state_gpu,
     )
     result.warnings = _warnings(model, dep, result)
     return result

@@ -1,0 +1,93 @@
+"""The kinds of layer a model has, for the planner: what each holds in parameters and keeps per sequence.
+
+* An attention layer (every layer of a Llama-family model) keeps every token's K and V: the KV cache,
+  counted per token from ModelShape's heads and head_dim; its q/k/v/o projections are its token mixer.
+* A state layer keeps a fixed-size state per running sequence whatever the sequence's length, and has its
+  own token mixer in place of attention's projections. Each kind of state layer in a model is one
+  `StateLayers` record: which layers, one layer's mixer parameters, and what one layer keeps per sequence
+  as the engine declares it (model/layer_cache.py's LayerCache: the shapes and dtype of its slot), so the
+  planner's state is the engine's.
+
+Every layer, whatever its kind, also has its block's two norms and its feed-forward (dense or experts);
+ModelShape counts those. LFM2's gated short convolutions are the one kind of state layer today
+(`short_convolutions`, read from config.json by `hf_hybrid_fields`). Another hybrid joins with a function
+like `short_convolutions` giving its mixer's parameters and its state's shapes (Mamba2: a convolution
+state and an SSM state per head; Gated DeltaNet: a convolution state and a key x value matrix per head)
+and a branch in `hf_hybrid_fields`; a mixer whose state update costs FLOPs beyond its parameters'
+(Mamba2's scan, Gated DeltaNet's delta rule) would add them to the roofline too.
+
+Plain Python, no torch: `tokenmill plan` answers instantly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.family_config import LFM2, hf_lfm2_fields
+from tokenmill.model.layer_cache import LayerCache
+
+
+@dataclass(frozen=True)
+class StateLayers:
+    """Layers of one state kind: their indices, one layer's token-mixer parameters (its block's norms and
+    feed-forward excluded) and the state one layer keeps per running sequence."""
+
+    kind: str  # what they are, as the report names them: "short convolution"
+    layers: tuple[int, ...]
+    mixer_params: int
+    state: LayerCache
+
+    def __post_init__(self) -> None:
+        if self.state.kind != "state":
+            raise ValueError(f"{self.kind} layers keep a state, not {self.state.kind!r}")
+
+    @property
+    def state_bytes_per_layer(self) -> int:
+        """One layer's state for one sequence."""
+        return self.state.state_bytes
+
+    def state_bytes_in(self, layers: range) -> int:
+        """The state one sequence keeps in this kind's layers among `layers` (a pipeline stage's)."""
+        return sum(self.state_bytes_per_layer for i in self.layers if i in layers)
+
+    def describe(self) -> str:
+        """E.g. '10 short convolution layers x (2, 1024) float32'."""
+        shapes = " + ".join(str(s) for s in self.state.state_shapes)
+        return f"{len(self.layers)} {self.kind} layers x {shapes} {self.state.state_dtype}"
+
+
+def short_convolutions(layers: list[int] | tuple[int, ...], hidden: int, kernel: int,
+                       bias: bool) -> StateLayers:
+    """LFM2's gated short convolution (model/lfm2.py ShortConv): in_proj hidden -> 3 x hidden, a depthwise
+    convolution weight [hidden, 1, kernel], out_proj hidden -> hidden (each with a bias if `bias`); it
+    keeps the last kernel - 1 inputs of each channel, in float32, as Lfm2ForCausalLM.layer_caches does."""
+    params = 3 * hidden * hidden + hidden * kernel + hidden * hidden
+    if bias:
+        params += 3 * hidden + hidden + hidden
+    return StateLayers("short convolution", tuple(layers), params, LayerCache.state((kernel - 1, hidden)))
+
+
+def hf_hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """ModelShape fields a hybrid's config.json sets beside the Llama-family ones (none for another model):
+    LFM2's convolution layers, its feed-forward width and tied embeddings as tokenmill reads them
+    (family_config), and its attention layers' per-head q/k norms."""
+    if arch != LFM2 and cfg.get("model_type") != "lfm2":
+        return {}
+    fields = hf_lfm2_fields(cfg)
+    conv = short_convolutions(fields["conv_layers"], int(cfg["hidden_size"]), fields["conv_kernel"],
+                              fields["conv_bias"])
+    return {"intermediate_size": int(fields["intermediate_size"]),
+            "tie_word_embeddings": bool(fields["tie_word_embeddings"]), "qk_norm": True,
+            "state_layers": (conv,) if conv.layers else ()}
+
+
+def pipeline_stages(num_layers: int, pp: int) -> list[range]:
+    """The layers of each of `pp` pipeline stages, in order; the first stages get the extra ones."""
+    base, extra = divmod(num_layers, pp)
+    out, start = [], 0
+    for stage in range(pp):
+        size = base + (1 if stage < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
