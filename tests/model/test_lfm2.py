@@ -5,17 +5,22 @@ aware) batched, in chunks and after preemption, on the CPU kernels and on the pl
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests.engine.drive import run
 from tests.greedy import assert_matches_reference, hf_greedy
+from tests.models.gguf_writer import write
 from tests.models.reference import make_llm
 from tests.models.tiny import make_tiny_model
+from tokenmill import LLM
 from tokenmill.model.checkpoint import expected_shapes
 from tokenmill.model.lfm2 import Lfm2ForCausalLM
-from tokenmill.model.loader import load_model_config
+from tokenmill.model.loader import load_model_config, load_weights
 from tokenmill.model_config import ModelConfig
 from tokenmill.sampling_params import SamplingParams
 
@@ -26,13 +31,13 @@ TOKENS = 12
 
 @pytest.fixture(scope="module")
 def lfm2(tmp_path_factory):
-    """A tiny LFM2 (conv kernel 3, the feed-forward width derived: 2/3 of 200 rounded up to 16s) and
+    """A tiny LFM2 (conv kernel 3, the feed-forward width derived: 2/3 of 200 rounded up to 32s) and
     transformers' greedy answers to PROMPTS."""
     from transformers import AutoModelForCausalLM
 
     path = make_tiny_model(tmp_path_factory.mktemp("lfm2"), arch="lfm2", num_layers=len(LAYERS),
                            hidden_size=64, intermediate_size=200, num_heads=4, num_kv_heads=2, vocab_size=256,
-                           layer_types=LAYERS, conv_L_cache=3, block_multiple_of=16, tie_word_embeddings=True)
+                           layer_types=LAYERS, conv_L_cache=3, block_multiple_of=32, tie_word_embeddings=True)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return path, hf, {rid: hf_greedy(hf, prompt, TOKENS) for rid, prompt in PROMPTS.items()}
 
@@ -41,7 +46,7 @@ def test_the_config_is_read_as_lfm2config_reads_it(lfm2):
     path, hf, _ = lfm2
     cfg = load_model_config(path)
     assert cfg.conv_layers == [0, 2, 3] and cfg.conv_kernel == 3 and not cfg.conv_bias and cfg.qk_norm
-    assert cfg.intermediate_size == hf.model.layers[0].feed_forward.w1.out_features == 144  # 133 rounded up
+    assert cfg.intermediate_size == hf.model.layers[0].feed_forward.w1.out_features == 160  # 133 rounded up
     assert cfg.rms_norm_eps == hf.config.norm_eps and cfg.tie_word_embeddings
     assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
     caches = Lfm2ForCausalLM.layer_caches(cfg)
@@ -71,6 +76,82 @@ def test_a_config_without_layer_types_takes_every_layer_off_full_attn_idxs(lfm2)
     raw.update(full_attn_idxs=[1, 4], block_auto_adjust_ff_dim=False, tie_embedding=False)
     cfg = ModelConfig.from_hf_dict(raw)
     assert cfg.conv_layers == [0, 2, 3] and cfg.intermediate_size == 200 and not cfg.tie_word_embeddings
+
+
+def write_lfm2_gguf(model_dir: Path, out: Path, qtype=None) -> Path:
+    """A GGUF file of the HF directory's LFM2 as llama.cpp's convert_hf_to_gguf.py (LFM2Model) writes it: KV
+    head counts per layer (0 for a convolution layer), shortconv.l_cache, the derived feed-forward width,
+    tensor names from gguf-py's map (the final norm as token_embd_norm), the convolution weights squeezed to
+    [C, K]; 2-D weights in `qtype` (None: F32)."""
+    from gguf import MODEL_ARCH, GGUFWriter, get_tensor_name_map, quants
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    ours = load_model_config(model_dir)
+    w = GGUFWriter(str(out), "lfm2")
+    w.add_name("tiny lfm2")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(ours.intermediate_size)
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv([cfg["num_key_value_heads"] if t != "conv" else 0 for t in cfg["layer_types"]])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_shortconv_l_cache(cfg["conv_L_cache"])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    names = get_tensor_name_map(MODEL_ARCH.LFM2, cfg["num_hidden_layers"])
+    for hf_name, tensor in load_file(model_dir / "model.safetensors").items():
+        data = tensor.numpy().astype(np.float32)
+        if "conv.conv" in hf_name:
+            data = data.squeeze(1)
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert name is not None, hf_name
+        if qtype is not None and data.ndim == 2 and "shortconv.conv" not in name:
+            w.add_tensor(name, quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, data)
+    write(w)
+    return out
+
+
+@pytest.mark.parametrize("qtype", [None, "Q8_0"])
+def test_a_gguf_file_as_llama_cpp_writes_it_serves_the_same_model(lfm2, tmp_path, qtype):
+    """From the converter's layout: the same config, and transformers' greedy tokens on the file's weights
+    (Q8_0's dequantized); with Q8_0's blocks kept, every prompt token's logprob close to the dequantized
+    model's."""
+    from gguf import GGMLQuantizationType
+    from transformers import AutoModelForCausalLM
+
+    path, _, ref = lfm2
+    file = write_lfm2_gguf(path, tmp_path / "lfm2.gguf", qtype and getattr(GGMLQuantizationType, qtype))
+    cfg, want = load_model_config(file), load_model_config(path)
+    assert (cfg.conv_layers, cfg.conv_kernel, cfg.intermediate_size, cfg.num_kv_heads, cfg.qk_norm) == (
+        want.conv_layers, want.conv_kernel, want.intermediate_size, want.num_kv_heads, want.qk_norm)
+    if qtype is not None:  # the reference runs the weights the file holds
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        weights = load_weights(file, cfg)
+        hf.load_state_dict({name: weights[name] for name in weights}, strict=False)
+        ref = {rid: hf_greedy(hf, prompt, TOKENS) for rid, prompt in PROMPTS.items()}
+    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+    dense = LLM(str(file), dtype="float32", kv_cache_memory=4 << 20, block_size=4, tokenizer=str(path))
+    done = run(dense.engine, PROMPTS, params)
+    for rid, (tokens, logits) in ref.items():
+        assert_matches_reference(done[rid].token_ids, tokens, logits)
+    if qtype is not None:
+        kept = LLM(str(file), dtype="float32", kv_cache_memory=4 << 20, block_size=4, tokenizer=str(path),
+                   quantization="gguf")
+        assert kept.engine.core.runner.weight_format().startswith("gguf")
+        a = torch.cat([prompt_logprobs(kept, p) for p in PROMPTS.values()])
+        b = torch.cat([prompt_logprobs(dense, p) for p in PROMPTS.values()])
+        assert 0 < (a - b).abs().mean() < 0.02 * b.abs().mean()  # int8 activations: close, not equal
+
+
+def prompt_logprobs(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    return torch.tensor([lp[t] for lp, t in zip(out.prompt_logprobs[1:], prompt[1:])])
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])

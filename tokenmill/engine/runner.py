@@ -134,8 +134,9 @@ class ModelRunner(StepInputs, MultiStepRunner):
 
     def weight_format(self) -> str:
         """The matmul weights as served: the dtype, or the quantized format and the dtype it computes in."""
-        # o_proj: every family's layer has one (a mixture of experts' MLP has no down_proj of its own)
-        fmt, dtype = self.model.layers[0].self_attn.o_proj.method.name, str(self.dtype).removeprefix("torch.")
+        # the first layer's first matmul (a mixture of experts' MLP or a convolution layer has no o_proj)
+        first = next(m for m in self.model.layers[0].modules() if hasattr(m, "method"))
+        fmt, dtype = first.method.name, str(self.dtype).removeprefix("torch.")
         return dtype if fmt == "dense" else f"{fmt} ({dtype} compute)"
 
     def weight_summary(self) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from tokenmill.errors import ConfigError, ModelLoadError
-from tokenmill.family_config import longrope_scaling
+from tokenmill.family_config import lfm2_name, longrope_scaling
 from tokenmill.formats.gguf import GGUFFile
 from tokenmill.formats.gguf_blocks import GGMLBlocks, dequantize, kept_gguf_type
 from tokenmill.formats.kquants import TRANSCODED
@@ -19,7 +19,7 @@ from tokenmill.model_config import ModelConfig
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                      "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+                      "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "lfm2": "Lfm2ForCausalLM"}
 # whether llama.cpp renormalises a mixture of experts' top weights, by architecture (unless the file says)
 _MOE_NORM_TOPK = {"llama": True, "qwen3moe": True, "olmoe": False}
 # one expert projection of every expert stacked [experts, rows, cols], as llama.cpp stores them
@@ -56,7 +56,14 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
 
     hidden, num_heads = int(need("embedding_length")), int(need("attention.head_count"))
     num_kv = gguf.get(f"{arch}.attention.head_count_kv", num_heads)
-    if isinstance(num_kv, list):
+    conv: dict[str, Any] = {}
+    if arch == "lfm2":  # per layer: 0 where the layer is a short convolution
+        counts = [int(n) for n in (num_kv if isinstance(num_kv, list) else [num_kv])]
+        conv = {"conv_layers": [i for i, n in enumerate(counts) if n == 0],
+                "conv_kernel": int(need("shortconv.l_cache")),
+                "conv_bias": any(n.endswith("shortconv.in_proj.bias") for n in gguf.tensors)}
+        num_kv = max(counts)
+    elif isinstance(num_kv, list):
         raise ModelLoadError(f"GGUF file {gguf.path} has per-layer KV head counts, which are not supported")
     head_dim = int(gguf.get(f"{arch}.attention.key_length") or 0)
     rope_dims = gguf.get(f"{arch}.rope.dimension_count")
@@ -98,7 +105,7 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
         max_position_embeddings=min(context, int(window)) if window else context,
         tie_word_embeddings="output.weight" not in gguf.tensors,
         attention_bias=hf_arch == "Qwen2ForCausalLM" or "blk.0.attn_q.bias" in gguf.tensors,
-        qk_norm=arch in ("qwen3", "gemma3", "qwen3moe", "olmoe"),
+        qk_norm=arch in ("qwen3", "gemma3", "qwen3moe", "olmoe", "lfm2"),
         partial_rotary_factor=partial,
         # llama.cpp has no key for SmolLM3's NoPE layers: it fixes every 4th (src/models/smollm3.cpp), as here
         nope_layers=[i for i in range(layers) if (i + 1) % 4 == 0] if arch == "smollm3" else [],
@@ -106,6 +113,7 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
         eos_token_ids=list(dict.fromkeys(int(i) for i in eos if i is not None)),
         **family,
         **moe,
+        **conv,
     )
 
 
@@ -182,7 +190,12 @@ _GGUF_LAYER_NAMES = {
 # Gemma 3's sandwich norms: llama.cpp's ffn_norm is the norm before the MLP, not after attention
 _GEMMA3_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                        "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# LFM2's convolution layers; its final norm, which llama.cpp's converter files as token_embd_norm (its HF name:
+# embedding_norm)
+_LFM2_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "shortconv.in_proj": "conv.in_proj", "shortconv.conv": "conv.conv",
+                     "shortconv.out_proj": "conv.out_proj"}
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LFM2_GLOBAL_NAMES = {**_GGUF_GLOBAL_NAMES, "token_embd_norm": "model.norm"}
 
 
 def hf_name_for_gguf(name: str, arch: str = "llama") -> str | None:
@@ -191,15 +204,17 @@ def hf_name_for_gguf(name: str, arch: str = "llama") -> str | None:
     base, _, suffix = name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    m = re.fullmatch(r"blk\.(\d+)\.([\w.]+)", base)
     if m:
-        names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
+        names = {"gemma3": _GEMMA3_LAYER_NAMES, "lfm2": _LFM2_LAYER_NAMES}.get(arch, _GGUF_LAYER_NAMES)
         leaf = "mlp.gate_up_proj" if arch == "phi3" and m.group(2) == "ffn_up" else names.get(m.group(2))
         if arch == "llama" and m.group(2) == "ffn_gate_inp":
             leaf = "block_sparse_moe.gate"
-        return f"model.layers.{m.group(1)}.{leaf}.{suffix}" if leaf else None
-    leaf = _GGUF_GLOBAL_NAMES.get(base)
-    return f"{leaf}.{suffix}" if leaf else None
+        name = f"model.layers.{m.group(1)}.{leaf}.{suffix}" if leaf else None
+    else:
+        leaf = (_LFM2_GLOBAL_NAMES if arch == "lfm2" else _GGUF_GLOBAL_NAMES).get(base)
+        name = f"{leaf}.{suffix}" if leaf else None
+    return lfm2_name(name) if arch == "lfm2" and name else name
 
 
 def unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -227,6 +242,7 @@ class GGUFCheckpoint(Checkpoint):
         self._rope_heads: dict[str, int] = {}  # HF name -> heads, for the rows llama.cpp permuted
         self._shifted: set[str] = set()  # HF names of Gemma 3's norm weights, stored + 1
         self._experts: dict[str, int] = {}  # HF name of one expert's projection -> its index in the stacked tensor
+        self._squeezed: set[str] = set()  # LFM2's convolution weights, stored [C, K] (the checkpoint's: [C, 1, K])
         shapes: dict[str, tuple[int, ...]] = {}
         for name in gguf.tensors:
             if name in _CONFIG_TENSORS:
@@ -248,9 +264,12 @@ class GGUFCheckpoint(Checkpoint):
             self._names[hf_name] = name
             if arch == "gemma3" and name.endswith("norm.weight"):
                 self._shifted.add(hf_name)
+            if arch == "lfm2" and name.endswith("shortconv.conv.weight"):
+                self._squeezed.add(hf_name)
             if arch in PERMUTED_QK and (".attn_q." in name or ".attn_k." in name):
                 self._rope_heads[hf_name] = config.num_heads if ".attn_q." in name else config.num_kv_heads
         shapes.update({n: gguf.tensors[g].shape for n, g in self._names.items() if n not in self._experts})
+        shapes.update({n: (shapes[n][0], 1, shapes[n][1]) for n in self._squeezed})
         super().__init__(path, config, dtype, shapes)
 
     def _read(self, name: str) -> torch.Tensor:
@@ -261,6 +280,8 @@ class GGUFCheckpoint(Checkpoint):
         if name in self._shifted:  # 1 + w in float32 (exactly w where w + 1 was exact), then the model's dtype
             return (self._gguf.read_tensor(self._names[name], torch.float32) - 1.0).to(self.dtype)
         w = self._gguf.read_tensor(self._names[name], self.dtype)
+        if name in self._squeezed:
+            return w.unsqueeze(1)
         heads = self._rope_heads.get(name)
         return w if heads is None else unpermute_rope_rows(w, heads)
 
