@@ -17,6 +17,7 @@ The builds' outputs must be equal bit for bit (matmul, attention) unless --allow
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import importlib.util
 import os
@@ -31,7 +32,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tokenmill.model.cpu_kernels import BUILD_FLAGS, SOURCE_NAMES
+from tokenmill.model.cpu_kernels import BUILD_FLAGS
+
+
+def source_names(tree: Path) -> list[str]:
+    """The kernel sources `tree` builds: its own cpu_kernels.py's SOURCE_NAMES (an older checkout's list differs)."""
+    module = ast.parse((tree / "tokenmill" / "model" / "cpu_kernels.py").read_text())
+    for node in module.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "SOURCE_NAMES" for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    raise SystemExit(f"{tree}: no SOURCE_NAMES in tokenmill/model/cpu_kernels.py")
 
 
 def build(tree: Path) -> ModuleType:
@@ -50,7 +60,7 @@ def build(tree: Path) -> ModuleType:
         return module
     directory.mkdir(parents=True, exist_ok=True)
     print(f"building {csrc} ({name}) ...", flush=True)
-    return load(name=name, sources=[str(csrc / s) for s in SOURCE_NAMES], extra_cflags=list(BUILD_FLAGS),
+    return load(name=name, sources=[str(csrc / s) for s in source_names(tree)], extra_cflags=list(BUILD_FLAGS),
                 extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
 
 

@@ -15,8 +15,9 @@ from pathlib import Path
 log = logging.getLogger("tokenmill")
 
 # in csrc/ (benchmarks/kernel_ab.py builds them too)
-SOURCE_NAMES = ("cpu_kernels.cpp", "bf16_linear.cpp", "int8_linear.cpp", "gguf_linear.cpp", "gguf_vnni.cpp",
-                "gguf_avx2.cpp", "f32_linear.cpp", "tile_attention.cpp", "lora.cpp", "moe.cpp")
+SOURCE_NAMES = ("bindings.cpp", "paged_attention.cpp", "elementwise.cpp", "linear.cpp", "decode_stack.cpp",
+                "bf16_linear.cpp", "int8_linear.cpp", "gguf_linear.cpp", "gguf_vnni.cpp", "gguf_avx2.cpp",
+                "f32_linear.cpp", "tile_attention.cpp", "lora.cpp", "moe.cpp")
 # fast-math lets the compiler vectorize exp (glibc's libmvec); infinities stay meaningful (masked scores).
 BUILD_FLAGS = ("-O3", "-fopenmp", "-march=native", "-ffast-math", "-fno-finite-math-only")
 # $TOKENMILL_KERNEL_MARCH builds for an older target than this CPU instead (e.g. "haswell": AVX2 only), to run and
@@ -29,7 +30,9 @@ def build_flags() -> list[str]:
     return [f"-march={march}" if f == "-march=native" else f for f in BUILD_FLAGS]
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in SOURCE_NAMES]
 # part of the build's name too: a change rebuilds
-_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("simd.h", "tile_gemm.h", "work_split.h", "gguf_quads.h")]
+_HEADERS = [Path(__file__).parent / "csrc" / name
+            for name in ("kernels.h", "decode_stack.h", "dtypes.h", "simd.h", "tile_gemm.h", "work_split.h",
+                         "gguf_quads.h")]
 
 
 def _cpu_info() -> tuple[str, str]:

@@ -98,7 +98,7 @@ def _lora_slots(model: nn.Module) -> tuple[list, list, list, list]:
 
 
 def _layer_weights(model: nn.Module) -> list[list[torch.Tensor]] | None:
-    """Per layer, the 15 tensors a layer of `DecoderStack` takes (csrc/cpu_kernels.cpp), gathered once per
+    """Per layer, the 15 tensors a layer of `DecoderStack` takes (csrc/decode_stack.cpp), gathered once per
     model and kept in model.backend_cache (which the model empties when its weights change); None where a
     quantized weight has no packed copy (the C++ layer reads quantized weights only from their packed copies)."""
     if LAYER_WEIGHTS not in model.backend_cache and any(

@@ -285,7 +285,7 @@ at::Tensor gguf_avx2_linear(const at::Tensor& x, const at::Tensor& packed, const
 }
 
 // silu(x @ gate.T) * (x @ up.T) from gate/up block pairs in the quads layout ([I/16, 2, K/32, tile bytes]): gate
-// and up each rounded to x's dtype as their plain products are, then silu_mul's arithmetic (cpu_kernels.cpp).
+// and up each rounded to x's dtype as their plain products are, then silu_mul's arithmetic (elementwise.cpp).
 at::Tensor gguf_avx2_linear_silu(const at::Tensor& x, const at::Tensor& pairs) {
 #ifdef TOKENMILL_INT8_ROWS
   TORCH_CHECK(pairs.dim() == 4 && pairs.size(1) == 2, "a gate/up weight packed by gguf_pack in pairs");

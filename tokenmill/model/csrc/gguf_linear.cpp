@@ -20,6 +20,7 @@
 #include <cstring>
 #include <string>
 
+#include "kernels.h"
 #include "tile_gemm.h"
 
 namespace {
@@ -299,13 +300,6 @@ std::string gguf_kernel() {
   return "";
 #endif
 }
-
-// gguf_vnni.cpp, gguf_avx2.cpp
-at::Tensor gguf_vnni_linear(const at::Tensor& x, const at::Tensor& packed,
-                            const c10::optional<at::Tensor>& bias);
-at::Tensor gguf_vnni_linear_silu(const at::Tensor& x, const at::Tensor& pairs);
-at::Tensor gguf_avx2_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
-at::Tensor gguf_avx2_linear_silu(const at::Tensor& x, const at::Tensor& pairs);
 
 // Which kernel multiplies a packed weight of `tile_bytes` tiles by x: this process's (gguf_kernel(); gguf_pack laid
 // the weight out for it), but float32 x (a model computing in float32) takes the AVX2 kernel on a VNNI CPU too

@@ -14,11 +14,8 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels.h"
 #include "work_split.h"
-
-at::Tensor linear_any(const at::Tensor& x, const at::Tensor& w, const at::Tensor& packed, const at::Tensor& scale,
-                      c10::optional<at::Tensor> b);
-at::Tensor gate_up_silu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& packed, const at::Tensor& scale);
 
 namespace {
 constexpr int64_t kExpertsOverThreads = 4;

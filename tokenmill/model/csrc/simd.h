@@ -29,6 +29,13 @@ inline void prefetch_rows(const void* base, int64_t row_stride_bytes, int64_t ro
 
 #if defined(__AVX2__) && defined(__FMA__)
 
+// The sum of v's 8 lanes.
+inline float hsum(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  return _mm_cvtss_f32(_mm_add_ss(lo, _mm_movehdup_ps(lo)));
+}
+
 // exp(x) for 8 floats: 2^(x log2 e) split into 2^n * 2^f, f in [-0.5, 0.5], 2^f by a degree-6 polynomial
 // (relative error ~2e-7, like expf); -inf and very negative inputs give 0.
 inline __m256 exp256(__m256 x) {

@@ -440,7 +440,7 @@ inline void lanes_block(Scratch& w, const uint16_t* k_rows, int64_t rows_stride,
   }
 }
 
-// attend() (cpu_kernels.cpp) with bfloat16 products (Products: Tiles or Dots) for a bfloat16 cache (C = uint16_t, bf16 bits) or an FP8 e4m3 one
+// attend() (paged_attention.cpp) with bfloat16 products (Products: Tiles or Dots) for a bfloat16 cache (C = uint16_t, bf16 bits) or an FP8 e4m3 one
 // (C = uint8_t codes: each block's rows are widened to bfloat16 first, exactly, so the products are the very
 // ones of a bfloat16 cache holding the same values).
 template <typename Products, typename C>

@@ -140,7 +140,7 @@ inline void write_rows(const float* c, const float* scale, const float* bias, ui
 
 // The SiLU-and-multiply epilogue of a gate/up column pair (gate features in c's columns 0-15, up's in 16-31):
 // each scaled (gate_scale/up_scale: 16 floats or null) and rounded to bfloat16 as a bfloat16 matmul's output
-// is, then silu(gate) * up exactly as silu_mul (cpu_kernels.cpp) computes it from those bfloat16 values, into
+// is, then silu(gate) * up exactly as silu_mul (elementwise.cpp) computes it from those bfloat16 values, into
 // y [M, I] at columns [n0, n0 + 16).
 inline void write_silu_rows(const float* c, const float* gate_scale, const float* up_scale, uint16_t* y, int64_t I,
                             int64_t m0, int64_t rows, int64_t n0) {
