@@ -209,36 +209,25 @@ at::Tensor silu_mul(at::Tensor gate_up) {
         int64_t j = 0;
 #if defined(__AVX2__) && defined(__FMA__)
         if constexpr (std::is_same_v<scalar_t, float>) {
-          const __m256 one = _mm256_set1_ps(1.f), cap = _mm256_set1_ps(88.f);  // exp(88) is still finite
           const float* gf = reinterpret_cast<const float*>(gate);
           const float* uf = reinterpret_cast<const float*>(up);
           float* of = reinterpret_cast<float*>(o);
-          for (; j + 8 <= I; j += 8) {
-            const __m256 x = _mm256_loadu_ps(gf + j);
-            const __m256 e = exp256(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), x), cap));
-            const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(one, e));
-            _mm256_storeu_ps(of + j, _mm256_mul_ps(silu, _mm256_loadu_ps(uf + j)));
-          }
+          for (; j + 8 <= I; j += 8)
+            _mm256_storeu_ps(of + j, silu_times<Lanes8>(_mm256_loadu_ps(gf + j), _mm256_loadu_ps(uf + j), false));
         } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // rounded where torch rounds, 8 at a time
-          const __m256 one = _mm256_set1_ps(1.f), cap = _mm256_set1_ps(88.f);
           // the lambda is not a template: the branch is compiled for every dtype, hence the casts
           const auto* gb = reinterpret_cast<const c10::BFloat16*>(gate);
           const auto* ub = reinterpret_cast<const c10::BFloat16*>(up);
           auto* ob = reinterpret_cast<c10::BFloat16*>(o);
 #if defined(__AVX512F__)
-          const __m512 one16 = _mm512_set1_ps(1.f), cap16 = _mm512_set1_ps(88.f);
           for (; j + 16 <= I; j += 16) {  // the 8-wide loop below, 16 at a time: the same per-element math
-            const __m512 x = bf16x16_to_ps(gb + j);
-            const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), cap16));
-            const __m512 silu = round_to_bf16_ps512(_mm512_div_ps(x, _mm512_add_ps(one16, e)));
-            store_bf16x16(ob + j, round_to_bf16_ps512(_mm512_mul_ps(silu, bf16x16_to_ps(ub + j))));
+            const __m512 out16 = silu_times<Lanes16>(bf16x16_to_ps(gb + j), bf16x16_to_ps(ub + j), true);
+            store_bf16x16(ob + j, round_to_bf16_ps512(out16));
           }
 #endif
           for (; j + 8 <= I; j += 8) {
-            const __m256 x = bf16x8_to_ps(gb + j);
-            const __m256 e = exp256(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), x), cap));
-            const __m256 silu = round_to_bf16_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)));
-            store_bf16x8(ob + j, round_to_bf16_ps(_mm256_mul_ps(silu, bf16x8_to_ps(ub + j))));
+            const __m256 out8 = silu_times<Lanes8>(bf16x8_to_ps(gb + j), bf16x8_to_ps(ub + j), true);
+            store_bf16x8(ob + j, round_to_bf16_ps(out8));
           }
         }
 #endif

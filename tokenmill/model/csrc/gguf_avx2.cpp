@@ -2,9 +2,10 @@
 // gguf_vnni.cpp with 256-bit VPMADDUBSW (unsigned bytes times signed bytes, adjacent pairs summed into int16)
 // instead of VPDPBUSD, on the same packed tiles (the "quads" layout: half a 64-byte vector is 8 features' quads)
 // and the same int8 rounding of x (gguf_quads.h). The integer sums are exact, and each block's float32 arithmetic
-// is gguf_vnni.cpp's in the same order, so for bfloat16 x the two kernels agree bit for bit; x may be float32
-// too (an AVX2 CPU runs models in float32: model/backends/__init__.py auto_dtype), y then float32. Either way x is
-// rounded in two int8 parts (quantize_rows), so a model tracks its dequantized weights in x's dtype.
+// is gguf_vnni.cpp's, the same code (gguf_quads.h's BlockStep over simd.h's lanes), so for bfloat16 x the two kernels
+// agree bit for bit; x may be float32 too (an AVX2 CPU runs models in float32: model/backends/__init__.py
+// auto_dtype), y then float32. Either way x is rounded in two int8 parts (quantize_rows), so a model tracks its
+// dequantized weights in x's dtype.
 //
 // VPMADDUBSW saturates its int16 pair sums. With x's quants in [-127, 127]: a 4-bit quant's pair is at most
 // 2 x 15 x 127 = 3810, so 8 of them add up in int16 before widening (30480 < 32767); Q5_0's and Q5_KS's 4 (31496),
@@ -96,18 +97,9 @@ inline void half_dots(const __m256i (&w)[8], const int8_t* qx, __m256i (&lo)[Row
   }
 }
 
-inline __m256 bytes_ps(const uint8_t* p, bool is_signed) {
-  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
-}
-
-inline __m256 halves_ps(const uint8_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
 // Rows [m0, m0 + Rows) times column blocks nb .. nb + Cols - 1: float32 results into c [Rows x 32] (row stride 32,
-// block j's 16 features at column 16 j). The float32 steps per block are gguf_vnni.cpp's vnni_block's, lane for
-// lane. prefetch_until: as there (each tile's counterpart two column blocks on, into L2).
+// block j's 16 features at column 16 j). The float32 steps per block are BlockStep's, as vnni_block's.
+// prefetch_until: as there (each tile's counterpart two column blocks on, into L2).
 template <int64_t Type, int Rows, int Cols>
 void avx2_block(const QuantizedRows& xq, int64_t m0, const uint8_t* w0, int64_t KB, int64_t tile_bytes, float* c,
                 const uint8_t* prefetch_until) {
@@ -136,43 +128,15 @@ void avx2_block(const QuantizedRows& xq, int64_t m0, const uint8_t* w0, int64_t 
         load_half_quads<Type>(tile, h, w);
         __m256i lo[Rows], hi[Rows];
         half_dots<Type, Rows>(w, qx, lo, hi);
-        if constexpr (Type == kQ6_KS) {  // two 16-wide halves of K, each with its scale and the zero point 32
-          const __m256 d = halves_ps(fields + 16 * h);
-          const __m256 d_lo = _mm256_mul_ps(d, bytes_ps(fields + 32 + 8 * h, true));
-          const __m256 d_hi = _mm256_mul_ps(d, bytes_ps(fields + 48 + 8 * h, true));
-#pragma GCC unroll 8
-          for (int r = 0; r < Rows; ++r) {
-            const int64_t row = kb * panel + r;
-            const __m256 dx = _mm256_set1_ps(scale[row]);
-            const __m256i s_lo = _mm256_sub_epi32(lo[r], _mm256_set1_epi32(32 * sum_lo[row]));
-            const __m256i s_hi = _mm256_sub_epi32(hi[r], _mm256_set1_epi32(32 * (sum[row] - sum_lo[row])));
-            __m256& a = acc[r][2 * j + h];
-            a = _mm256_fmadd_ps(_mm256_mul_ps(d_lo, dx), _mm256_cvtepi32_ps(s_lo), a);
-            a = _mm256_fmadd_ps(_mm256_mul_ps(d_hi, dx), _mm256_cvtepi32_ps(s_hi), a);
-          }
-          continue;
-        }
-        // Q4_KS, Q5_KS: float32 d sc and -(dmin m)
-        const __m256 d = has_float_scale_min<Type>() ? _mm256_loadu_ps(reinterpret_cast<const float*>(fields) + 8 * h)
-                                                     : halves_ps(fields + 16 * h);
-        __m256 mins = _mm256_setzero_ps();
-        if constexpr (has_float_scale_min<Type>())
-          mins = _mm256_loadu_ps(reinterpret_cast<const float*>(fields + 64) + 8 * h);
-        if constexpr (Type == kQ4_1) mins = halves_ps(fields + 32 + 16 * h);
-        // Q8_0's quants are signed already (zero point 0 here, 128 in the VNNI kernel's bytes: the same sums)
-        __m256i zero_points = _mm256_set1_epi32(Type == kQ4_0 ? 8 : Type == kQ5_0 ? 16 : 0);
-        if constexpr (Type == kQ4_Z)
-          zero_points = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(fields + 32 + 8 * h)));
+        // features 8h .. 8h + 7; Q8_0's quants are signed already (zero point 0 here, 128 in the VNNI kernel's
+        // bytes: the same sums)
+        const BlockStep<Type, Lanes8, false> step(fields, 8 * h);
 #pragma GCC unroll 8
         for (int r = 0; r < Rows; ++r) {
           const int64_t row = kb * panel + r;
-          __m256i sr = _mm256_add_epi32(lo[r], hi[r]);
-          if constexpr (Type == kQ4_0 || Type == kQ5_0 || Type == kQ4_Z)
-            sr = _mm256_sub_epi32(sr, _mm256_mullo_epi32(zero_points, _mm256_set1_epi32(sum[row])));
           __m256& a = acc[r][2 * j + h];
-          a = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(scale[row])), _mm256_cvtepi32_ps(sr), a);
-          if constexpr (Type == kQ4_1 || has_float_scale_min<Type>())
-            a = _mm256_fmadd_ps(mins, _mm256_set1_ps(scaled_sum[row]), a);
+          if constexpr (Type == kQ6_KS) step.add_halves(a, lo[r], hi[r], scale[row], sum[row], sum_lo[row]);
+          else step.add(a, _mm256_add_epi32(lo[r], hi[r]), scale[row], sum[row], scaled_sum[row]);
         }
       }
     }
@@ -272,8 +236,8 @@ at::Tensor gguf_avx2_linear(const at::Tensor& x, const at::Tensor& packed, const
     const int64_t n0 = nb * kAvx2TileN;
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t j = 0; j < (two_cols ? 32 : 16); j += 8) {
-        __m256 v = _mm256_loadu_ps(c + r * 32 + j);
-        if (bp != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(bp + n0 + j));
+        const float* bias_j = bp == nullptr ? nullptr : bp + n0 + j;
+        const __m256 v = scaled_biased<Lanes8>(Lanes8::load(c + r * 32 + j), nullptr, bias_j);
         store8(yp + ((m0 + r) * N + n0 + j) * es, bf16, v);
       }
   });
@@ -296,15 +260,12 @@ at::Tensor gguf_avx2_linear_silu(const at::Tensor& x, const at::Tensor& pairs) {
   const int64_t es = y.element_size();
   avx2_tiles(x, pairs.view({2 * pairs.size(0), pairs.size(2), pairs.size(3)}),
              [&](const float* c, int64_t m0, int64_t rows, int64_t nb, bool) {
-               const __m256 one = _mm256_set1_ps(1.f), cap = _mm256_set1_ps(88.f);
                const int64_t n0 = (nb / 2) * kAvx2TileN;
                for (int64_t r = 0; r < rows; ++r)
                  for (int64_t j = 0; j < 16; j += 8) {
                    const __m256 g = round_if(bf16, _mm256_loadu_ps(c + r * 32 + j));
                    const __m256 u = round_if(bf16, _mm256_loadu_ps(c + r * 32 + 16 + j));
-                   const __m256 e = exp256(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), cap));
-                   const __m256 silu = round_if(bf16, _mm256_div_ps(g, _mm256_add_ps(one, e)));
-                   store8(yp + ((m0 + r) * I + n0 + j) * es, bf16, _mm256_mul_ps(silu, u));
+                   store8(yp + ((m0 + r) * I + n0 + j) * es, bf16, silu_times<Lanes8>(g, u, bf16));
                  }
              });
   return y;

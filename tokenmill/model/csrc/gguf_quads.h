@@ -161,4 +161,56 @@ inline void add_split_rows(float* c, int64_t rows) {
                                                      _mm256_loadu_ps(c + (2 * r + 1) * 32 + j)));
 }
 
+
+// The float32 steps of one block (a tile's 32 K) of one row of int8 blocks, for V::kLanes features from feature f0
+// of the tile (all 16 at once: gguf_vnni.cpp; 8 and 8: gguf_avx2.cpp), given the row's exact integer sums of the
+// weight's quants times x's (each kernel's own instructions). Written once for both kernels, so for bfloat16 x they
+// agree bit for bit: the scale d dx, the zero point's integer term, Q4_1's and the K-quants' min term, Q6_KS's two
+// scales, and the order the terms join the accumulator. The constructor reads the tile's fields (after its quants):
+// float16 d at 2 f0, float32 d sc at 4 f0 (Q4_KS, Q5_KS: then -(dmin m) at 64 + 4 f0), Q4_1's float16 m at
+// 32 + 2 f0, Q4_Z's zero points and Q6_KS's int8 scales (K 0..15, then 16..31) at 32 + f0 and 48 + f0.
+// Q8Biased: Q8_0's quants are the bytes q + 128 (zero point 128: VPDPBUSD takes unsigned bytes); else q itself.
+template <int64_t Type, typename V, bool Q8Biased>
+struct BlockStep {
+  using F = typename V::F;
+  using I = typename V::I;
+  static constexpr bool kZeroPoint = Type == kQ4_0 || Type == kQ5_0 || Type == kQ4_Z || (Type == kQ8_0 && Q8Biased);
+  static constexpr bool kMins = Type == kQ4_1 || has_float_scale_min<Type>();
+  F d{}, mins{}, d_lo{}, d_hi{};
+  I zero_points{};
+
+  BlockStep(const uint8_t* fields, int f0) {
+    if constexpr (Type == kQ6_KS) {  // two 16-wide halves of K, each with its scale, and the zero point 32
+      const F d16 = V::halves(fields + 2 * f0);
+      d_lo = V::mul(d16, V::bytes(fields + 32 + f0, true));
+      d_hi = V::mul(d16, V::bytes(fields + 48 + f0, true));
+    } else {
+      d = has_float_scale_min<Type>() ? V::load(fields + 4 * f0) : V::halves(fields + 2 * f0);
+      if constexpr (has_float_scale_min<Type>()) mins = V::load(fields + 64 + 4 * f0);
+      if constexpr (Type == kQ4_1) mins = V::halves(fields + 32 + 2 * f0);
+      if constexpr (Type == kQ4_Z) zero_points = V::ubytes_i32(fields + 32 + f0);
+      else zero_points = V::set1_i32(Type == kQ4_0 ? 8 : Type == kQ5_0 ? 16 : Type == kQ8_0 ? 128 : 0);
+    }
+  }
+
+  // acc += the block's product for a row whose int8 block has scale dx, quant sum `sum` and dx * sum
+  // `scaled_sum` (QuantizedRows), s lane j's sum over the block of feature j's quants times x's quants.
+  void add(F& acc, I s, float dx, int32_t sum, float scaled_sum) const {
+    static_assert(Type != kQ6_KS, "Q6_KS takes its two halves' sums: add_halves");
+    if constexpr (kZeroPoint) s = V::sub(s, V::mullo(zero_points, V::set1_i32(sum)));
+    acc = V::fmadd(V::mul(d, V::set1(dx)), V::to_float(s), acc);
+    if constexpr (kMins) acc = V::fmadd(mins, V::set1(scaled_sum), acc);
+  }
+
+  // Q6_KS: the same with the sums over K 0..15 (lo) and 16..31 (hi), and sum_lo the row's quant sum over K 0..15.
+  void add_halves(F& acc, I lo, I hi, float dx, int32_t sum, int32_t sum_lo) const {
+    static_assert(Type == kQ6_KS, "one scale a block: add");
+    const F dxv = V::set1(dx);
+    const I s_lo = V::sub(lo, V::set1_i32(32 * sum_lo));
+    const I s_hi = V::sub(hi, V::set1_i32(32 * (sum - sum_lo)));
+    acc = V::fmadd(V::mul(d_lo, dxv), V::to_float(s_lo), acc);
+    acc = V::fmadd(V::mul(d_hi, dxv), V::to_float(s_hi), acc);
+  }
+};
+
 #endif  // TOKENMILL_INT8_ROWS

@@ -140,15 +140,6 @@ inline void load_quads(const uint8_t* tile, __m512i (&w)[8]) {
   }
 }
 
-inline __m512 bytes_ps(const uint8_t* p, bool is_signed) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
-}
-
-inline __m512 halves_ps(const uint8_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 // Rows [m0, m0 + Rows) times column blocks nb (and nb + 1 if Cols == 2): float32 results into c [Rows x 32].
 // With `prefetch_until` (the weight's end; null for none) each tile's counterpart two column blocks on (the next
 // column pair's) is prefetched into L2 as the tile is read: a step streams every weight from DRAM (a model's layers
@@ -178,43 +169,23 @@ void vnni_block(const QuantizedRows& xq, int64_t m0, const uint8_t* w0, int64_t 
         prefetch_rows<false>(tile + 2 * KB * tile_bytes, 0, 1, tile_bytes);
       __m512i w[8];
       load_quads<Type>(tile, w);
-      if constexpr (Type == kQ6_KS) {  // two 16-wide halves, each with its scale and the zero point 32
-        const __m512 d = halves_ps(fields);
-        const __m512 d_lo = _mm512_mul_ps(d, bytes_ps(fields + 32, true));
-        const __m512 d_hi = _mm512_mul_ps(d, bytes_ps(fields + 48, true));
+      const BlockStep<Type, Lanes16, true> step(fields, 0);  // all 16 features; Q8_0's bytes are q + 128
+      if constexpr (Type == kQ6_KS) {  // the sums of K 0..15 and 16..31, for its two scales
         __m512i lo[Rows], hi[Rows];
         tile_dots_halves<Rows>(w, qx_panel + kb * panel * 32, lo, hi);
 #pragma GCC unroll 8
         for (int r = 0; r < Rows; ++r) {
           const int64_t row = kb * panel + r;
-          const __m512 dx = _mm512_set1_ps(scale[row]);
-          const __m512i s_lo = _mm512_sub_epi32(lo[r], _mm512_set1_epi32(32 * sum_lo[row]));
-          const __m512i s_hi = _mm512_sub_epi32(hi[r], _mm512_set1_epi32(32 * (sum[row] - sum_lo[row])));
-          acc[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(d_lo, dx), _mm512_cvtepi32_ps(s_lo), acc[r][j]);
-          acc[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(d_hi, dx), _mm512_cvtepi32_ps(s_hi), acc[r][j]);
+          step.add_halves(acc[r][j], lo[r], hi[r], scale[row], sum[row], sum_lo[row]);
         }
-        continue;
-      }
-      // Q4_KS, Q5_KS: float32 d sc and -(dmin m)
-      const __m512 d = has_float_scale_min<Type>() ? _mm512_loadu_ps(fields) : halves_ps(fields);
-      __m512 mins = _mm512_setzero_ps();
-      if constexpr (has_float_scale_min<Type>()) mins = _mm512_loadu_ps(fields + 64);
-      __m512i zero_points = _mm512_set1_epi32(Type == kQ4_0 ? 8 : Type == kQ5_0 ? 16 : Type == kQ8_0 ? 128 : 0);
-      if constexpr (Type == kQ4_1)
-        mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(fields + 32)));
-      if constexpr (Type == kQ4_Z)
-        zero_points = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(fields + 32)));
-      __m512i s[Rows];
-      tile_dots<Rows>(w, qx_panel + kb * panel * 32, s);
+      } else {
+        __m512i s[Rows];
+        tile_dots<Rows>(w, qx_panel + kb * panel * 32, s);
 #pragma GCC unroll 8
-      for (int r = 0; r < Rows; ++r) {
-        const int64_t row = kb * panel + r;
-        __m512i sr = s[r];
-        if constexpr (Type != kQ4_1 && !has_float_scale_min<Type>())
-          sr = _mm512_sub_epi32(sr, _mm512_mullo_epi32(zero_points, _mm512_set1_epi32(sum[row])));
-        acc[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(scale[row])), _mm512_cvtepi32_ps(sr), acc[r][j]);
-        if constexpr (Type == kQ4_1 || has_float_scale_min<Type>())
-          acc[r][j] = _mm512_fmadd_ps(mins, _mm512_set1_ps(scaled_sum[row]), acc[r][j]);
+        for (int r = 0; r < Rows; ++r) {
+          const int64_t row = kb * panel + r;
+          step.add(acc[r][j], s[r], scale[row], sum[row], scaled_sum[row]);
+        }
       }
     }
   }

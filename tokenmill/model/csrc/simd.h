@@ -119,6 +119,93 @@ inline void store_bf16x16(void* p, __m512 rounded) {
 }
 #endif
 
+// Lanes8 (AVX2) and Lanes16 (AVX-512): one vector of float32 lanes (F) and of int32 lanes (I), each operation one
+// instruction of its width. Float steps that an AVX2 kernel and its AVX-512 twin must take identically, lane for lane
+// (gguf_quads.h's GGUF block step, scaled_biased and silu_times below), are written once as templates over these, so
+// a change reaches both widths.
+#if defined(__AVX2__) && defined(__FMA__)
+struct Lanes8 {
+  using F = __m256;
+  using I = __m256i;
+  static constexpr int kLanes = 8;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static I set1_i32(int32_t x) { return _mm256_set1_epi32(x); }
+  static F load(const void* p) { return _mm256_loadu_ps(static_cast<const float*>(p)); }
+#if defined(__F16C__)
+  // kLanes float16 values as floats
+  static F halves(const void* p) { return _mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i*>(p))); }
+#endif
+  // kLanes bytes as floats: int8 (is_signed) or uint8
+  static F bytes(const void* p, bool is_signed) {
+    const __m128i v = _mm_loadl_epi64(static_cast<const __m128i*>(p));
+    return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
+  }
+  // kLanes uint8 values as int32
+  static I ubytes_i32(const void* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p))); }
+  static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
+  static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F min(F a, F b) { return _mm256_min_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }  // a * b + c, one rounding
+  static F exp(F x) { return exp256(x); }
+  static F round_bf16(F v) { return round_to_bf16_ps(v); }
+};
+#endif
+
+#if defined(__AVX512F__)
+struct Lanes16 {
+  using F = __m512;
+  using I = __m512i;
+  static constexpr int kLanes = 16;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static I set1_i32(int32_t x) { return _mm512_set1_epi32(x); }
+  static F load(const void* p) { return _mm512_loadu_ps(p); }
+  static F halves(const void* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(p))); }
+  static F bytes(const void* p, bool is_signed) {
+    const __m128i v = _mm_loadu_si128(static_cast<const __m128i*>(p));
+    return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+  }
+  static I ubytes_i32(const void* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p))); }
+  static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
+  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F min(F a, F b) { return _mm512_min_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F exp(F x) { return exp512(x); }
+  static F round_bf16(F v) { return round_to_bf16_ps512(v); }
+};
+#endif
+
+// v times scale, then plus bias (scale, bias: V::kLanes floats each, or null), the order a dequantize-then-matmul
+// reference with a bias applies them in; the caller rounds the result as it stores it.
+template <typename V>
+inline typename V::F scaled_biased(typename V::F v, const float* scale, const float* bias) {
+  if (scale != nullptr) v = V::mul(v, V::load(scale));
+  if (bias != nullptr) v = V::add(v, V::load(bias));
+  return v;
+}
+
+// silu(g) * u, as silu_mul computes it: silu = g / (1 + exp(-g)) (exp's input capped at 88, where exp is still
+// finite), rounded to bfloat16 first where round_bf16 (bfloat16 tensors: torch rounds silu's output), then times u.
+// The product is returned unrounded: the caller rounds it as it stores it.
+template <typename V>
+inline typename V::F silu_times(typename V::F g, typename V::F u, bool round_bf16) {
+  const typename V::F e = V::exp(V::min(V::sub(V::zero(), g), V::set1(88.f)));
+  typename V::F silu = V::div(g, V::add(V::set1(1.f), e));
+  if (round_bf16) silu = V::round_bf16(silu);
+  return V::mul(silu, u);
+}
+
 #if defined(__AMX_TILE__)
 // The 64-byte operand of LDTILECFG: palette 1, then each tile's bytes per row and rows.
 struct alignas(64) AmxTileConfig {

@@ -120,9 +120,7 @@ inline FloatBias float_bias(const c10::optional<at::Tensor>& bias) {
 // rounded to bfloat16 (nearest-even, as torch rounds) still as floats. Scale first, then bias: the order a
 // dequantize-then-matmul reference with a bias applies them in.
 inline __m512 scaled_bias_bf16(__m512 v, const float* scale, const float* bias) {
-  if (scale != nullptr) v = _mm512_mul_ps(v, _mm512_loadu_ps(scale));
-  if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias));
-  return round_to_bf16_ps512(v);
+  return round_to_bf16_ps512(scaled_biased<Lanes16>(v, scale, bias));
 }
 
 // float32 tile results of rows [m0, m0 + rows) and features [n0, n0 + cols) into y [M, N] bfloat16: scaled
@@ -144,13 +142,10 @@ inline void write_rows(const float* c, const float* scale, const float* bias, ui
 // y [M, I] at columns [n0, n0 + 16).
 inline void write_silu_rows(const float* c, const float* gate_scale, const float* up_scale, uint16_t* y, int64_t I,
                             int64_t m0, int64_t rows, int64_t n0) {
-  const __m512 one = _mm512_set1_ps(1.f), cap = _mm512_set1_ps(88.f);
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 g = scaled_bias_bf16(_mm512_loadu_ps(c + r * 32), gate_scale, nullptr);
     const __m512 u = scaled_bias_bf16(_mm512_loadu_ps(c + r * 32 + 16), up_scale, nullptr);
-    const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), cap));
-    const __m512 silu = round_to_bf16_ps512(_mm512_div_ps(g, _mm512_add_ps(one, e)));
-    store_bf16x16(y + (m0 + r) * I + n0, round_to_bf16_ps512(_mm512_mul_ps(silu, u)));
+    store_bf16x16(y + (m0 + r) * I + n0, round_to_bf16_ps512(silu_times<Lanes16>(g, u, true)));
   }
 }
 // Rows [0, Rows) of x (row stride ld) times column blocks (Cols of them) of the weight's tiles, with AVX512-BF16:
