@@ -21,7 +21,8 @@ from tokenmill.errors import TokenmillError
 from tokenmill.planner.common import KV_DTYPES, WEIGHT_DTYPES
 from tokenmill.planner.hardware import GPUS, HARDWARE_KEYS, get_hardware
 from tokenmill.planner.measure import Measurement
-from tokenmill.planner.models import PRESETS, ModelShape, load_model
+from tokenmill.planner.model_files import load_model
+from tokenmill.planner.models import PRESETS, ModelShape
 from tokenmill.planner.recommend import Recommendation, recommend
 from tokenmill.planner.roofline import (
     BANDWIDTH_EFFICIENCY,

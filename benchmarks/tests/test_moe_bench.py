@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from benchmarks.tests.scripts import load_benchmark_script
 from tokenmill import LLM, SamplingParams
-from tokenmill.planner.models import load_model
+from tokenmill.planner.model_files import load_model
 
 TINY = {"vocab_size": 49152, "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 4, "num_experts": 8, "num_experts_per_tok": 2}

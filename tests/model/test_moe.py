@@ -330,7 +330,7 @@ def test_startup_summary_names_the_experts_format(families):
 def test_planner_counts_the_engines_parameters(families, variant):
     """`tokenmill plan` reads the GGUF file's expert keys and tensors and the directory's config alike: total
     parameters as the engine holds them (its norms aside), active ones by the experts a token runs."""
-    from tokenmill.planner.models import load_model
+    from tokenmill.planner.model_files import load_model
 
     family = families[variant]
     from_dir, from_gguf = load_model(str(family.path)), load_model(str(family.gguf()))

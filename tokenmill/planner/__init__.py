@@ -5,7 +5,8 @@ Light on imports (no torch) so `tokenmill plan` answers instantly; only --measur
 
 from tokenmill.planner.common import PlanError
 from tokenmill.planner.hardware import GPUS, Hardware, cpu_hardware, get_hardware
-from tokenmill.planner.models import PRESETS, ModelShape, load_model
+from tokenmill.planner.model_files import load_model
+from tokenmill.planner.models import PRESETS, ModelShape
 from tokenmill.planner.recommend import Recommendation, recommend
 from tokenmill.planner.roofline import Deployment, Plan, kv_bytes_per_token, min_tp_to_fit, plan
 

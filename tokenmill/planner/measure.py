@@ -16,7 +16,8 @@ from typing import Any
 
 from tokenmill.planner.common import PlanError
 from tokenmill.planner.hardware import cpu_hardware
-from tokenmill.planner.models import PRESETS, ModelShape, default_gguf_path, load_model
+from tokenmill.planner.model_files import default_gguf_path, load_model
+from tokenmill.planner.models import PRESETS, ModelShape
 from tokenmill.planner.roofline import Deployment, decode_step_seconds, kv_bytes_per_token
 
 BANDWIDTH_TENSOR_BYTES = 256 << 20
