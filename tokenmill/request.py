@@ -48,6 +48,11 @@ class Request:
     num_window_released: int = 0
     # a hybrid model's recurrent/convolution state (engine/state_slots.py): its slot while admitted, else None
     state_slot: int | None = None
+    # prefix caching on such a model (engine/state_snapshots.py): the snapshot row its slot starts from at its next
+    # step (a hit), and the row its state is copied to after this step with the tokens it then reaches (a block
+    # boundary)
+    state_load: int | None = None
+    state_save: tuple[int, int] | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     stop_reason: int | str | None = None

@@ -29,9 +29,10 @@ def toy(tmp_path_factory):
 
 
 def make_core(path, *, memory: int = 1 << 20, num_blocks: int | None = None, seqs: int = 8, chunk: int = 512,
-              **kw) -> EngineCore:
+              prefix_caching: bool = True, **kw) -> EngineCore:
     return EngineCore(EngineConfig(model=str(path), dtype="float32",
-                                   cache=CacheConfig(kv_cache_memory=memory, block_size=4, num_blocks=num_blocks),
+                                   cache=CacheConfig(kv_cache_memory=memory, block_size=4, num_blocks=num_blocks,
+                                                     enable_prefix_caching=prefix_caching),
                                    scheduler=SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=chunk), **kw))
 
 
@@ -59,14 +60,17 @@ def test_the_layout_has_three_groups_and_the_state_is_paid_from_the_budget_first
     assert [c.kind for c in layout.caches] == ["attention", "window", "state"] * 2
     assert layout.hybrid and layout.num_paged_layers == 4 and layout.state_layers == [2, 5]
     assert info.state_slots == 8 and info.state_bytes == STATE_BYTES
-    assert info.num_blocks == (memory - 8 * STATE_BYTES) // info.page_bytes  # pages get what the state left
-    assert memory - info.page_bytes < info.total_bytes == info.num_blocks * info.page_bytes + 8 * STATE_BYTES <= memory
-    assert not info.prefix_caching  # a cached prefix holds no recurrent state
+    assert info.prefix_caching and info.state_snapshots == 4 * 8  # snapshots of states a cached prefix starts from
+    rows = 8 + 32
+    assert info.num_blocks == (memory - rows * STATE_BYTES) // info.page_bytes  # pages get what the state left
+    assert memory - info.page_bytes < info.total_bytes == info.num_blocks * info.page_bytes + rows * STATE_BYTES
+    assert info.total_bytes <= memory
     summary = core.startup_summary()
     assert "2 attention, 2 window (8 tokens), 2 state layers" in summary and "recurrent state: 8 slots" in summary
-    # the runner holds a slot per state layer and request, beside the paged layers' pages
+    assert "prefix caching on, 32 state snapshots" in summary
+    # the runner holds a slot per state layer and request, then the snapshots, beside the paged layers' pages
     conv_state, hidden_state = core.runner.kv_caches[2]
-    assert conv_state.shape == (8, CONV - 1, HIDDEN) and hidden_state.shape == (8, HIDDEN)
+    assert conv_state.shape == (rows, CONV - 1, HIDDEN) and hidden_state.shape == (rows, HIDDEN)
     assert len(core.runner.kv_caches[0]) == 2 and core.runner.kv_caches[0][0].shape[0] == info.num_blocks
 
 

@@ -167,7 +167,8 @@ def test_greedy_output_matches_transformers_in_chunks_and_after_preemption(lfm2,
     """4-token chunks carry the convolution state from chunk to chunk; a pool too small for every request at
     once preempts some, which start again from a zero state."""
     path, _, ref = lfm2
-    state, block = 3 * 4 * (2 * 64 * 4), 2 * 2 * 2 * 16 * 4 * 4  # 4 slots of 3 layers; 2 layers' 4 tokens
+    # 4 slots and their 16 prefix-cache snapshots of 3 layers' state; a block: 2 layers' K and V of 4 tokens
+    state, block = 3 * (4 + 16) * (2 * 64 * 4), 2 * 2 * 2 * 16 * 4 * 4
     llm = make_llm(path, "cpu", monkeypatch, dtype="float32", block_size=4, max_num_seqs=4, new_token_ratio=0,
                    max_num_batched_tokens=4, long_prefill_token_threshold=4,
                    kv_cache_memory=state + 10 * block)
@@ -177,6 +178,26 @@ def test_greedy_output_matches_transformers_in_chunks_and_after_preemption(lfm2,
     assert llm.engine.core.scheduler.num_preemptions > 0, "the pool was meant to be short"
     for rid, (tokens, logits) in ref.items():
         assert_matches_reference(done[rid].token_ids, tokens, logits)
+
+
+def test_a_second_turn_starts_from_the_first_turns_cached_state(lfm2, monkeypatch):
+    """The second turn resends the first and its answer: its prefix hit reaches the last block boundary the first
+    turn computed (the convolution state there comes from a snapshot), and it still answers as transformers does."""
+    from transformers import AutoModelForCausalLM
+
+    path, _, ref = lfm2
+    llm = make_llm(path, "cpu", monkeypatch, dtype="float32", kv_cache_memory=4 << 20, block_size=4)
+    first = PROMPTS["p3"]
+    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+    answer = run(llm.engine, {"t1": first}, params)["t1"].token_ids
+    assert answer == ref["p3"][0]
+    second = first + answer + [17, 18, 19]
+    out = llm.generate([{"prompt_token_ids": second}], params, use_tqdm=False)[0]
+    computed = len(first) + TOKENS - 1  # the first turn's last token was sampled, never fed back
+    assert out.num_cached_tokens == computed // 4 * 4
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert_matches_reference(out.outputs[0].token_ids, *hf_greedy(hf, second, TOKENS))
+    llm.engine.core.check_idle_invariants()
 
 
 def test_bfloat16_output_does_not_depend_on_the_batch(lfm2, monkeypatch):

@@ -2,8 +2,10 @@
 one mapping from a request's blocks to KV slots.
 
 Paged layers (attention, window) get one key and one value tensor per page slot, `[blocks, block_size, kv heads,
-head dim]`; a state layer (model/layer_cache.py) gets its state tensors, `[state slots, *shape]`. `per_layer[i]` is
-what layer i is handed each step. The runner builds the step's tensors; this object owns the cache's.
+head dim]`; a state layer (model/layer_cache.py) gets its state tensors, `[state slots + snapshots, *shape]`: the
+running requests' slots, then the snapshot rows prefix caching copies states to and from (engine/state_snapshots.py).
+`per_layer[i]` is what layer i is handed each step. The runner builds the step's tensors; this object owns the
+cache's.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ def token_slots(block_ids: list[int], start: int, end: int, block_size: int) -> 
 
 class CacheTensors:
     def __init__(self, layout: KVLayout, page_shape: tuple[int, ...], kv_dtype: torch.dtype, device: torch.device,
-                 num_state_slots: int = 0):
+                 num_state_slots: int = 0, num_snapshots: int = 0):
         self.layout = layout
         self.block_size, self.device = page_shape[1], device
         # Zeroed, not empty: masked-out slots are still multiplied by 0 and must not hold NaN bit patterns.
@@ -34,7 +36,8 @@ class CacheTensors:
             else:
                 c = layout.caches[i]
                 dtype = getattr(torch, c.state_dtype)
-                self.per_layer.append(tuple(torch.zeros((num_state_slots, *shape), dtype=dtype, device=device)
+                rows = num_state_slots + num_snapshots
+                self.per_layer.append(tuple(torch.zeros((rows, *shape), dtype=dtype, device=device)
                                             for shape in c.state_shapes))
         self._states = [self.per_layer[i] for i in layout.state_layers]
 
@@ -66,6 +69,17 @@ class CacheTensors:
             return []
         index = torch.tensor(slots, dtype=torch.long, device=self._states[0][0].device)
         return [index] + [t.index_select(0, index) for tensors in self._states for t in tensors]
+
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Row `dst` of every state tensor becomes a copy of row `src`, for each (src, dst): a snapshot into a slot
+        or a slot into a snapshot."""
+        if pairs and self._states:
+            device = self._states[0][0].device
+            src = torch.tensor([a for a, _ in pairs], dtype=torch.long, device=device)
+            dst = torch.tensor([b for _, b in pairs], dtype=torch.long, device=device)
+            for tensors in self._states:
+                for t in tensors:
+                    t.index_copy_(0, dst, t.index_select(0, src))
 
     def restore_states(self, saved: list[torch.Tensor]) -> None:
         if not saved:

@@ -59,7 +59,7 @@ class EngineCore:
             raise ConfigError(f"--max-model-len {max_len} exceeds the model's {mc.max_position_embeddings} positions")
         self.max_model_len = max_len
         self.kv = KVCacheManager(num_blocks, config.kv_block_size, self.cache_info.prefix_caching,
-                                 self.cache_info.layout, self.cache_info.state_slots)
+                                 self.cache_info.layout, self.cache_info.state_slots, self.cache_info.state_snapshots)
         self.step_cost = StepCostModel()  # measured step times: a step's size within an ITL target; a draft's cost
         spec = config.speculative
         self.scheduler = Scheduler(config.scheduler, self.kv, step_cost=self.step_cost,

@@ -7,11 +7,13 @@ Plain Python: the tensors that hold K/V live in the model runner; here a block i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from tokenmill.engine.block_pool import BlockPool
 from tokenmill.engine.kv_layout import KVLayout
 from tokenmill.engine.prefix_cache import PrefixMatch, RadixCache
 from tokenmill.engine.state_slots import StateSlots
+from tokenmill.engine.state_snapshots import StateSnapshots
 from tokenmill.engine.window_pages import WindowPages
 from tokenmill.request import Request
 
@@ -28,6 +30,13 @@ class PrefixCacheStats:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
+
+
+class Chunk(Protocol):
+    """A request's share of a step (engine/step_types.py ScheduledRequest)."""
+
+    request: Request
+    num_new_tokens: int
 
 
 class KVCacheManager:
@@ -50,17 +59,22 @@ class KVCacheManager:
 
     A layout with state layers (a hybrid model's recurrent or convolution layers) gives each admitted request a
     state slot beside its blocks (`state`, engine/state_slots.py), `num_state_slots` of them, returned by `free`
-    with its blocks. A cached prefix holds no such state, so those models take no prefix hit.
+    with its blocks. With prefix caching such a model keeps `num_snapshots` copies of states taken at block
+    boundaries (`snapshots`, engine/state_snapshots.py): a hit ends at the deepest matched block that has one, and
+    the request's slot starts from it.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 layout: KVLayout | None = None, num_state_slots: int = 0):
+                 layout: KVLayout | None = None, num_state_slots: int = 0, num_snapshots: int = 0):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.layout = layout if layout is not None else KVLayout.uniform(1, block_size)
         self.state = StateSlots(num_state_slots) if self.layout.state_layers else None
         assert self.state is None or num_state_slots > 0, "a layout with state layers needs state slots"
-        self.tree = RadixCache(block_size) if enable_prefix_caching and self.state is None else None
+        self.snapshots = (StateSnapshots(num_state_slots, num_snapshots)
+                          if self.state is not None and enable_prefix_caching and num_snapshots else None)
+        self.tree = (RadixCache(block_size) if enable_prefix_caching and (self.state is None or self.snapshots)
+                     else None)
         self.window = WindowPages(self.pool, self.layout) if self.layout.hybrid else None
         self.pages_per_block = self.layout.pages_per_block
         self.prefix_stats = PrefixCacheStats()
@@ -130,6 +144,11 @@ class KVCacheManager:
             n = self.window.hit_blocks(match.blocks)
             if n < len(match.blocks):
                 match = self.tree.match(tokens[:n * self.block_size], request.cache_namespace)
+        if self.snapshots is not None and match.blocks:  # a hit needs the state at its end too
+            n = next((i + 1 for i in range(len(match.blocks) - 1, -1, -1)
+                      if self.snapshots.row_of(match.blocks[i]) is not None), 0)
+            if n < len(match.blocks):
+                match = self.tree.match(tokens[:n * self.block_size], request.cache_namespace)
         return match
 
     def admit(self, request: Request, match: PrefixMatch | None, num_new_tokens: int, lookahead: int = 0) -> bool:
@@ -156,6 +175,8 @@ class KVCacheManager:
                 self.window.take_hit(request, hit)
             request.cache_node, request.num_cached_blocks = match.node, len(hit)
             request.num_computed_tokens = len(hit) * self.block_size
+            if self.snapshots is not None:
+                request.state_load = self.snapshots.read(hit[-1])
         if request.num_cached_tokens is None:
             request.num_cached_tokens = len(hit) * self.block_size
         if loaded:  # KV from a producer fills the tokens past the hit: computed once the engine core writes it
@@ -205,6 +226,8 @@ class KVCacheManager:
         if short > 0:
             evicted = self.tree.evict(short)
             self.pool.uncache(evicted)
+            if self.snapshots is not None:
+                self.snapshots.forget(evicted)
             self.prefix_stats.evicted_blocks += len(evicted)
             if self.window is not None:
                 self.prefix_stats.evicted_blocks += self.window.forget(evicted)
@@ -227,9 +250,43 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request) -> None:
         """Put the request's newly filled (computed) blocks in the tree. Where another request cached the same
-        tokens first, switch to its block and free the duplicate."""
+        tokens first, switch to its block and free the duplicate. A state snapshot taken at the end of a cached
+        block joins it."""
         if self.tree is None or request.request_id in self._private or request.pools:  # an embedding keeps no KV
             return
+        self._cache_full_blocks(request)
+        if request.state_save is not None and request.num_computed_tokens >= request.state_save[1]:
+            (row, end), request.state_save = request.state_save, None
+            if end // self.block_size <= request.num_cached_blocks:
+                self.snapshots.attach(request.block_ids[end // self.block_size - 1], row)
+            else:
+                self.snapshots.give_back(row)
+
+    def plan_snapshots(self, chunks: list[Chunk]) -> None:
+        """The step's chunks as they run with state snapshots: a prompt chunk that would run past the prompt's last
+        block boundary stops there (its state there is the snapshot a later request with this prompt starts from),
+        and every chunk ending at a block boundary gets a snapshot row, copied after the step (none where no row is
+        free or can be taken over)."""
+        bs = self.block_size
+        for chunk in chunks:
+            request, start = chunk.request, chunk.request.num_computed_tokens
+            last = request.num_prompt_tokens // bs * bs
+            if start < last < start + chunk.num_new_tokens:
+                chunk.num_new_tokens = last - start
+            end = start + chunk.num_new_tokens
+            if (chunk.num_new_tokens and end % bs == 0 and request.state_save is None
+                    and request.request_id not in self._private):
+                row = self.snapshots.take()
+                if row is not None:
+                    request.state_save = (row, end)
+
+    def state_loaded(self, request: Request) -> None:
+        """The request's slot now holds its hit's snapshot: the snapshot may be taken over again."""
+        if request.state_load is not None:
+            self.snapshots.done_reading(request.state_load)
+            request.state_load = None
+
+    def _cache_full_blocks(self, request: Request) -> None:
         full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
         start = request.num_cached_blocks
         if full <= start:
@@ -263,6 +320,11 @@ class KVCacheManager:
         blocks, request.block_ids = request.block_ids, []
         if blocks:
             self.pool.release(blocks)
+        if self.snapshots is not None:
+            self.state_loaded(request)
+            if request.state_save is not None:  # taken after a step that did not run or was not kept
+                self.snapshots.give_back(request.state_save[0])
+                request.state_save = None
         if self.state is not None:
             self.state.give_back(request)
         self._private.discard(request.request_id)
@@ -277,6 +339,8 @@ class KVCacheManager:
             self.tree.check()
             assert self.tree.evictable_blocks == self.tree.cached_blocks, "a lock outlived its request"
             cached = self.tree.block_ids()
+            if self.snapshots is not None:
+                self.snapshots.check_idle(set(cached))
             if self.window is not None:
                 cached += self.window.check_idle(set(cached))
             assert sorted(cached) == [b for b in range(self.pool.num_blocks) if self.pool.cached[b]]

@@ -42,6 +42,8 @@ class CacheInfo:
     # a hybrid model's state layers (engine/state_slots.py): one slot per running request, paid from the budget first
     state_slots: int = 0
     state_bytes: int = 0  # of one slot, over every state layer
+    # with prefix caching: copies of states at block boundaries that cached prefixes start from (state_snapshots.py)
+    state_snapshots: int = 0
 
     @property
     def token_capacity(self) -> int:
@@ -59,7 +61,7 @@ class CacheInfo:
     @property
     def total_bytes(self) -> int:
         """What the cache holds: its pages, and the recurrent-state slots beside them."""
-        return self.num_blocks * self.page_bytes + self.state_slots * self.state_bytes
+        return self.num_blocks * self.page_bytes + (self.state_slots + self.state_snapshots) * self.state_bytes
 
     def describe(self) -> str:
         hybrid = self.layout is not None and self.layout.hybrid
@@ -71,8 +73,10 @@ class CacheInfo:
             state = (f"recurrent state: {self.state_slots} slots x {self.state_bytes / 2**20:.2f} MiB, "
                      f"{self.state_slots * self.state_bytes / 2**20:.0f} MiB, one per running request "
                      "(--max-num-seqs); ")
-        prefix = ("on" if self.prefix_caching else "off (a cached prefix holds no recurrent state)" if self.state_slots
-                  else "off (--no-prefix-caching)")
+        prefix = "on" if self.prefix_caching else "off (--no-prefix-caching)"
+        if self.state_snapshots:
+            prefix += (f", {self.state_snapshots} state snapshots at block boundaries "
+                       f"({self.state_snapshots * self.state_bytes / 2**20:.0f} MiB)")
         return (f"KV cache{groups}: {size}, {self.kv_bytes_per_token} bytes per token ({self.dtype}), "
                 f"{self.num_blocks * self.page_bytes / 2**20:.0f} MiB; "
                 + (f"{self.layout.describe()}; " if hybrid else "") + state
@@ -131,7 +135,8 @@ class ModelSpec:
                            config.seed, batch_invariant=config.batch_invariant, quantization=self.quantization,
                            kv_dtype=self.kv_dtype, tp=tp, pp=pp, cp=cp, kv_layout=self.layout(config),
                            lora_slots=(config.scheduler.max_loras, config.max_lora_rank) if config.enable_lora
-                           else None, num_state_slots=state_slots(config, self.layout(config)))
+                           else None, num_state_slots=state_slots(config, self.layout(config)),
+                           num_snapshots=state_snapshots(config, self.layout(config)))
 
     def layout(self, config: EngineConfig) -> KVLayout:
         """Hybrid (sliding-window layers give back the blocks that left their window) where the model has such
@@ -167,6 +172,14 @@ def state_slots(config: EngineConfig, layout: KVLayout) -> int:
     return config.scheduler.max_num_seqs if layout.state_layers else 0
 
 
+SNAPSHOTS_PER_SLOT = 4  # state snapshots kept per running request's slot, with prefix caching
+
+
+def state_snapshots(config: EngineConfig, layout: KVLayout) -> int:
+    """Snapshot rows a layout with state layers gets with prefix caching (engine/state_snapshots.py)."""
+    return SNAPSHOTS_PER_SLOT * state_slots(config, layout) if config.cache.enable_prefix_caching else 0
+
+
 def threads_per_rank(config: EngineConfig) -> int | None:
     """--threads, or with several parallel ranks on this host the cores shared out among them."""
     if config.num_threads is not None or config.parallel_size == 1:
@@ -192,17 +205,17 @@ def size_kv_cache(config: EngineConfig, spec: ModelSpec) -> CacheInfo:
     layout = spec.layout(config)
     per_token = per_token * layout.num_paged_layers // layout.num_layers  # state layers keep no keys
     per_page_token = per_token * layout.num_slots // layout.num_paged_layers  # a hybrid page holds num_slots layers
-    slots = state_slots(config, layout)
+    slots, snapshots = state_slots(config, layout), state_snapshots(config, layout)
     budget = cc.kv_cache_memory or default_kv_cache_memory()
-    pages_budget = budget - slots * layout.state_bytes  # the state of every request that may run, first
+    pages_budget = budget - (slots + snapshots) * layout.state_bytes  # the state of every request that may run first
     num_blocks = cc.num_blocks or max(0, pages_budget) // ((per_page_token + draft_per_token) * cc.block_size)
     if num_blocks < 1:
-        state = (f" after {slots} recurrent-state slots of {layout.state_bytes} bytes (lower --max-num-seqs)"
-                 if slots else "")
+        state = (f" after {slots} recurrent-state slots and {snapshots} snapshots of {layout.state_bytes} bytes "
+                 "(lower --max-num-seqs)" if slots else "")
         raise ConfigError(f"--kv-cache-memory {budget} bytes holds no block of {cc.block_size} tokens "
                           f"({per_page_token * cc.block_size} bytes){state}; raise it")
     return CacheInfo(num_blocks, config.kv_block_size, per_token, str(spec.kv_dtype).removeprefix("torch."),
-                     cc.enable_prefix_caching and not slots, layout=layout,
+                     cc.enable_prefix_caching, layout=layout,
                      reserved_tokens=config.speculative.lookahead if config.speculative is not None else 0,
                      max_chunk=config.scheduler.max_num_batched_tokens, state_slots=slots,
-                     state_bytes=layout.state_bytes)
+                     state_bytes=layout.state_bytes, state_snapshots=snapshots)

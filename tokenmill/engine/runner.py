@@ -81,7 +81,7 @@ class ModelRunner(StepInputs, MultiStepRunner):
                  kv_dtype: torch.dtype | None = None, tp: TensorParallel | None = None,
                  pp: PipelineParallel | None = None, cp: ContextParallel | None = None,
                  kv_layout: KVLayout | None = None, lora_slots: tuple[int, int] | None = None,
-                 num_state_slots: int = 0):
+                 num_state_slots: int = 0, num_snapshots: int = 0):
         self.use_kernel = use_kernel
         # batch_invariant: every prompt token reads its context through the block tables (its K/V written first),
         # so its attention is the same computation however the prompt was chunked and whatever shares the step,
@@ -122,7 +122,8 @@ class ModelRunner(StepInputs, MultiStepRunner):
                           else KVLayout.uniform(cfg.num_layers, block_size))
         assert self.kv_layout.num_layers == cfg.num_layers, "the KV layout is of another model"
         # kv_dtype: the model's dtype by default, or FP8 e4m3 (--kv-cache-dtype fp8; written clamped to +-448)
-        self.cache = CacheTensors(self.kv_layout, shape, kv_dtype or dtype, self.device, num_state_slots)
+        self.cache = CacheTensors(self.kv_layout, shape, kv_dtype or dtype, self.device, num_state_slots,
+                                  num_snapshots)
         self.kv_caches = self.cache.per_layer
         # multi-step decode (execute with num_steps > 1) runs the model here, in one process, whole, all of its
         # layers paged (the C++ decode loop keeps no recurrent state)
@@ -172,15 +173,19 @@ class ModelRunner(StepInputs, MultiStepRunner):
         if not self.cache.has_state:
             return self._execute_step(out)
         # State layers update their requests' slots in place: a step that fails puts them back, as the core runs
-        # its requests again one by one; a request starting at position 0 starts from a zero state.
-        saved = self.cache.save_states([s.request.state_slot for s in out.scheduled
-                                        if s.request.num_computed_tokens])
-        self.cache.reset_states([s.request.state_slot for s in out.scheduled if not s.request.num_computed_tokens])
+        # its requests again one by one; a request starting at position 0 starts from a zero state, one starting
+        # at a prefix hit from the hit's snapshot, and a step ending at a block boundary may leave a snapshot.
+        reqs = [s.request for s in out.scheduled]
+        self.cache.copy_states([(r.state_load, r.state_slot) for r in reqs if r.state_load is not None])
+        saved = self.cache.save_states([r.state_slot for r in reqs if r.num_computed_tokens])
+        self.cache.reset_states([r.state_slot for r in reqs if not r.num_computed_tokens])
         try:
-            return self._execute_step(out)
+            result = self._execute_step(out)
         except BaseException:
             self.cache.restore_states(saved)
             raise
+        self.cache.copy_states([(r.state_slot, r.state_save[0]) for r in reqs if r.state_save is not None])
+        return result
 
     def _execute_step(self, out: SchedulerOutput) -> StepResult:
         # Paged tokens (decodes, later prefill chunks) first, then fresh prefills: see model/attention.py.

@@ -167,6 +167,8 @@ class Scheduler:
             if passed_over and budget.left and all(s.samples_next_token for s in capped):
                 self._admit_waiting(out, budget, now, None, capped)
             count_skips(queue)
+        if self.kv.snapshots is not None:  # a hybrid's prefix caching: states copied at block boundaries
+            self.kv.plan_snapshots(out.scheduled)
         out.scheduled = [s for s in out.scheduled if s.num_new_tokens]  # chunks phase A left for C, or out of time
         if self.max_steps > 1 and out.scheduled:
             out.num_steps = run_length(out, self.kv, self.max_steps, self.lookahead, bool(self.waiting))
@@ -326,6 +328,7 @@ class Scheduler:
             req = s.request
             if req.status.finished:  # aborted while its step ran
                 continue
+            self.kv.state_loaded(req)
             drafts = s.num_spec_tokens
             if not drafts and (s.num_new_tokens > 1 or not req.output_token_ids):
                 self.num_prefill_tokens_computed += s.num_new_tokens
