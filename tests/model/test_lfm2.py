@@ -207,3 +207,30 @@ def test_bfloat16_output_does_not_depend_on_the_batch(lfm2, monkeypatch):
     together = run(llm.engine, PROMPTS, params)
     for rid, prompt in PROMPTS.items():
         assert run(llm.engine, {rid: prompt}, params)[rid].token_ids == together[rid].token_ids
+
+
+def test_the_engine_reports_its_state_slots_and_snapshots_to_the_metrics(lfm2):
+    """The start-up message carries a hybrid's state slots, their bytes and the snapshots; /metrics shows them."""
+    from prometheus_client import generate_latest
+
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.engine_args import EngineArgs
+    from tokenmill.server.metrics import ServerMetrics
+
+    path, _, _ = lfm2
+    config = EngineArgs(model=str(path), dtype="float32", kv_cache_memory=4 << 20, block_size=4,
+                        max_num_seqs=4).create_engine_config()
+    engine = AsyncEngine(config)
+    try:
+        info = engine.start()
+    finally:
+        engine.shutdown()
+    assert (info.state_slots, info.state_bytes, info.state_snapshots) == (4, 3 * 2 * 64 * 4, 16)
+    assert info.kv_bytes <= 4 << 20 and "recurrent state: 4 slots" in info.startup_summary
+    metrics = ServerMetrics("lfm2")
+    metrics.set_cache(info.kv_bytes, info.state_slots, info.state_bytes, info.state_snapshots)
+    shown = {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+             for line in generate_latest(metrics.registry).decode().splitlines() if not line.startswith("#")}
+    assert shown["tokenmill_recurrent_state_slots"] == 4 and shown["tokenmill_recurrent_state_snapshots"] == 16
+    assert shown["tokenmill_recurrent_state_bytes_per_request"] == 1536
+    assert shown["tokenmill_kv_cache_bytes"] == info.kv_bytes

@@ -501,8 +501,9 @@ def test_metrics_names(http):
     assert m["tokenmill_leaked_blocks"] == 0
 
 
-def test_metrics_say_the_weights_as_the_start_up_log_does(server, http):
-    """The weight format and bytes in /metrics are the ones the engine printed at start-up."""
+def test_metrics_say_the_weights_and_the_kv_cache_as_the_start_up_log_does(server, http):
+    """The weight format and bytes and the KV cache's bytes in /metrics are the ones the engine printed at start-up
+    (and no recurrent state for a model without state layers)."""
     import re
 
     logged = re.search(r"weights: (.+), (\d+) MiB", server.stderr())
@@ -511,6 +512,11 @@ def test_metrics_say_the_weights_as_the_start_up_log_does(server, http):
                 if line.startswith("tokenmill_model_weight_bytes{"))
     assert f'format="{logged.group(1)}"' in line
     assert round(float(line.rsplit(" ", 1)[1]) / 2**20) == int(logged.group(2))
+    kv = re.search(r"KV cache: .*, (\d+) MiB;", server.stderr())
+    gauges = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in http.get("/metrics").text.splitlines()
+              if line.startswith(("tokenmill_kv_cache_bytes{", "tokenmill_recurrent_state"))}
+    assert kv and round(gauges["tokenmill_kv_cache_bytes"] / 2**20) == int(kv.group(1))
+    assert gauges["tokenmill_recurrent_state_slots"] == gauges["tokenmill_recurrent_state_snapshots"] == 0  # no state
 
 
 def test_prefix_cache_shares_a_system_prompt_but_not_across_salts(server, http):

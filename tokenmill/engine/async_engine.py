@@ -55,6 +55,9 @@ class EngineInfo:
     weight_format: str = ""
     weight_bytes: int = 0
     kv_bytes: int = 0  # the KV cache's pages and recurrent-state slots
+    state_slots: int = 0  # a hybrid model's: one per running request
+    state_bytes: int = 0  # one slot's, over every state layer
+    state_snapshots: int = 0  # states kept at cached block boundaries (engine/state_snapshots.py)
     kv_transfer_address: str | None = None  # host:port a tcp KV consumer listens on (tokenmill/disagg/tcp.py)
     block_size: int = 16
     hidden_size: int = 0  # an embedding's dimensions
@@ -125,6 +128,7 @@ class AsyncEngine:
             max_model_len=msg.max_model_len, vocab_size=msg.vocab_size, eos_token_ids=eos, token_capacity=capacity,
             startup_summary=msg.startup_summary, pid=msg.pid, weight_format=msg.weight_format,
             weight_bytes=msg.weight_bytes, kv_bytes=msg.kv_bytes, kv_transfer_address=msg.kv_transfer_address,
+            state_slots=msg.state_slots, state_bytes=msg.state_bytes, state_snapshots=msg.state_snapshots,
             block_size=msg.block_size, hidden_size=msg.hidden_size, generates=msg.generates,
             lora_projections={k: tuple(v) for k, v in msg.lora_projections.items()}
             if msg.lora_projections is not None else None, num_layers=msg.num_layers,

@@ -50,7 +50,8 @@ def run_engine_core(config: EngineConfig, inputs: Any, outputs: Any) -> None:
         max_model_len=core.max_model_len, vocab_size=mc.vocab_size, eos_token_ids=list(mc.eos_token_ids),
         num_blocks=info.num_blocks, block_size=info.block_size, startup_summary=core.startup_summary(),
         pid=os.getpid(), weight_format=core.runner.weight_format(), weight_bytes=weight_bytes(core.runner.model),
-        token_capacity=info.token_capacity, kv_bytes=info.total_bytes,
+        token_capacity=info.token_capacity, kv_bytes=info.total_bytes, state_slots=info.state_slots,
+        state_bytes=info.state_bytes, state_snapshots=info.state_snapshots,
         kv_transfer_address=core.connector.address() if core.connector is not None else None,
         hidden_size=mc.hidden_size, generates=not mc.headless,
         lora_projections={k: list(v) for k, v in projection_shapes(mc).items()} if core.runner.lora is not None

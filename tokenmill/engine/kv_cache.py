@@ -270,6 +270,8 @@ class KVCacheManager:
         bs = self.block_size
         for chunk in chunks:
             request, start = chunk.request, chunk.request.num_computed_tokens
+            if request.pools:  # an embedding keeps no KV, so no state for a later hit either
+                continue
             last = request.num_prompt_tokens // bs * bs
             if start < last < start + chunk.num_new_tokens:
                 chunk.num_new_tokens = last - start

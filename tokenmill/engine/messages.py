@@ -119,6 +119,10 @@ class EngineReady(msgspec.Struct, tag=True, array_like=True, kw_only=True):
     weight_bytes: int = 0  # bytes the model's weights hold (engine/runner.py weight_bytes)
     token_capacity: int = 0  # tokens one request can hold at most (the pool, less a draft model's lookahead)
     kv_bytes: int = 0  # what the KV cache holds: its pages and any recurrent-state slots (engine/model_spec.py)
+    # a hybrid model's state layers: slots (one per running request), one slot's bytes, prefix-cache snapshots
+    state_slots: int = 0
+    state_bytes: int = 0
+    state_snapshots: int = 0
     kv_transfer_address: str | None = None  # host:port a tcp KV consumer listens on (tokenmill/disagg/tcp.py)
     hidden_size: int = 0  # the model's: an embedding's dimensions
     generates: bool = True  # False: a base model without a language-model head, embeddings only

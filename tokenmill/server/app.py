@@ -42,6 +42,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         engine.observer = metrics
     info = engine.info
     metrics.set_weights(info.weight_format, info.weight_bytes)
+    metrics.set_cache(info.kv_bytes, info.state_slots, info.state_bytes, info.state_snapshots)
     metrics.block_size = info.block_size
     serving = Serving(engine, settings, metrics)
 

@@ -92,6 +92,14 @@ _SERIES: tuple[tuple[str, type, str, tuple[str, ...], tuple[float, ...] | None, 
     ("engine_alive", Gauge, "tokenmill_engine_alive", _M, None, "1 while the engine loop is alive"),
     ("weight_bytes", Gauge, "tokenmill_model_weight_bytes", ("model_name", "format"), None,
      "Bytes the model's weights hold in the engine, by weight format (as the start-up log says)"),
+    ("kv_bytes", Gauge, "tokenmill_kv_cache_bytes", _M, None,
+     "Bytes the KV cache holds: its pages and, for a hybrid model, its recurrent-state slots and snapshots"),
+    ("state_slots", Gauge, "tokenmill_recurrent_state_slots", _M, None,
+     "A hybrid model's recurrent-state slots, one per request that may run (0: no state layers)"),
+    ("state_bytes", Gauge, "tokenmill_recurrent_state_bytes_per_request", _M, None,
+     "Bytes of one request's recurrent state over every state layer"),
+    ("state_snapshots", Gauge, "tokenmill_recurrent_state_snapshots", _M, None,
+     "Recurrent states kept at cached block boundaries for prefix hits"),
 )
 
 
@@ -137,6 +145,13 @@ class ServerMetrics:
     def set_weights(self, weight_format: str, weight_bytes: int) -> None:
         """Once the engine is ready: what its weights are and take."""
         self.weight_bytes.labels(self._model, weight_format).set(weight_bytes)
+
+    def set_cache(self, kv_bytes: int, state_slots: int, state_bytes: int, state_snapshots: int) -> None:
+        """Once the engine is ready: what its KV cache takes, and a hybrid model's state slots and snapshots."""
+        m = self._model
+        for gauge, value in ((self.kv_bytes, kv_bytes), (self.state_slots, state_slots),
+                             (self.state_bytes, state_bytes), (self.state_snapshots, state_snapshots)):
+            gauge.labels(m).set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
