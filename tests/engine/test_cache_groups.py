@@ -74,6 +74,12 @@ def test_the_layout_has_three_groups_and_the_state_is_paid_from_the_budget_first
     assert len(core.runner.kv_caches[0]) == 2 and core.runner.kv_caches[0][0].shape[0] == info.num_blocks
 
 
+def test_snapshots_take_at_most_a_quarter_of_what_the_slots_leave(toy):
+    core = make_core(toy, memory=(8 + 40) * STATE_BYTES, seqs=8)
+    assert core.cache_info.state_snapshots == 10 and core.kv.snapshots.num_rows == 10
+    assert core.cache_info.num_blocks == (30 * STATE_BYTES) // core.cache_info.page_bytes
+
+
 def test_a_budget_the_state_uses_up_is_refused_naming_the_flags(toy):
     with pytest.raises(ConfigError, match="recurrent-state slots.*--max-num-seqs"):
         make_core(toy, memory=64 * STATE_BYTES, seqs=64)

@@ -167,10 +167,10 @@ def test_greedy_output_matches_transformers_in_chunks_and_after_preemption(lfm2,
     """4-token chunks carry the convolution state from chunk to chunk; a pool too small for every request at
     once preempts some, which start again from a zero state."""
     path, _, ref = lfm2
-    # 4 slots and their 16 prefix-cache snapshots of 3 layers' state; a block: 2 layers' K and V of 4 tokens
-    state, block = 3 * (4 + 16) * (2 * 64 * 4), 2 * 2 * 2 * 16 * 4 * 4
+    # 4 slots of 3 layers' state (no prefix cache: no snapshots); a block: 2 layers' K and V of 4 tokens
+    state, block = 3 * 4 * (2 * 64 * 4), 2 * 2 * 2 * 16 * 4 * 4
     llm = make_llm(path, "cpu", monkeypatch, dtype="float32", block_size=4, max_num_seqs=4, new_token_ratio=0,
-                   max_num_batched_tokens=4, long_prefill_token_threshold=4,
+                   max_num_batched_tokens=4, long_prefill_token_threshold=4, enable_prefix_caching=False,
                    kv_cache_memory=state + 10 * block)
     needed = sum(-(-(len(p) + TOKENS) // 4) for p in PROMPTS.values())
     assert llm.engine.core.cache_info.num_blocks < needed

@@ -34,7 +34,8 @@ class ModelExecutor:
             if config.context_parallel_size > 1:
                 cp = ContextParallel(group, config.cache.block_size, num_blocks)
         try:
-            self.runner: ModelRunner = spec.build_runner(config, num_blocks, tp, pp, cp)  # rank 0's
+            self.runner: ModelRunner = spec.build_runner(  # rank 0's
+                config, num_blocks, tp, pp, cp, num_snapshots=cache.state_snapshots)
         except BaseException:
             if self.ranks is not None:
                 self.ranks.kill()

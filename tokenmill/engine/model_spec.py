@@ -126,7 +126,8 @@ class ModelSpec:
         return spec
 
     def build_runner(self, config: EngineConfig, num_blocks: int, tp: TensorParallel | None = None,
-                     pp: PipelineParallel | None = None, cp: ContextParallel | None = None) -> ModelRunner:
+                     pp: PipelineParallel | None = None, cp: ContextParallel | None = None,
+                     num_snapshots: int = 0) -> ModelRunner:
         weights = load_weights(self.path, self.config, self.dtype)
         group = next((p.group for p in (tp, pp, cp) if p is not None), None)
         device = (rank_device(config.device, group.rank, config.parallel_size // config.nnodes) if group is not None
@@ -136,7 +137,7 @@ class ModelSpec:
                            kv_dtype=self.kv_dtype, tp=tp, pp=pp, cp=cp, kv_layout=self.layout(config),
                            lora_slots=(config.scheduler.max_loras, config.max_lora_rank) if config.enable_lora
                            else None, num_state_slots=state_slots(config, self.layout(config)),
-                           num_snapshots=state_snapshots(config, self.layout(config)))
+                           num_snapshots=num_snapshots)
 
     def layout(self, config: EngineConfig) -> KVLayout:
         """Hybrid (sliding-window layers give back the blocks that left their window) where the model has such
@@ -173,11 +174,17 @@ def state_slots(config: EngineConfig, layout: KVLayout) -> int:
 
 
 SNAPSHOTS_PER_SLOT = 4  # state snapshots kept per running request's slot, with prefix caching
+SNAPSHOT_SHARE = 4  # at most 1 / this of the budget the slots leave
 
 
-def state_snapshots(config: EngineConfig, layout: KVLayout) -> int:
-    """Snapshot rows a layout with state layers gets with prefix caching (engine/state_snapshots.py)."""
-    return SNAPSHOTS_PER_SLOT * state_slots(config, layout) if config.cache.enable_prefix_caching else 0
+def state_snapshots(config: EngineConfig, layout: KVLayout, budget: int) -> int:
+    """Snapshot rows a layout with state layers gets with prefix caching (engine/state_snapshots.py): four per
+    slot, within a quarter of what the slots leave of the budget (the rest stays for pages)."""
+    if not config.cache.enable_prefix_caching or not layout.state_layers:
+        return 0
+    slots = state_slots(config, layout)
+    room = max(0, budget - slots * layout.state_bytes) // SNAPSHOT_SHARE // layout.state_bytes
+    return min(SNAPSHOTS_PER_SLOT * slots, room)
 
 
 def threads_per_rank(config: EngineConfig) -> int | None:
@@ -205,8 +212,8 @@ def size_kv_cache(config: EngineConfig, spec: ModelSpec) -> CacheInfo:
     layout = spec.layout(config)
     per_token = per_token * layout.num_paged_layers // layout.num_layers  # state layers keep no keys
     per_page_token = per_token * layout.num_slots // layout.num_paged_layers  # a hybrid page holds num_slots layers
-    slots, snapshots = state_slots(config, layout), state_snapshots(config, layout)
     budget = cc.kv_cache_memory or default_kv_cache_memory()
+    slots, snapshots = state_slots(config, layout), state_snapshots(config, layout, budget)
     pages_budget = budget - (slots + snapshots) * layout.state_bytes  # the state of every request that may run first
     num_blocks = cc.num_blocks or max(0, pages_budget) // ((per_page_token + draft_per_token) * cc.block_size)
     if num_blocks < 1:
