@@ -78,6 +78,9 @@ def test_snapshots_take_at_most_a_quarter_of_what_the_slots_leave(toy):
     core = make_core(toy, memory=(8 + 40) * STATE_BYTES, seqs=8)
     assert core.cache_info.state_snapshots == 10 and core.kv.snapshots.num_rows == 10
     assert core.cache_info.num_blocks == (30 * STATE_BYTES) // core.cache_info.page_bytes
+    no_room = make_core(toy, memory=(8 + 3) * STATE_BYTES, num_blocks=20, seqs=8)  # a quarter of 3: no snapshot
+    assert not no_room.cache_info.prefix_caching and no_room.kv.tree is None
+    assert "prefix caching off (no room for state snapshots: raise --kv-cache-memory)" in no_room.startup_summary()
 
 
 def test_a_budget_the_state_uses_up_is_refused_naming_the_flags(toy):

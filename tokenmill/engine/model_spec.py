@@ -44,6 +44,7 @@ class CacheInfo:
     state_bytes: int = 0  # of one slot, over every state layer
     # with prefix caching: copies of states at block boundaries that cached prefixes start from (state_snapshots.py)
     state_snapshots: int = 0
+    prefix_off_because: str = "--no-prefix-caching"
 
     @property
     def token_capacity(self) -> int:
@@ -73,7 +74,7 @@ class CacheInfo:
             state = (f"recurrent state: {self.state_slots} slots x {self.state_bytes / 2**20:.2f} MiB, "
                      f"{self.state_slots * self.state_bytes / 2**20:.0f} MiB, one per running request "
                      "(--max-num-seqs); ")
-        prefix = "on" if self.prefix_caching else "off (--no-prefix-caching)"
+        prefix = "on" if self.prefix_caching else f"off ({self.prefix_off_because})"
         if self.state_snapshots:
             prefix += (f", {self.state_snapshots} state snapshots at block boundaries "
                        f"({self.state_snapshots * self.state_bytes / 2**20:.0f} MiB)")
@@ -222,7 +223,9 @@ def size_kv_cache(config: EngineConfig, spec: ModelSpec) -> CacheInfo:
         raise ConfigError(f"--kv-cache-memory {budget} bytes holds no block of {cc.block_size} tokens "
                           f"({per_page_token * cc.block_size} bytes){state}; raise it")
     return CacheInfo(num_blocks, config.kv_block_size, per_token, str(spec.kv_dtype).removeprefix("torch."),
-                     cc.enable_prefix_caching, layout=layout,
+                     cc.enable_prefix_caching and (snapshots > 0 or not slots), layout=layout,
+                     prefix_off_because="--no-prefix-caching" if not cc.enable_prefix_caching
+                     else "no room for state snapshots: raise --kv-cache-memory",
                      reserved_tokens=config.speculative.lookahead if config.speculative is not None else 0,
                      max_chunk=config.scheduler.max_num_batched_tokens, state_slots=slots,
                      state_bytes=layout.state_bytes, state_snapshots=snapshots)
