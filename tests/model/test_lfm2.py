@@ -5,16 +5,13 @@ aware) batched, in chunks and after preemption, on the CPU kernels and on the pl
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from tests.engine.drive import run
 from tests.greedy import assert_matches_reference, hf_greedy
-from tests.models.gguf_writer import write
+from tests.models.gguf_writer import write_lfm2_gguf
 from tests.models.reference import make_llm
 from tests.models.tiny import make_tiny_model
 from tokenmill import LLM
@@ -76,44 +73,6 @@ def test_a_config_without_layer_types_takes_every_layer_off_full_attn_idxs(lfm2)
     raw.update(full_attn_idxs=[1, 4], block_auto_adjust_ff_dim=False, tie_embedding=False)
     cfg = ModelConfig.from_hf_dict(raw)
     assert cfg.conv_layers == [0, 2, 3] and cfg.intermediate_size == 200 and not cfg.tie_word_embeddings
-
-
-def write_lfm2_gguf(model_dir: Path, out: Path, qtype=None) -> Path:
-    """A GGUF file of the HF directory's LFM2 as llama.cpp's convert_hf_to_gguf.py (LFM2Model) writes it: KV
-    head counts per layer (0 for a convolution layer), shortconv.l_cache, the derived feed-forward width,
-    tensor names from gguf-py's map (the final norm as token_embd_norm), the convolution weights squeezed to
-    [C, K]; 2-D weights in `qtype` (None: F32)."""
-    from gguf import MODEL_ARCH, GGUFWriter, get_tensor_name_map, quants
-
-    cfg = json.loads((model_dir / "config.json").read_text())
-    ours = load_model_config(model_dir)
-    w = GGUFWriter(str(out), "lfm2")
-    w.add_name("tiny lfm2")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(ours.intermediate_size)
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv([cfg["num_key_value_heads"] if t != "conv" else 0 for t in cfg["layer_types"]])
-    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["norm_eps"])
-    w.add_vocab_size(cfg["vocab_size"])
-    w.add_shortconv_l_cache(cfg["conv_L_cache"])
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
-    names = get_tensor_name_map(MODEL_ARCH.LFM2, cfg["num_hidden_layers"])
-    for hf_name, tensor in load_file(model_dir / "model.safetensors").items():
-        data = tensor.numpy().astype(np.float32)
-        if "conv.conv" in hf_name:
-            data = data.squeeze(1)
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        assert name is not None, hf_name
-        if qtype is not None and data.ndim == 2 and "shortconv.conv" not in name:
-            w.add_tensor(name, quants.quantize(data, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(name, data)
-    write(w)
-    return out
 
 
 @pytest.mark.parametrize("qtype", [None, "Q8_0"])

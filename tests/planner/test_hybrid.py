@@ -116,3 +116,16 @@ def test_state_counts_in_the_sequences_that_fit_and_the_decode_step(tmp_path):
     assert p.max_concurrent_sequences < 0.95 * p.kv_budget_bytes_per_gpu // kv
     weights = p.weights_bytes  # a dense model's decode step reads every weight
     assert p.decode_bytes_per_gpu == pytest.approx(weights + 8 * kv + 2 * 8 * state)
+
+
+def test_a_gguf_file_of_lfm2_names_its_convolution_layers_as_its_config_does(tiny_lfm2, tmp_path):
+    """llama.cpp's LFM2 metadata (a KV head count per layer, 0 for a convolution layer): the same layers, KV per
+    token and state as from config.json; the parameters from the file's tensors."""
+    from tests.models.gguf_writer import write_lfm2_gguf
+
+    from_dir = load_model(str(tiny_lfm2))
+    from_gguf = load_model(str(write_lfm2_gguf(tiny_lfm2, tmp_path / "lfm2.gguf")))
+    assert from_gguf.state_layers == from_dir.state_layers and from_gguf.qk_norm
+    assert from_gguf.state_bytes_per_sequence == from_dir.state_bytes_per_sequence == 3 * 2 * 64 * 4
+    assert kv_bytes_per_token(from_gguf, "bf16") == kv_bytes_per_token(from_dir, "bf16")
+    assert from_gguf.params == from_dir.params

@@ -82,6 +82,19 @@ def hf_hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
             "state_layers": (conv,) if conv.layers else ()}
 
 
+def gguf_hybrid_fields(arch: str, metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    """The same from a GGUF file's metadata (none for another architecture): llama.cpp files LFM2 as `lfm2` with
+    a KV head count per layer, 0 for a convolution layer, and the convolution's width as shortconv.l_cache."""
+    if arch != "lfm2":
+        return {}
+    counts = metadata.get("lfm2.attention.head_count_kv")
+    counts = counts if isinstance(counts, list) else [counts] * int(metadata["lfm2.block_count"])
+    conv = short_convolutions([i for i, n in enumerate(counts) if not n], int(metadata["lfm2.embedding_length"]),
+                              int(metadata["lfm2.shortconv.l_cache"]),
+                              any(n.endswith("shortconv.in_proj.bias") for n in tensor_names))
+    return {"qk_norm": True, "state_layers": (conv,) if conv.layers else ()}
+
+
 def pipeline_stages(num_layers: int, pp: int) -> list[range]:
     """The layers of each of `pp` pipeline stages, in order; the first stages get the extra ones."""
     base, extra = divmod(num_layers, pp)

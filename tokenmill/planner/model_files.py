@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.planner.common import PlanError
-from tokenmill.planner.layers import hf_hybrid_fields
+from tokenmill.planner.layers import gguf_hybrid_fields, hf_hybrid_fields
 from tokenmill.planner.models import PRESETS, ModelShape
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -193,4 +193,5 @@ def _read_gguf(path: str, size: int, mtime_ns: int) -> ModelShape:
         file_weight_bytes=sum(t.nbytes for t in tensors),
         file_format=f"GGUF {main_type}" + (" (mixed)" if len(by_type) > 1 else ""),
         **moe,
+        **gguf_hybrid_fields(arch, reader.metadata, names),
     )
