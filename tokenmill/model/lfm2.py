@@ -14,14 +14,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.family_config import lfm2_name
 from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.layer_cache import LayerCache
 from tokenmill.model.layers import RMSNorm, SwiGLU
 from tokenmill.model.linear import Linear
 from tokenmill.model.llama import LlamaForCausalLM, WeightTarget
 from tokenmill.model.qwen3 import Qwen3DecoderLayer
-from tokenmill.family_config import lfm2_name
 from tokenmill.model_config import ModelConfig
+
 
 class DepthwiseConv(nn.Module):
     """The convolution's weights as the checkpoint holds them: weight [C, 1, K], bias [C] or none."""
