@@ -91,6 +91,7 @@ def test_a_budget_the_state_uses_up_is_refused_naming_the_flags(toy):
 @pytest.mark.parametrize("kw, flag", [
     ({"speculative": SpeculativeConfig(method="ngram", num_speculative_tokens=2)}, "--speculative-config"),
     ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size"),
+    ({"enable_lora": True}, "--enable-lora"),  # adapters reach attention projections a state layer lacks
 ])
 def test_what_cannot_carry_recurrent_state_yet_is_refused_at_start(toy, kw, flag):
     with pytest.raises(ConfigError, match=flag):

@@ -163,10 +163,11 @@ def _check_state_layers(config: EngineConfig) -> None:
         ("--pipeline-parallel-size", config.pipeline_parallel_size > 1),
         ("--context-parallel-size", config.context_parallel_size > 1),
         ("--kv-transfer-config", config.kv_transfer is not None),
-        ("--speculative-config", config.speculative is not None)) if on]
+        ("--speculative-config", config.speculative is not None),
+        ("--enable-lora", config.enable_lora)) if on]
     if refused:
-        raise ConfigError(f"this model's recurrent layers keep a state per request that {', '.join(refused)} "
-                          "cannot split, ship or roll back yet; serve it without")
+        raise ConfigError(f"this model's recurrent layers (a state per request) are not served with "
+                          f"{', '.join(refused)} yet; serve it without")
 
 
 def state_slots(config: EngineConfig, layout: KVLayout) -> int:
