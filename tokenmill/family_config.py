@@ -195,3 +195,50 @@ def lfm2_hf_fields(num_layers: int, conv_layers: list[int], conv_kernel: int, co
     return {"layer_types": ["conv" if i in conv_layers else "full_attention" for i in range(num_layers)],
             "conv_L_cache": conv_kernel, "conv_bias": conv_bias, "block_auto_adjust_ff_dim": False,
             "norm_eps": rms_norm_eps}
+
+
+QWEN3_5 = "Qwen3_5ForCausalLM"
+# a multimodal Qwen3.5 checkpoint: its text model is served (config.json's text_config, the tensors under
+# model.language_model.; the vision tower's and the multi-token-prediction head's left in the file)
+QWEN3_5_VL = "Qwen3_5ForConditionalGeneration"
+
+
+def hf_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal checkpoint's config.json read as its text model's (Qwen3.5's text_config), others as they are."""
+    archs = cfg.get("architectures") or []
+    if (archs[:1] != [QWEN3_5_VL] and cfg.get("model_type") != "qwen3_5") or "text_config" not in cfg:
+        return cfg
+    text = dict(cfg["text_config"])
+    text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+    return {**text, "architectures": [QWEN3_5]}
+
+
+def hf_qwen3_5_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's ModelConfig fields: which layers are Gated DeltaNet linear attention (`layer_types`, or all but
+    every `full_attention_interval`-th), their heads and widths, their convolution's kernel, and the share of
+    head_dim rotary turns (a quarter unless said)."""
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        every = cfg.get("full_attention_interval", 4)
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(layers)]
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    return {"delta_layers": [i for i, t in enumerate(types) if t == "linear_attention"],
+            "delta_key_heads": cfg.get("linear_num_key_heads", 16),
+            "delta_value_heads": cfg.get("linear_num_value_heads", 32),
+            "delta_key_dim": cfg.get("linear_key_head_dim", 128),
+            "delta_value_dim": cfg.get("linear_value_head_dim", 128),
+            "conv_kernel": cfg.get("linear_conv_kernel_dim", 4),
+            "partial_rotary_factor": float(rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor")
+                                           or 0.25),
+            "rope_theta": float(rope.get("rope_theta") or cfg.get("rope_theta") or 10_000_000.0)}
+
+
+def qwen3_5_hf_fields(num_layers: int, delta_layers: list[int], heads: tuple[int, int], dims: tuple[int, int],
+                      conv_kernel: int, partial_rotary_factor: float, rope_theta: float) -> dict[str, Any]:
+    """The config.json keys hf_qwen3_5_fields reads back (ModelConfig.to_hf_dict)."""
+    return {"layer_types": ["linear_attention" if i in delta_layers else "full_attention" for i in range(num_layers)],
+            "linear_num_key_heads": heads[0], "linear_num_value_heads": heads[1], "linear_key_head_dim": dims[0],
+            "linear_value_head_dim": dims[1], "linear_conv_kernel_dim": conv_kernel,
+            "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta,
+                                "partial_rotary_factor": partial_rotary_factor}}

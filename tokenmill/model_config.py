@@ -13,19 +13,23 @@ from tokenmill.family_config import (
     LFM2,
     MOE_ARCHITECTURES,
     OLMOE,
+    QWEN3_5,
     gemma3_hf_fields,
     hf_gemma3_fields,
     hf_lfm2_fields,
     hf_max_positions,
     hf_moe_fields,
     hf_nope_layers,
+    hf_qwen3_5_fields,
     hf_rope_scaling,
+    hf_text_config,
     lfm2_hf_fields,
     moe_hf_fields,
+    qwen3_5_hf_fields,
 )
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "SmolLM3ForCausalLM", GEMMA3, *MOE_ARCHITECTURES, LFM2)
+                           "Phi3ForCausalLM", "SmolLM3ForCausalLM", GEMMA3, *MOE_ARCHITECTURES, LFM2, QWEN3_5)
 # Architectures of model classes registered from outside the package (model/registry.py register_model), read as
 # Llama-family configs -> the weights (HF name -> shape) a config of it needs
 REGISTERED_ARCHITECTURES: dict[str, Callable[[ModelConfig], dict[str, tuple[int, ...]]]] = {}
@@ -37,7 +41,7 @@ BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCaus
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                "gemma3_text": GEMMA3, "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-               "olmoe": OLMOE, "lfm2": LFM2}
+               "olmoe": OLMOE, "lfm2": LFM2, "qwen3_5_text": QWEN3_5}
 
 
 @dataclass
@@ -89,6 +93,15 @@ class ModelConfig:
     conv_layers: list[int] = field(default_factory=list)
     conv_kernel: int = 0
     conv_bias: bool = False
+    # Qwen3.5: `delta_layers` are Gated DeltaNet linear attention (a recurrent state of delta_value_heads x
+    # delta_key_dim x delta_value_dim per request, and the last conv_kernel - 1 inputs of its convolution over q, k
+    # and v), each key head serving delta_value_heads / delta_key_heads value heads; its attention layers gate
+    # their output and normalise with (1 + w)
+    delta_layers: list[int] = field(default_factory=list)
+    delta_key_heads: int = 0
+    delta_value_heads: int = 0
+    delta_key_dim: int = 0
+    delta_value_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES and self.architecture not in REGISTERED_ARCHITECTURES:
@@ -100,6 +113,9 @@ class ModelConfig:
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ConfigError(f"num_experts_per_tok {self.num_experts_per_tok} must be in [1, num_experts "
                               f"{self.num_experts}]")
+        if self.delta_layers and (not self.delta_key_heads or self.delta_value_heads % self.delta_key_heads):
+            raise ConfigError(f"linear_num_value_heads {self.delta_value_heads} is not a multiple of "
+                              f"linear_num_key_heads {self.delta_key_heads}")
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise ConfigError(f"partial_rotary_factor {self.partial_rotary_factor} of head_dim {self.head_dim} "
                               "does not give an even number of rotated dims")
@@ -134,7 +150,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face config.json dictionary."""
+        """Build from a Hugging Face config.json dictionary (a multimodal checkpoint's: its text model)."""
+        cfg = hf_text_config(cfg)
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else MODEL_TYPES.get(cfg.get("model_type", ""), "?")
         headless = arch in BASE_MODELS
@@ -146,6 +163,8 @@ class ModelConfig:
         family = hf_gemma3_fields(cfg) if arch == GEMMA3 else {"rope_scaling": hf_rope_scaling(cfg)}
         if arch == LFM2:
             family.update(hf_lfm2_fields(cfg))
+        if arch == QWEN3_5:
+            family.update(hf_qwen3_5_fields(cfg))
         if arch in MOE_ARCHITECTURES:
             family.update(hf_moe_fields(arch, cfg))
         return cls(**{**dict(
@@ -163,7 +182,7 @@ class ModelConfig:
             tie_word_embeddings=headless or cfg.get("tie_word_embeddings", False),
             headless=headless,
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", GEMMA3, "Qwen3MoeForCausalLM", OLMOE, LFM2),
+            qk_norm=arch in ("Qwen3ForCausalLM", GEMMA3, "Qwen3MoeForCausalLM", OLMOE, LFM2, QWEN3_5),
             partial_rotary_factor=float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor")
                                         or 1.0),
             nope_layers=hf_nope_layers(cfg) if arch == "SmolLM3ForCausalLM" else [],
@@ -187,6 +206,11 @@ class ModelConfig:
         if self.architecture == LFM2:
             family = lfm2_hf_fields(self.num_layers, self.conv_layers, self.conv_kernel, self.conv_bias,
                                     self.rms_norm_eps)
+        if self.architecture == QWEN3_5:
+            family = qwen3_5_hf_fields(self.num_layers, self.delta_layers,
+                                       (self.delta_key_heads, self.delta_value_heads),
+                                       (self.delta_key_dim, self.delta_value_dim), self.conv_kernel,
+                                       self.partial_rotary_factor, self.rope_theta)
         if self.moe:
             family = moe_hf_fields(self.architecture, self.num_experts, self.num_experts_per_tok,
                                    self.moe_intermediate_size, self.norm_topk_prob, self.dense_layers, self.clip_qkv)

@@ -63,6 +63,11 @@ def _hf_config(arch: str, **kw: Any) -> Any:
     if arch == "lfm2":  # short-convolution layers but for those layer_types names full_attention; norm_eps
         kw["norm_eps"] = kw.pop("rms_norm_eps")
         return Lfm2Config(**kw)
+    if arch == "qwen3_5":  # Gated DeltaNet layers but where layer_types says full_attention; rotary on a quarter
+        from transformers import Qwen3_5TextConfig
+
+        kw["rope_parameters"] = {"partial_rotary_factor": 0.25, **kw["rope_parameters"]}
+        return Qwen3_5TextConfig(**kw)
     if arch == "llama":
         return LlamaConfig(**kw)
     if arch == "mistral":
@@ -70,7 +75,7 @@ def _hf_config(arch: str, **kw: Any) -> Any:
     if arch == "qwen2":
         return Qwen2Config(use_sliding_window=False, **kw)  # q/k/v always carry a bias
     raise ValueError(f"unknown tiny arch {arch!r}; use llama, qwen2, mistral, qwen3, phi3, smollm3, gemma3, mixtral, "
-                     "qwen3_moe, olmoe or lfm2")
+                     "qwen3_moe, olmoe, lfm2 or qwen3_5")
 
 
 @torch.no_grad()
@@ -155,10 +160,10 @@ def make_tiny_model(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed)
-    if arch == "gemma3":  # its norms scale by 1 + w: the same spread around 1 as the others'
+    if arch in ("gemma3", "qwen3_5"):  # their norms scale by 1 + w: the same spread around 1 as the others'
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
+                if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):  # that one: w
                     p.sub_(1.0)
     out = _next_free_dir(Path(tmp_path), arch)
     model.save_pretrained(out, safe_serialization=True)

@@ -129,3 +129,30 @@ def test_a_gguf_file_of_lfm2_names_its_convolution_layers_as_its_config_does(tin
     assert from_gguf.state_bytes_per_sequence == from_dir.state_bytes_per_sequence == 3 * 2 * 64 * 4
     assert kv_bytes_per_token(from_gguf, "bf16") == kv_bytes_per_token(from_dir, "bf16")
     assert from_gguf.params == from_dir.params
+
+
+def test_tiny_qwen3_5_parameters_kv_and_state_are_the_checkpoints_and_the_engines(tmp_path):
+    """Qwen3.5: Gated DeltaNet layers' parameters and state, the attention layers' doubled query projection
+    (each head's output gate), and the multimodal form's config (text_config) read the same."""
+    from safetensors import safe_open
+
+    from tests.model.test_qwen3_5 import SHAPE
+    from tests.models.tiny import make_tiny_model
+    from tokenmill.model.loader import load_model_config
+    from tokenmill.model.qwen3_5 import Qwen3_5ForCausalLM
+
+    path = make_tiny_model(tmp_path, arch="qwen3_5", **SHAPE)
+    with safe_open(path / "model.safetensors", framework="pt") as f:
+        saved = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118
+    m = load_model(str(path))
+    assert m.params == saved and m.attention_layer_count == 1 and [s.layers for s in m.state_layers] == [(0, 1, 3)]
+    caches = Qwen3_5ForCausalLM.layer_caches(load_model_config(path))
+    assert m.state_bytes_per_sequence == sum(c.state_bytes for c in caches) == 3 * 4 * (3 * 96 + 4 * 16 * 8)
+    assert kv_bytes_per_token(m, "bf16") == 2 * 2 * 32 * 2  # K and V of the one attention layer's 2 KV heads
+    config = json.loads((path / "config.json").read_text())
+    del config["architectures"]  # a text_config names none
+    vl = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+          "text_config": {**config, "model_type": "qwen3_5_text"}, "vision_config": {}}
+    (tmp_path / "vl").mkdir()
+    (tmp_path / "vl" / "config.json").write_text(json.dumps(vl))
+    assert load_model(str(tmp_path / "vl")).state_layers == m.state_layers

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.family_config import LFM2, lfm2_name
+from tokenmill.family_config import LFM2, QWEN3_5, lfm2_name
 from tokenmill.model_config import REGISTERED_ARCHITECTURES, ModelConfig
 
 
@@ -44,6 +44,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             whole = config.architecture == "OlmoeForCausalLM"
             shapes.update({p + "self_attn.q_norm.weight": (q if whole else config.head_dim,),
                            p + "self_attn.k_norm.weight": (kv if whole else config.head_dim,)})
+    if config.architecture == QWEN3_5:
+        return _qwen3_5_shapes(config, shapes)
     return _lfm2_shapes(config, shapes) if config.architecture == LFM2 else shapes
 
 
@@ -59,6 +61,28 @@ def _lfm2_shapes(config: ModelConfig, llama: dict[str, tuple[int, ...]]) -> dict
         if bias:
             shapes.update({p + "conv.in_proj.bias": (3 * h,), p + "conv.conv.bias": (h,),
                            p + "conv.out_proj.bias": (h,)})
+    return shapes
+
+
+def _qwen3_5_shapes(config: ModelConfig, llama: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Qwen3.5's tensors: the attention layers' query projection twice as wide (each head's query, then its output
+    gate), Gated DeltaNet's in place of attention in its linear layers."""
+    delta = {f"model.layers.{i}." for i in config.delta_layers}
+    shapes = {name: shape for name, shape in llama.items()
+              if ".self_attn." not in name or name[:name.index("self_attn")] not in delta}
+    h, q = config.hidden_size, config.num_heads * config.head_dim
+    for i in range(config.num_layers):
+        if f"model.layers.{i}." not in delta:
+            shapes[f"model.layers.{i}.self_attn.q_proj.weight"] = (2 * q, h)
+    heads, kd, vd = config.delta_value_heads, config.delta_key_heads * config.delta_key_dim, \
+        config.delta_value_heads * config.delta_value_dim
+    for p in delta:
+        p += "linear_attn."
+        shapes.update({p + "in_proj_qkv.weight": (2 * kd + vd, h), p + "in_proj_z.weight": (vd, h),
+                       p + "in_proj_b.weight": (heads, h), p + "in_proj_a.weight": (heads, h),
+                       p + "conv1d.weight": (2 * kd + vd, 1, config.conv_kernel), p + "dt_bias": (heads,),
+                       p + "A_log": (heads,), p + "norm.weight": (config.delta_value_dim,),
+                       p + "out_proj.weight": (h, vd)})
     return shapes
 
 

@@ -133,6 +133,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     @torch.no_grad()
     def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         super().load_hf_weights(weights)
-        for m in self.modules():
-            if isinstance(m, GemmaRMSNorm):
-                m.refresh()
+        refresh_norms(self)
+
+
+def refresh_norms(model: nn.Module) -> None:
+    """Every GemmaRMSNorm's (1 + w) from its loaded w."""
+    for m in model.modules():
+        if isinstance(m, GemmaRMSNorm):
+            m.refresh()

@@ -33,8 +33,15 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def _ignorable_hf_name(name: str, config: ModelConfig) -> bool:
-    """Tensors some checkpoints carry that the model recomputes or shares."""
-    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings)
+    """Tensors some checkpoints carry that the model recomputes or shares, or that belong to parts of a multimodal
+    checkpoint its text model does not run (Qwen3.5's vision tower and multi-token-prediction head)."""
+    return (name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings)
+            or name.startswith(TEXT_ONLY_SKIPPED))
+
+
+# a multimodal checkpoint's text model's tensors are its language model's: "model.language_model.layers.0...."
+TEXT_MODEL_PREFIX = "model.language_model."
+TEXT_ONLY_SKIPPED = ("model.visual.", "mtp.")
 
 
 class SafetensorsCheckpoint(Checkpoint):
@@ -44,7 +51,7 @@ class SafetensorsCheckpoint(Checkpoint):
     def __init__(self, path: Path, config: ModelConfig, dtype: torch.dtype):
         expected = expected_shapes(config)
         self._files: dict[str, Path] = {}
-        self._stored: dict[str, str] = {}  # a base model's (config.headless) names: ours -> the file's
+        self._stored: dict[str, str] = {}  # ours -> the file's, where they differ (a base model, a multimodal one)
         shapes: dict[str, tuple[int, ...]] = {}
         for file in _safetensors_files(path):
             with _reading(file) as f:
@@ -53,6 +60,9 @@ class SafetensorsCheckpoint(Checkpoint):
                     name = stored
                     if config.headless and not stored.startswith("model."):  # a base model: "layers.0...."
                         name = "model." + stored
+                    elif stored.startswith(TEXT_MODEL_PREFIX):
+                        name = "model." + stored[len(TEXT_MODEL_PREFIX):]
+                    if name != stored:
                         self._stored[name] = stored
                     if self._claim(name, file, shape, expected):
                         continue

@@ -157,6 +157,15 @@ class RotaryEmbedding(nn.Module):
         return tables
 
 
+class DepthwiseConv(nn.Module):
+    """The convolution's weights as the checkpoint holds them: weight [C, 1, K], bias [C] or none."""
+
+    def __init__(self, channels: int, kernel: int, bias: bool, dtype: torch.dtype | None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(channels, 1, kernel, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(channels, dtype=dtype)) if bias else None
+
+
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
 

@@ -17,20 +17,11 @@ from torch import nn
 from tokenmill.family_config import lfm2_name
 from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.layer_cache import LayerCache
-from tokenmill.model.layers import RMSNorm, SwiGLU
+from tokenmill.model.layers import DepthwiseConv, RMSNorm, SwiGLU
 from tokenmill.model.linear import Linear
 from tokenmill.model.llama import LlamaForCausalLM, WeightTarget
 from tokenmill.model.qwen3 import Qwen3DecoderLayer
 from tokenmill.model_config import ModelConfig
-
-
-class DepthwiseConv(nn.Module):
-    """The convolution's weights as the checkpoint holds them: weight [C, 1, K], bias [C] or none."""
-
-    def __init__(self, channels: int, kernel: int, bias: bool, dtype: torch.dtype | None):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(channels, 1, kernel, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(channels, dtype=dtype)) if bias else None
 
 
 class ShortConv(nn.Module):

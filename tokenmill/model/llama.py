@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # sums a row-parallel layer's partial products over the ranks
 
 # A fused projection's checkpoint tensors in row order: checkpoint `q_proj` is shard 0 of our `qkv_proj`.
-FUSED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+FUSED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+                "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"), "in_proj_ba": ("in_proj_b", "in_proj_a")}
 WeightTarget = tuple[nn.Module, nn.Parameter, int | None]  # the parameter's owner, the parameter, its shard
 
 
@@ -51,10 +52,15 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.output(self.attend(self.project(x), cos, sin, meta, kv_cache))
+
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+               kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The heads' outputs [T, H * D] from the projection qkv (rotated, its k and v written to the cache)."""
         k_cache, v_cache = kv_cache
         if not self.rope:
             cos = sin = None
-        q, k, v = self.backend.rotary_and_write_kv(self.project(x), self.num_heads, self.num_kv_heads, cos, sin,
+        q, k, v = self.backend.rotary_and_write_kv(qkv, self.num_heads, self.num_kv_heads, cos, sin,
                                                    k_cache, v_cache, meta.slot_mapping)
         if meta.context is None:
             out = self.backend.paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window)
@@ -63,7 +69,10 @@ class Attention(nn.Module):
                                       "a layer with its own scale or a sliding window (Gemma 3)")
         else:  # context parallelism: this rank's share of the step attends with the other ranks (parallel/context.py)
             out = meta.context.attend(q, k, v, k_cache, v_cache, meta.num_paged_tokens)
-        out = self.o_proj(out.reshape(x.shape[0], self.q_size))
+        return out.reshape(qkv.shape[0], self.q_size)
+
+    def output(self, heads: torch.Tensor) -> torch.Tensor:
+        out = self.o_proj(heads)
         return out if self.reduce is None else self.reduce(out)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:

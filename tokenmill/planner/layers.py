@@ -9,12 +9,12 @@
   planner's state is the engine's.
 
 Every layer, whatever its kind, also has its block's two norms and its feed-forward (dense or experts);
-ModelShape counts those. LFM2's gated short convolutions are the one kind of state layer today
-(`short_convolutions`, read from config.json by `hf_hybrid_fields`). Another hybrid joins with a function
-like `short_convolutions` giving its mixer's parameters and its state's shapes (Mamba2: a convolution
-state and an SSM state per head; Gated DeltaNet: a convolution state and a key x value matrix per head)
-and a branch in `hf_hybrid_fields`; a mixer whose state update costs FLOPs beyond its parameters'
-(Mamba2's scan, Gated DeltaNet's delta rule) would add them to the roofline too.
+ModelShape counts those. Two kinds of state layer today, read from config.json by `hf_hybrid_fields` and from
+GGUF metadata by `gguf_hybrid_fields`: LFM2's gated short convolutions (`short_convolutions`) and Qwen3.5's
+Gated DeltaNet (`gated_delta_nets`: a convolution state and a key x value matrix per value head). Another
+hybrid joins with a function like these giving its mixer's parameters and its state's shapes (Mamba2: a
+convolution state and an SSM state per head) and a branch in each reader. The delta rule's own FLOPs (a few
+per state element and token) are not in the roofline: its projections' dominate.
 
 Plain Python, no torch: `tokenmill plan` answers instantly.
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.family_config import LFM2, hf_lfm2_fields
+from tokenmill.family_config import LFM2, QWEN3_5, hf_lfm2_fields, hf_qwen3_5_fields
 from tokenmill.model.layer_cache import LayerCache
 
 
@@ -68,10 +68,32 @@ def short_convolutions(layers: list[int] | tuple[int, ...], hidden: int, kernel:
     return StateLayers("short convolution", tuple(layers), params, LayerCache.state((kernel - 1, hidden)))
 
 
+def gated_delta_nets(layers: list[int] | tuple[int, ...], hidden: int, key_heads: int, value_heads: int,
+                     key_dim: int, value_dim: int, kernel: int) -> StateLayers:
+    """Qwen3.5's Gated DeltaNet (model/qwen3_5.py GatedDeltaNet): projections to q, k, v (the convolution's
+    channels), the gate z and a, b per value head; a depthwise convolution over q, k and v; dt_bias and A_log per
+    value head, the gated norm's weight, out_proj. It keeps the convolution's last kernel - 1 inputs and a
+    key_dim x value_dim matrix per value head, in float32, as Qwen3_5ForCausalLM.layer_caches does."""
+    values = value_heads * value_dim
+    channels = 2 * key_heads * key_dim + values
+    params = hidden * (channels + values + 2 * value_heads) + channels * kernel + 2 * value_heads + value_dim \
+        + values * hidden
+    state = LayerCache.state((kernel - 1, channels), (value_heads, key_dim, value_dim))
+    return StateLayers("Gated DeltaNet", tuple(layers), params, state)
+
+
 def hf_hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """ModelShape fields a hybrid's config.json sets beside the Llama-family ones (none for another model):
     LFM2's convolution layers, its feed-forward width and tied embeddings as tokenmill reads them
-    (family_config), and its attention layers' per-head q/k norms."""
+    (family_config), and its attention layers' per-head q/k norms; Qwen3.5's Gated DeltaNet layers, and its
+    attention layers' norms and output gates."""
+    if arch == QWEN3_5 or cfg.get("model_type") == "qwen3_5_text":
+        f = hf_qwen3_5_fields(cfg)
+        delta = gated_delta_nets(f["delta_layers"], int(cfg["hidden_size"]), f["delta_key_heads"],
+                                 f["delta_value_heads"], f["delta_key_dim"], f["delta_value_dim"], f["conv_kernel"])
+        return {"intermediate_size": int(cfg["intermediate_size"]),
+                "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)), "qk_norm": True,
+                "gated_attention": True, "state_layers": (delta,) if delta.layers else ()}
     if arch != LFM2 and cfg.get("model_type") != "lfm2":
         return {}
     fields = hf_lfm2_fields(cfg)

@@ -45,6 +45,7 @@ class ModelShape:
     expert_intermediate_size: int = 0
     moe_layers: int | None = None
     qk_norm: bool = False  # per-head q and k RMSNorm weights (head_dim each) in each attention layer (LFM2)
+    gated_attention: bool = False  # q_proj also gives each head's output gate: twice as wide (Qwen3.5)
     # a hybrid: the layers whose token mixer keeps a fixed state per sequence instead of attention's KV, by
     # kind; every other layer is an attention layer
     state_layers: tuple[StateLayers, ...] = ()
@@ -72,7 +73,7 @@ class ModelShape:
         """q/k/v/o projections (GQA: k and v have num_kv_heads), per-head q/k norms if any, and the 2 norms
         of one block."""
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        attn = h * q + 2 * h * kv + q * h
+        attn = h * q * (2 if self.gated_attention else 1) + 2 * h * kv + q * h
         if self.attention_bias:
             attn += q + 2 * kv
         if self.qk_norm:

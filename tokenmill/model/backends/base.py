@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from tokenmill.model.backends import recurrent
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -58,12 +60,13 @@ class Backend(ABC):
         May rotate qkv in place."""
 
     def short_conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor,
-                   spans: list[tuple[int, int, int]]) -> torch.Tensor:
-        """A causal depthwise convolution over each request's rows of x [T, C] (LFM2's short convolution): weight
-        [C, K], bias [C] or None. A span (start, end, slot) is one request's rows, which continue the K - 1 inputs
-        before them that its slot of `state` [slots, K - 1, C] holds; the slot then holds the span's last K - 1
-        (in place). In float32 (the state's dtype), rounded once to x's dtype; each output element is the same
-        sequence of multiply-adds whatever else is in the batch."""
+                   spans: list[tuple[int, int, int]], silu: bool = False) -> torch.Tensor:
+        """A causal depthwise convolution over each request's rows of x [T, C] (LFM2's short convolution; with
+        `silu`, followed by SiLU, Gated DeltaNet's over q, k and v): weight [C, K], bias [C] or None. A span
+        (start, end, slot) is one request's rows, which continue the K - 1 inputs before them that its slot of
+        `state` [slots, K - 1, C] holds; the slot then holds the span's last K - 1 (in place). In float32 (the
+        state's dtype), rounded once to x's dtype; each output element is the same sequence of multiply-adds
+        whatever else is in the batch."""
         k = weight.shape[1]
         w = weight.float().t()  # [K, C]
         b = bias.float() if bias is not None else None
@@ -73,7 +76,8 @@ class Backend(ABC):
             acc = window[..., 0:n, :] * w[0]
             for j in range(1, k):
                 acc = acc + window[..., j:j + n, :] * w[j]
-            return acc if b is None else acc + b
+            acc = acc if b is None else acc + b
+            return torch.nn.functional.silu(acc) if silu else acc
 
         if spans and all(end - start == 1 for start, end, _ in spans):  # decodes: one gather for the batch
             rows = torch.tensor([start for start, _, _ in spans], device=x.device)
@@ -87,6 +91,23 @@ class Backend(ABC):
             out[start:end] = taps(window, end - start).to(x.dtype)
             state[slot] = window[end - start:]
         return out
+
+    def gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                         a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+                         spans: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Gated DeltaNet's linear attention over each request's rows (Qwen3.5's linear-attention layers): q, k
+        [T, Hk, Dk], v [T, Hv, Dv], each key head serving Hv / Hk consecutive value heads; a, b [T, Hv] the gate
+        projections (decay exp(-exp(a_log) * softplus(a + dt_bias)), write strength sigmoid(b)). A span (start, end,
+        slot) continues the state [Hv, Dk, Dv] its slot of `state` holds (float32, updated in place). Returns
+        [T, Hv, Dv] in v's dtype (model/backends/recurrent.py says how)."""
+        return recurrent.gated_delta_rule(q, k, v, a, b, a_log, dt_bias, state, spans)
+
+    def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """weight * x / rms(x) * silu(gate) over the last dim (Gated DeltaNet's output norm), rounded as
+        transformers rounds it: the normalised x to x's dtype before the weight, the gate in float32."""
+        xf = x.float()
+        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return ((weight * normed) * torch.nn.functional.silu(gate.float())).to(x.dtype)
 
     def qk_norm(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_weight: torch.Tensor,
                 k_weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,0 +1,176 @@
+"""Qwen3.5 (model/qwen3_5.py), Gated DeltaNet layers beside gated attention, against transformers'
+Qwen3_5ForCausalLM on a tiny random checkpoint: the config read as Qwen3_5TextConfig reads it, the delta rule's two
+forms against each other, and greedy output token for token (near-tie aware) batched, in chunks, after preemption,
+from the prefix cache, from a multimodal checkpoint's text part, on the CPU kernels and on the PyTorch reference."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.engine.drive import run
+from tests.greedy import assert_matches_reference, hf_greedy
+from tests.models.reference import make_llm
+from tests.models.tiny import make_tiny_model
+from tokenmill.model.backends import recurrent
+from tokenmill.model.checkpoint import expected_shapes
+from tokenmill.model.loader import load_model_config
+from tokenmill.model.qwen3_5 import Qwen3_5ForCausalLM
+from tokenmill.model_config import ModelConfig
+from tokenmill.sampling_params import SamplingParams
+
+LAYERS = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
+# p3 is longer than the chunked form's block, so a prompt crosses from one block of it to the next
+PROMPTS = {f"p{i}": [(11 * i + 5 * j) % 250 + 3 for j in range(3 + 23 * i)] for i in range(4)}
+TOKENS = 12
+SHAPE = dict(num_layers=len(LAYERS), hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
+             vocab_size=256, layer_types=LAYERS, linear_num_key_heads=2, linear_num_value_heads=4,
+             linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    """A tiny Qwen3.5 (two value heads per key head, rotary on 8 of 32 dims) and transformers' greedy answers."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model(tmp_path_factory.mktemp("qwen3_5"), arch="qwen3_5", **SHAPE)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return path, hf, {rid: hf_greedy(hf, prompt, TOKENS) for rid, prompt in PROMPTS.items()}
+
+
+def test_the_config_is_read_as_qwen3_5_text_config_reads_it(qwen3_5):
+    path, _, _ = qwen3_5
+    cfg = load_model_config(path)
+    assert cfg.delta_layers == [0, 1, 3] and cfg.conv_kernel == 4 and cfg.rotary_dim == 8 and cfg.qk_norm
+    assert (cfg.delta_key_heads, cfg.delta_value_heads, cfg.delta_key_dim, cfg.delta_value_dim) == (2, 4, 16, 8)
+    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    caches = Qwen3_5ForCausalLM.layer_caches(cfg)
+    assert [c.kind for c in caches] == ["state", "state", "attention", "state"]
+    assert caches[0].state_shapes == ((3, 2 * 2 * 16 + 4 * 8), (4, 16, 8))  # conv inputs; a matrix per value head
+    raw = json.loads((path / "config.json").read_text())
+    del raw["layer_types"]
+    assert ModelConfig.from_hf_dict({**raw, "full_attention_interval": 2}).delta_layers == [0, 2]
+
+
+def test_the_tensors_expected_are_the_checkpoints_and_the_models(qwen3_5):
+    from safetensors import safe_open
+
+    path, _, _ = qwen3_5
+    cfg = load_model_config(path)
+    with safe_open(path / "model.safetensors", framework="pt") as f:
+        saved = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    assert expected_shapes(cfg) == saved
+    with torch.device("meta"):
+        targets = Qwen3_5ForCausalLM(cfg).weight_targets()
+    assert set(targets) == set(saved)
+
+
+def test_the_chunked_form_and_the_step_agree_with_transformers():
+    """The prompt form (blocks of recurrent.CHUNK) and the one-token step, from a state a first span left, give
+    transformers' chunked and recurrent gated delta rule's outputs and states."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (torch_chunk_gated_delta_rule,
+                                                              torch_recurrent_gated_delta_rule)
+
+    gen = torch.Generator().manual_seed(0)
+    t, hk, hv, dk, dv = recurrent.CHUNK + 37, 2, 4, 16, 8
+    q, k = torch.randn(t, hk, dk, generator=gen), torch.randn(t, hk, dk, generator=gen)
+    v, a, b = torch.randn(t, hv, dv, generator=gen), torch.randn(t, hv, generator=gen), torch.randn(t, hv, generator=gen)
+    a_log, dt_bias = 0.5 * torch.randn(hv, generator=gen), torch.randn(hv, generator=gen)
+    g = -a_log.exp() * torch.nn.functional.softplus(a + dt_bias)
+    state = torch.zeros(3, hv, dk, dv)
+    out = recurrent.gated_delta_rule(q[:-1], k[:-1], v[:-1], a[:-1], b[:-1], a_log, dt_bias, state, [(0, t - 1, 2)])
+    want, want_state = torch_chunk_gated_delta_rule(q[None, :-1], k[None, :-1], v[None, :-1], g[None, :-1],
+                                                    b[None, :-1].sigmoid(), output_final_state=True,
+                                                    use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(out, want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state[2], want_state[0], atol=1e-5, rtol=1e-5)
+    step = recurrent.gated_delta_rule(q[-1:], k[-1:], v[-1:], a[-1:], b[-1:], a_log, dt_bias, state, [(0, 1, 2)])
+    want, want_state = torch_recurrent_gated_delta_rule(q[None, -1:], k[None, -1:], v[None, -1:], g[None, -1:],
+                                                        b[None, -1:].sigmoid(), initial_state=want_state,
+                                                        output_final_state=True, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(step, want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state[2], want_state[0], atol=1e-5, rtol=1e-5)
+    assert state[0].abs().sum() == 0  # no other slot touched
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_greedy_output_matches_transformers_batched(qwen3_5, backend, monkeypatch):
+    path, _, ref = qwen3_5
+    llm = make_llm(path, backend, monkeypatch, dtype="float32", kv_cache_memory=8 << 20, block_size=4)
+    done = run(llm.engine, PROMPTS, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True))
+    for rid, (tokens, logits) in ref.items():
+        assert_matches_reference(done[rid].token_ids, tokens, logits)
+
+
+def test_greedy_output_matches_transformers_in_chunks_and_after_preemption(qwen3_5, monkeypatch):
+    """8-token chunks carry the convolution and delta-rule states from chunk to chunk; a pool too small for every
+    request at once preempts some, which start again from a zero state."""
+    path, _, ref = qwen3_5
+    conv, matrices = 3 * (2 * 2 * 16 + 4 * 8) * 4, 4 * 16 * 8 * 4
+    state, block = 3 * 4 * (conv + matrices), 2 * 2 * 32 * 4 * 4  # 4 slots of 3 layers; a block: K and V of 4
+    llm = make_llm(path, "cpu", monkeypatch, dtype="float32", block_size=4, max_num_seqs=4, new_token_ratio=0,
+                   max_num_batched_tokens=8, long_prefill_token_threshold=8, enable_prefix_caching=False,
+                   kv_cache_memory=state + 30 * block)
+    needed = sum(-(-(len(p) + TOKENS) // 4) for p in PROMPTS.values())
+    assert llm.engine.core.cache_info.num_blocks < needed
+    done = run(llm.engine, PROMPTS, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True))
+    assert llm.engine.core.scheduler.num_preemptions > 0, "the pool was meant to be short"
+    for rid, (tokens, logits) in ref.items():
+        assert_matches_reference(done[rid].token_ids, tokens, logits)
+
+
+def test_a_second_turn_starts_from_the_first_turns_cached_state(qwen3_5, monkeypatch):
+    """The second turn resends the first and its answer: its prefix hit reaches the last block boundary the first
+    turn computed (both states there from a snapshot), and it still answers as transformers does."""
+    path, hf, ref = qwen3_5
+    llm = make_llm(path, "cpu", monkeypatch, dtype="float32", kv_cache_memory=8 << 20, block_size=4)
+    first = PROMPTS["p3"]
+    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+    answer = run(llm.engine, {"t1": first}, params)["t1"].token_ids
+    assert answer == ref["p3"][0]
+    second = first + answer + [17, 18, 19]
+    out = llm.generate([{"prompt_token_ids": second}], params, use_tqdm=False)[0]
+    computed = len(first) + TOKENS - 1  # the first turn's last token was sampled, never fed back
+    assert out.num_cached_tokens == computed // 4 * 4
+    assert_matches_reference(out.outputs[0].token_ids, *hf_greedy(hf, second, TOKENS))
+    llm.engine.core.check_idle_invariants()
+
+
+def test_bfloat16_output_does_not_depend_on_the_batch(qwen3_5, monkeypatch):
+    path, _, _ = qwen3_5
+    llm = make_llm(path, "cpu", monkeypatch, dtype="bfloat16", kv_cache_memory=8 << 20, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+    together = run(llm.engine, PROMPTS, params)
+    for rid, prompt in PROMPTS.items():
+        assert run(llm.engine, {rid: prompt}, params)[rid].token_ids == together[rid].token_ids
+
+
+def test_a_multimodal_checkpoint_serves_its_text_model(qwen3_5, tmp_path, monkeypatch):
+    """Qwen3_5ForConditionalGeneration as transformers saves it (text_config, the language model's tensors under
+    model.language_model., a vision tower beside them), with a multi-token-prediction tensor as the released
+    checkpoints carry: the text model answers as the text-only checkpoint does."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    path, hf, ref = qwen3_5
+    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64, patch_size=4,
+                  temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+    config = Qwen3_5Config(text_config=hf.config.to_dict(), vision_config=vision, tie_word_embeddings=False)
+    both = Qwen3_5ForConditionalGeneration(config)
+    both.model.language_model.load_state_dict(hf.model.state_dict())
+    both.lm_head.load_state_dict(hf.lm_head.state_dict())
+    out = tmp_path / "vl"
+    both.save_pretrained(out)
+    tensors = load_file(out / "model.safetensors")
+    assert any(n.startswith("model.visual.") for n in tensors)
+    save_file({**tensors, "mtp.fc.weight": torch.zeros(64, 128)}, out / "model.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_bytes((path / name).read_bytes())
+    cfg = load_model_config(out)
+    assert cfg.architecture == "Qwen3_5ForCausalLM" and cfg == load_model_config(path)
+    llm = make_llm(out, "cpu", monkeypatch, dtype="float32", kv_cache_memory=8 << 20, block_size=4)
+    done = run(llm.engine, PROMPTS, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True))
+    for rid, (tokens, logits) in ref.items():
+        assert_matches_reference(done[rid].token_ids, tokens, logits)
