@@ -102,6 +102,9 @@ class ModelConfig:
     delta_value_heads: int = 0
     delta_key_dim: int = 0
     delta_value_dim: int = 0
+    # value head h reads key head h % delta_key_heads (llama.cpp's order, which its converter puts the value heads
+    # in), not h // (delta_value_heads / delta_key_heads) (the checkpoints')
+    delta_tiled_heads: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES and self.architecture not in REGISTERED_ARCHITECTURES:
@@ -206,6 +209,9 @@ class ModelConfig:
         if self.architecture == LFM2:
             family = lfm2_hf_fields(self.num_layers, self.conv_layers, self.conv_kernel, self.conv_bias,
                                     self.rms_norm_eps)
+        if self.delta_tiled_heads:
+            raise ConfigError("a GGUF file's Gated DeltaNet value heads are in llama.cpp's order, which a Hugging "
+                              "Face config cannot say: start from the model's Hugging Face directory")
         if self.architecture == QWEN3_5:
             family = qwen3_5_hf_fields(self.num_layers, self.delta_layers,
                                        (self.delta_key_heads, self.delta_value_heads),

@@ -6,17 +6,20 @@ from the prefix cache, from a multimodal checkpoint's text part, on the CPU kern
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
 from tests.engine.drive import run
 from tests.greedy import assert_matches_reference, hf_greedy
+from tests.models.gguf_writer import write_qwen3_5_gguf
 from tests.models.reference import make_llm
 from tests.models.tiny import make_tiny_model
 from tokenmill.model.backends import recurrent
 from tokenmill.model.checkpoint import expected_shapes
-from tokenmill.model.loader import load_model_config
+from tokenmill import LLM
+from tokenmill.model.loader import load_model_config, load_weights
 from tokenmill.model.qwen3_5 import Qwen3_5ForCausalLM
 from tokenmill.model_config import ModelConfig
 from tokenmill.sampling_params import SamplingParams
@@ -93,6 +96,66 @@ def test_the_chunked_form_and_the_step_agree_with_transformers():
     torch.testing.assert_close(step, want[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state[2], want_state[0], atol=1e-5, rtol=1e-5)
     assert state[0].abs().sum() == 0  # no other slot touched
+
+
+@pytest.mark.parametrize("qtype", [None, "Q8_0"])
+def test_a_gguf_file_as_llama_cpp_writes_it_serves_the_same_model(qwen3_5, tmp_path, qtype):
+    """From the converter's layout (value heads tiled, norms + 1, -exp(A_log)): the same config but for the heads'
+    order, and transformers' greedy tokens on the file's weights (Q8_0's dequantized); with Q8_0's blocks kept,
+    every prompt token's logprob close to the dequantized model's."""
+    from gguf import GGMLQuantizationType
+    from transformers import AutoModelForCausalLM
+
+    from tests.model.test_lfm2 import prompt_logprobs
+
+    path, _, ref = qwen3_5
+    file = write_qwen3_5_gguf(path, tmp_path / "qwen3_5.gguf", qtype and getattr(GGMLQuantizationType, qtype))
+    cfg, want = load_model_config(file), load_model_config(path)
+    assert cfg.delta_tiled_heads and not want.delta_tiled_heads
+    assert replace(cfg, delta_tiled_heads=False, rms_norm_eps=want.rms_norm_eps) == want  # the file's: float32
+    if qtype is not None:  # the reference runs the weights the file holds, in the checkpoint's head order
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        weights = load_weights(file, cfg)
+        grouped = untile(dict(weights.items()), want)
+        hf.load_state_dict(grouped, strict=False)
+        ref = {rid: hf_greedy(hf, prompt, TOKENS) for rid, prompt in PROMPTS.items()}
+    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+    dense = LLM(str(file), dtype="float32", kv_cache_memory=8 << 20, block_size=4, tokenizer=str(path))
+    done = run(dense.engine, PROMPTS, params)
+    for rid, (tokens, logits) in ref.items():
+        assert_matches_reference(done[rid].token_ids, tokens, logits)
+    if qtype is not None:
+        kept = LLM(str(file), dtype="float32", kv_cache_memory=8 << 20, block_size=4, tokenizer=str(path),
+                   quantization="gguf")
+        assert kept.engine.core.runner.weight_format().startswith("gguf")
+        a = torch.cat([prompt_logprobs(kept, p) for p in PROMPTS.values()])
+        b = torch.cat([prompt_logprobs(dense, p) for p in PROMPTS.values()])
+        assert 0 < (a - b).abs().mean() < 0.02 * b.abs().mean()  # int8 activations: close, not equal
+
+
+def untile(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A GGUF file's Gated DeltaNet tensors with their value heads back in the checkpoint's (grouped) order."""
+    nk, nv, dv = cfg.delta_key_heads, cfg.delta_value_heads, cfg.delta_value_dim
+    grouped = torch.tensor([(j % (nv // nk)) * nk + j // (nv // nk) for j in range(nv)])  # HF head j <- file head
+
+    def heads(x: torch.Tensor, width: int, dim: int = 0, skip: int = 0) -> torch.Tensor:
+        x = x.movedim(dim, 0)
+        rest = x[skip:].reshape(nv, width, *x.shape[1:])[grouped].reshape(x[skip:].shape)
+        return torch.cat([x[:skip], rest]).movedim(0, dim)
+
+    out = {}
+    for name, w in weights.items():
+        skip = 2 * nk * cfg.delta_key_dim
+        if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+            w = heads(w, dv, skip=skip)
+        elif name.endswith("in_proj_z.weight"):
+            w = heads(w, dv)
+        elif name.endswith(("in_proj_b.weight", "in_proj_a.weight", "dt_bias", "A_log")):
+            w = heads(w, 1)
+        elif name.endswith("linear_attn.out_proj.weight"):
+            w = heads(w, dv, dim=1)
+        out[name] = w
+    return out
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
@@ -174,3 +237,29 @@ def test_a_multimodal_checkpoint_serves_its_text_model(qwen3_5, tmp_path, monkey
     done = run(llm.engine, PROMPTS, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True))
     for rid, (tokens, logits) in ref.items():
         assert_matches_reference(done[rid].token_ids, tokens, logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_kernels_steps_are_the_references(dtype):
+    """The fused one-token step (csrc/recurrent.cpp) against the reference's, on rows of a strided batch whose other
+    rows are prompt chunks: the same outputs and states, and no other slot touched."""
+    from tokenmill.model.backends import CpuBackend, TorchBackend
+    from tokenmill.model.cpu_kernels import _extension
+
+    cpu = CpuBackend(_extension())
+    gen = torch.Generator().manual_seed(1)
+    t, hk, hv, dk, dv = 9, 2, 4, 16, 8
+    qkv = torch.randn(t, 2 * hk * dk + hv * dv, generator=gen).to(dtype)
+    q, k = qkv[:, :hk * dk].view(t, hk, dk), qkv[:, hk * dk:2 * hk * dk].view(t, hk, dk)
+    v = qkv[:, 2 * hk * dk:].view(t, hv, dv)
+    ba = torch.randn(t, 2 * hv, generator=gen).to(dtype)
+    a_log, dt_bias = (0.5 * torch.randn(hv, generator=gen)).to(dtype), torch.randn(hv, generator=gen).to(dtype)
+    spans = [(0, 1, 3), (1, 6, 0), (6, 7, 1), (7, 9, 4)]
+    states = [torch.randn(6, hv, dk, dv, generator=gen) for _ in range(2)]
+    states[1].copy_(states[0])
+    outs = [backend.gated_delta_rule(q, k, v, ba[:, hv:], ba[:, :hv], a_log, dt_bias, state, spans)
+            for backend, state in zip((TorchBackend(), cpu), states)]
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(outs[1], outs[0], **tol)
+    torch.testing.assert_close(states[1], states[0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(states[1][2], states[0][2]) and torch.equal(states[1][5], states[0][5])

@@ -79,3 +79,77 @@ def write_lfm2_gguf(model_dir: Path, out: Path, qtype=None) -> Path:
             w.add_tensor(name, data)
     write(w)
     return out
+
+
+def write_qwen3_5_gguf(model_dir: Path, out: Path, qtype=None) -> Path:
+    """A GGUF file of the HF directory's Qwen3.5 as llama.cpp's convert_hf_to_gguf.py (Qwen3_5TextModel, with
+    --no-mtp) writes it: the recurrent layers as a list, the ssm.* keys, rope on a quarter of each head; every norm
+    weight + 1 but the gated one, A_log as -exp(A_log), the convolution squeezed to [C, K] and kept in F32, and the
+    value heads reordered from grouped to tiled (GGUF head h is HF head (h % key heads) * per key + h // key heads)
+    in every tensor that has them; other 2-D weights in `qtype` (None: F32)."""
+    from gguf import MODEL_ARCH, GGUFWriter, get_tensor_name_map, quants
+    from safetensors.torch import load_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    nk, nv, dk, dv = (cfg[f"linear_{k}"] for k in ("num_key_heads", "num_value_heads", "key_head_dim",
+                                                   "value_head_dim"))
+    per_key = nv // nk
+    order = np.array([(h % nk) * per_key + h // nk for h in range(nv)])  # GGUF head h <- HF head order[h]
+
+    def heads(x: np.ndarray, width: int, axis: int = 0, skip: int = 0) -> np.ndarray:
+        """x with its value heads (`width` wide, after the first `skip` along `axis`) in tiled order."""
+        x = np.moveaxis(x, axis, 0)
+        lead, rest = x[:skip], x[skip:]
+        rest = rest.reshape(nv, width, *rest.shape[1:])[order].reshape(rest.shape)
+        return np.moveaxis(np.concatenate([lead, rest]), 0, axis)
+
+    w = GGUFWriter(str(out), "qwen35")
+    w.add_name("tiny qwen3.5")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    rope = cfg["rope_parameters"]
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_rope_dimension_count(int(cfg["head_dim"] * rope["partial_rotary_factor"]))
+    w.add_rope_dimension_sections([11, 11, 10, 0])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])  # the converter writes the tokenizer's tokens instead
+    w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(dk)
+    w.add_ssm_group_count(nk)
+    w.add_ssm_time_step_rank(nv)
+    w.add_ssm_inner_size(dv * nv)
+    w.add_full_attention_interval(4)
+    w.add_array("qwen35.attention.recurrent_layers", [t == "linear_attention" for t in cfg["layer_types"]])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    names = get_tensor_name_map(MODEL_ARCH.QWEN35, cfg["num_hidden_layers"])
+    for hf_name, tensor in load_file(model_dir / "model.safetensors").items():
+        data = tensor.numpy().astype(np.float32)
+        leaf = hf_name.rsplit(".", 1)[-1] if "linear_attn." in hf_name else ""
+        if hf_name.endswith("norm.weight") and "linear_attn.norm" not in hf_name:
+            data = data + 1.0
+        if "in_proj_qkv" in hf_name:
+            data = heads(data, dv, skip=2 * nk * dk)
+        elif any(p in hf_name for p in ("in_proj_z", "in_proj_b", "in_proj_a")) or leaf in ("dt_bias", "A_log"):
+            data = heads(data, dv if "in_proj_z" in hf_name else 1)
+        elif "conv1d" in hf_name:
+            data = heads(data.squeeze(1), dv, skip=2 * nk * dk)
+        elif "linear_attn.out_proj" in hf_name:
+            data = heads(data, dv, axis=1)
+        if leaf == "A_log":
+            data = -np.exp(data)
+        base = hf_name.replace(".dt_bias", ".dt_proj.bias")
+        name = names.get_name(base, try_suffixes=(".weight", ".bias")) or names.get_name(base)
+        assert name is not None, hf_name
+        if qtype is not None and data.ndim == 2 and "ssm_conv1d" not in name:
+            w.add_tensor(name, quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, data)
+    write(w)
+    return out

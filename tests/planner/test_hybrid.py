@@ -156,3 +156,7 @@ def test_tiny_qwen3_5_parameters_kv_and_state_are_the_checkpoints_and_the_engine
     (tmp_path / "vl").mkdir()
     (tmp_path / "vl" / "config.json").write_text(json.dumps(vl))
     assert load_model(str(tmp_path / "vl")).state_layers == m.state_layers
+    from tests.models.gguf_writer import write_qwen3_5_gguf
+
+    from_file = load_model(str(write_qwen3_5_gguf(path, tmp_path / "q.gguf")))
+    assert from_file.state_layers == m.state_layers and from_file.params == saved and from_file.gated_attention

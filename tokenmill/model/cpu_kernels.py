@@ -17,7 +17,7 @@ log = logging.getLogger("tokenmill")
 # in csrc/ (benchmarks/kernel_ab.py builds them too)
 SOURCE_NAMES = ("bindings.cpp", "paged_attention.cpp", "elementwise.cpp", "linear.cpp", "decode_stack.cpp",
                 "bf16_linear.cpp", "int8_linear.cpp", "gguf_linear.cpp", "gguf_vnni.cpp", "gguf_avx2.cpp",
-                "f32_linear.cpp", "tile_attention.cpp", "lora.cpp", "moe.cpp")
+                "f32_linear.cpp", "tile_attention.cpp", "lora.cpp", "moe.cpp", "recurrent.cpp")
 # fast-math lets the compiler vectorize exp (glibc's libmvec); infinities stay meaningful (masked scores).
 BUILD_FLAGS = ("-O3", "-fopenmp", "-march=native", "-ffast-math", "-fno-finite-math-only")
 # $TOKENMILL_KERNEL_MARCH builds for an older target than this CPU instead (e.g. "haswell": AVX2 only), to run and

@@ -19,7 +19,8 @@ from tokenmill.model_config import ModelConfig
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                      "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "lfm2": "Lfm2ForCausalLM"}
+                      "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "lfm2": "Lfm2ForCausalLM",
+                      "qwen35": "Qwen3_5ForCausalLM"}
 # whether llama.cpp renormalises a mixture of experts' top weights, by architecture (unless the file says)
 _MOE_NORM_TOPK = {"llama": True, "qwen3moe": True, "olmoe": False}
 # one expert projection of every expert stacked [experts, rows, cols], as llama.cpp stores them
@@ -63,6 +64,8 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
                 "conv_kernel": int(need("shortconv.l_cache")),
                 "conv_bias": any(n.endswith("shortconv.in_proj.bias") for n in gguf.tensors)}
         num_kv = max(counts)
+    elif arch == "qwen35":
+        conv = _gguf_qwen35_fields(gguf)
     elif isinstance(num_kv, list):
         raise ModelLoadError(f"GGUF file {gguf.path} has per-layer KV head counts, which are not supported")
     head_dim = int(gguf.get(f"{arch}.attention.key_length") or 0)
@@ -73,6 +76,8 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
         partial = int(rope_dims) / head_dim if rope_dims else 1.0
         if int(head_dim * partial) != (rope_dims or head_dim):
             raise ModelLoadError(f"GGUF file {gguf.path}: rotating {rope_dims} of {head_dim} dims is not supported")
+    elif arch == "qwen35":  # rope.dimension_count is the rotated part of a head (a quarter)
+        partial = int(rope_dims) / head_dim
     else:
         head_dim = head_dim or int(rope_dims or 0)
     context = int(gguf.get(f"{arch}.context_length", 2048))
@@ -85,7 +90,7 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
     eos = [gguf.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
     if arch == "gemma3" and tokens and "<end_of_turn>" in tokens:  # a chat turn's end, as llama.cpp finds it
         eos.append(tokens.index("<end_of_turn>"))
-    layers = int(need("block_count"))
+    layers = int(need("block_count")) - int(gguf.get(f"{arch}.nextn_predict_layers", 0))  # MTP blocks: not run
     family = (_gguf_gemma3_fields(gguf, layers, int(head_dim or hidden // num_heads), hidden // num_heads)
               if arch == "gemma3" else {"rope_scaling": _gguf_rope_scaling(gguf, arch, context)})
     moe = _gguf_moe_fields(gguf, arch, layers) if gguf.get(f"{arch}.expert_count") else {}
@@ -105,7 +110,7 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
         max_position_embeddings=min(context, int(window)) if window else context,
         tie_word_embeddings="output.weight" not in gguf.tensors,
         attention_bias=hf_arch == "Qwen2ForCausalLM" or "blk.0.attn_q.bias" in gguf.tensors,
-        qk_norm=arch in ("qwen3", "gemma3", "qwen3moe", "olmoe", "lfm2"),
+        qk_norm=arch in ("qwen3", "gemma3", "qwen3moe", "olmoe", "lfm2", "qwen35"),
         partial_rotary_factor=partial,
         # llama.cpp has no key for SmolLM3's NoPE layers: it fixes every 4th (src/models/smollm3.cpp), as here
         nope_layers=[i for i in range(layers) if (i + 1) % 4 == 0] if arch == "smollm3" else [],
@@ -115,6 +120,22 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
         **moe,
         **conv,
     )
+
+
+def _gguf_qwen35_fields(gguf: GGUFFile) -> dict[str, Any]:
+    """Qwen3.5's Gated DeltaNet from llama.cpp's keys: the recurrent layers (its list, else every layer but each
+    full_attention_interval-th), key heads (ssm.group_count) of ssm.state_size dims, value heads (time_step_rank)
+    sharing ssm.inner_size, and the value heads in llama.cpp's tiled order where there are more of them."""
+    layers = int(gguf.get("qwen35.block_count")) - int(gguf.get("qwen35.nextn_predict_layers", 0))
+    recurrent = gguf.get("qwen35.attention.recurrent_layers")
+    every = int(gguf.get("qwen35.full_attention_interval", 4))
+    delta = ([i for i, r in enumerate(recurrent[:layers]) if r] if isinstance(recurrent, list)
+             else [i for i in range(layers) if (i + 1) % every])
+    key_heads, value_heads = int(gguf.get("qwen35.ssm.group_count")), int(gguf.get("qwen35.ssm.time_step_rank"))
+    return {"delta_layers": delta, "delta_key_heads": key_heads, "delta_value_heads": value_heads,
+            "delta_key_dim": int(gguf.get("qwen35.ssm.state_size")),
+            "delta_value_dim": int(gguf.get("qwen35.ssm.inner_size")) // value_heads,
+            "conv_kernel": int(gguf.get("qwen35.ssm.conv_kernel")), "delta_tiled_heads": key_heads != value_heads}
 
 
 def _gguf_moe_fields(gguf: GGUFFile, arch: str, layers: int) -> dict[str, Any]:
@@ -194,6 +215,14 @@ _GEMMA3_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "post_attention_norm": "post_attenti
 # embedding_norm)
 _LFM2_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "shortconv.in_proj": "conv.in_proj", "shortconv.conv": "conv.conv",
                      "shortconv.out_proj": "conv.out_proj"}
+# Qwen3.5's: its Gated DeltaNet tensors, with their suffixes (ssm_a, -exp(A_log), has none; ssm_dt.bias is dt_bias)
+_QWEN35_LAYER_NAMES = {"attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+                       "attn_gate.weight": "linear_attn.in_proj_z.weight",
+                       "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+                       "ssm_alpha.weight": "linear_attn.in_proj_a.weight", "ssm_dt.bias": "linear_attn.dt_bias",
+                       "ssm_a": "linear_attn.A_log", "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+                       "ssm_norm.weight": "linear_attn.norm.weight", "ssm_out.weight": "linear_attn.out_proj.weight",
+                       "post_attention_norm.weight": "post_attention_layernorm.weight"}
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LFM2_GLOBAL_NAMES = {**_GGUF_GLOBAL_NAMES, "token_embd_norm": "model.norm"}
 
@@ -201,6 +230,9 @@ _LFM2_GLOBAL_NAMES = {**_GGUF_GLOBAL_NAMES, "token_embd_norm": "model.norm"}
 def hf_name_for_gguf(name: str, arch: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for unknown names. Phi-3's
     `ffn_up` holds gate and up stacked (its HF `gate_up_proj`), which checkpoint.fused_parts splits."""
+    m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
+    if arch == "qwen35" and m and m.group(2) in _QWEN35_LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_QWEN35_LAYER_NAMES[m.group(2)]}"
     base, _, suffix = name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None
@@ -217,6 +249,12 @@ def hf_name_for_gguf(name: str, arch: str = "llama") -> str | None:
     return lfm2_name(name) if arch == "lfm2" and name else name
 
 
+def _extra_block(name: str, layers: int) -> bool:
+    """A tensor of a block past the model's layers: a multi-token-prediction block (Qwen3.5's nextn), not run."""
+    m = re.match(r"blk\.(\d+)\.", name)
+    return m is not None and int(m.group(1)) >= layers
+
+
 def unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row order for llama models.
 
@@ -231,8 +269,9 @@ def unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 class GGUFCheckpoint(Checkpoint):
     """A llama.cpp GGUF file: each read dequantizes one tensor (a chunk of rows at a time when `dtype` is not
-    float32, formats/gguf_blocks.py) and undoes llama.cpp's rotary row order for llama q/k, and the + 1 its converter
-    adds to Gemma 3's norm weights (the file holds 1 + w; transformers' checkpoints and ours, w)."""
+    float32, formats/gguf_blocks.py) and undoes llama.cpp's rotary row order for llama q/k, the + 1 its converter
+    adds to Gemma 3's and Qwen3.5's norm weights (the file holds 1 + w; transformers' checkpoints and ours, w), and
+    Qwen3.5's -exp(A_log). Qwen3.5's value heads stay in the file's order (ModelConfig.delta_tiled_heads)."""
 
     def __init__(self, path: Path, config: ModelConfig, dtype: torch.dtype):
         self._gguf = gguf = GGUFFile.open(path)
@@ -242,10 +281,12 @@ class GGUFCheckpoint(Checkpoint):
         self._rope_heads: dict[str, int] = {}  # HF name -> heads, for the rows llama.cpp permuted
         self._shifted: set[str] = set()  # HF names of Gemma 3's norm weights, stored + 1
         self._experts: dict[str, int] = {}  # HF name of one expert's projection -> its index in the stacked tensor
-        self._squeezed: set[str] = set()  # LFM2's convolution weights, stored [C, K] (the checkpoint's: [C, 1, K])
+        # LFM2's and Qwen3.5's convolution weights, stored [C, K] (the checkpoint's: [C, 1, K])
+        self._squeezed: set[str] = set()
+        self._decays: set[str] = set()  # Qwen3.5's A_log, stored as -exp(A_log)
         shapes: dict[str, tuple[int, ...]] = {}
         for name in gguf.tensors:
-            if name in _CONFIG_TENSORS:
+            if name in _CONFIG_TENSORS or _extra_block(name, config.num_layers):
                 continue
             stacked = _EXPERT_TENSOR.fullmatch(name)
             if stacked is not None and config.moe:
@@ -262,10 +303,12 @@ class GGUFCheckpoint(Checkpoint):
             if hf_name == "lm_head.weight" and config.tie_word_embeddings:
                 continue
             self._names[hf_name] = name
-            if arch == "gemma3" and name.endswith("norm.weight"):
+            if (arch == "gemma3" or arch == "qwen35" and ".ssm_norm." not in name) and name.endswith("norm.weight"):
                 self._shifted.add(hf_name)
-            if arch == "lfm2" and name.endswith("shortconv.conv.weight"):
+            if name.endswith(("shortconv.conv.weight", "ssm_conv1d.weight")):
                 self._squeezed.add(hf_name)
+            if arch == "qwen35" and name.endswith(".ssm_a"):
+                self._decays.add(hf_name)
             if arch in PERMUTED_QK and (".attn_q." in name or ".attn_k." in name):
                 self._rope_heads[hf_name] = config.num_heads if ".attn_q." in name else config.num_kv_heads
         shapes.update({n: gguf.tensors[g].shape for n, g in self._names.items() if n not in self._experts})
@@ -279,6 +322,8 @@ class GGUFCheckpoint(Checkpoint):
                               self.dtype)
         if name in self._shifted:  # 1 + w in float32 (exactly w where w + 1 was exact), then the model's dtype
             return (self._gguf.read_tensor(self._names[name], torch.float32) - 1.0).to(self.dtype)
+        if name in self._decays:  # A_log from -exp(A_log), in float32
+            return torch.log(-self._gguf.read_tensor(self._names[name], torch.float32)).to(self.dtype)
         w = self._gguf.read_tensor(self._names[name], self.dtype)
         if name in self._squeezed:
             return w.unsqueeze(1)

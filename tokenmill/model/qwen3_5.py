@@ -45,7 +45,7 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig, backend, dtype=None, method=None):
         super().__init__()
         self.backend = backend
-        self.heads, self.key_heads = cfg.delta_value_heads, cfg.delta_key_heads
+        self.heads, self.key_heads, self.tiled = cfg.delta_value_heads, cfg.delta_key_heads, cfg.delta_tiled_heads
         self.key_dim, self.value_dim = cfg.delta_key_dim, cfg.delta_value_dim
         keys, values = self.key_heads * self.key_dim, self.heads * self.value_dim
         self.conv_dim = 2 * keys + values
@@ -70,7 +70,7 @@ class GatedDeltaNet(nn.Module):
         k = qkv[:, keys:2 * keys].view(t, self.key_heads, self.key_dim)
         v = qkv[:, 2 * keys:].view(t, self.heads, self.value_dim)
         out = self.backend.gated_delta_rule(q, k, v, ba[:, self.heads:], ba[:, :self.heads], self.A_log,
-                                            self.dt_bias, state[1], meta.state_spans)
+                                            self.dt_bias, state[1], meta.state_spans, self.tiled)
         z = qkvz[:, self.conv_dim:].reshape(t * self.heads, self.value_dim)
         out = self.norm(out.view(t * self.heads, self.value_dim), z)
         return self.out_proj(out.view(t, self.heads * self.value_dim))

@@ -106,7 +106,21 @@ def hf_hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
 
 def gguf_hybrid_fields(arch: str, metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
     """The same from a GGUF file's metadata (none for another architecture): llama.cpp files LFM2 as `lfm2` with
-    a KV head count per layer, 0 for a convolution layer, and the convolution's width as shortconv.l_cache."""
+    a KV head count per layer, 0 for a convolution layer, and the convolution's width as shortconv.l_cache;
+    Qwen3.5 as `qwen35` with its recurrent layers listed and the ssm.* keys (model/gguf_checkpoint.py reads the
+    same)."""
+    if arch == "qwen35":
+        layers = int(metadata["qwen35.block_count"]) - int(metadata.get("qwen35.nextn_predict_layers", 0))
+        recurrent = metadata.get("qwen35.attention.recurrent_layers")
+        every = int(metadata.get("qwen35.full_attention_interval", 4))
+        delta = ([i for i, r in enumerate(recurrent[:layers]) if r] if isinstance(recurrent, list)
+                 else [i for i in range(layers) if (i + 1) % every])
+        value_heads = int(metadata["qwen35.ssm.time_step_rank"])
+        nets = gated_delta_nets(delta, int(metadata["qwen35.embedding_length"]), int(metadata["qwen35.ssm.group_count"]),
+                                value_heads, int(metadata["qwen35.ssm.state_size"]),
+                                int(metadata["qwen35.ssm.inner_size"]) // value_heads,
+                                int(metadata["qwen35.ssm.conv_kernel"]))
+        return {"qk_norm": True, "gated_attention": True, "state_layers": (nets,) if nets.layers else ()}
     if arch != "lfm2":
         return {}
     counts = metadata.get("lfm2.attention.head_count_kv")

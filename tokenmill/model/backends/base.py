@@ -94,13 +94,14 @@ class Backend(ABC):
 
     def gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                          a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
-                         spans: list[tuple[int, int, int]]) -> torch.Tensor:
+                         spans: list[tuple[int, int, int]], tiled: bool = False) -> torch.Tensor:
         """Gated DeltaNet's linear attention over each request's rows (Qwen3.5's linear-attention layers): q, k
-        [T, Hk, Dk], v [T, Hv, Dv], each key head serving Hv / Hk consecutive value heads; a, b [T, Hv] the gate
+        [T, Hk, Dk], v [T, Hv, Dv], each key head serving Hv / Hk consecutive value heads (`tiled`: value head h
+        reads key head h % Hk); a, b [T, Hv] the gate
         projections (decay exp(-exp(a_log) * softplus(a + dt_bias)), write strength sigmoid(b)). A span (start, end,
         slot) continues the state [Hv, Dk, Dv] its slot of `state` holds (float32, updated in place). Returns
         [T, Hv, Dv] in v's dtype (model/backends/recurrent.py says how)."""
-        return recurrent.gated_delta_rule(q, k, v, a, b, a_log, dt_bias, state, spans)
+        return recurrent.gated_delta_rule(q, k, v, a, b, a_log, dt_bias, state, spans, tiled)
 
     def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """weight * x / rms(x) * silu(gate) over the last dim (Gated DeltaNet's output norm), rounded as

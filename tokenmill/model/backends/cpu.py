@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from tokenmill.model.backends import recurrent
 from tokenmill.model.backends.base import LinearWeights
 from tokenmill.model.backends.cpu_decode import (
     DECODE_MODEL,
@@ -143,6 +144,10 @@ class CpuBackend(TorchBackend):
                               self.lora_matmul_rows)
             return
         super().lora_add(y, x, slots)
+
+    def gated_delta_rule(self, q, k, v, a, b, a_log, dt_bias, state, spans, tiled=False):
+        kernel = self.ops.gated_delta_steps if v.dtype in (torch.float32, torch.bfloat16) else None
+        return recurrent.gated_delta_rule(q, k, v, a, b, a_log, dt_bias, state, spans, tiled, kernel)
 
     def silu_mul(self, gate_up):
         if _rows(gate_up) and gate_up.is_contiguous():

@@ -14,10 +14,13 @@ request's rows take depends on its own span only, so its output does not depend 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 CHUNK = 64  # tokens per block of the chunked form
+StepsKernel = Callable[..., None]
 
 
 def _l2_normalised(x: torch.Tensor) -> torch.Tensor:
@@ -26,26 +29,45 @@ def _l2_normalised(x: torch.Tensor) -> torch.Tensor:
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                      a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
-                     spans: list[tuple[int, int, int]]) -> torch.Tensor:
-    """Backend.gated_delta_rule's reference (its docstring says what each argument is)."""
-    heads, key_dim = v.shape[1], k.shape[2]
-    per_key = heads // k.shape[1]
-    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())  # [T, Hv], the log decay
-    beta = torch.sigmoid(b).float()  # in the model's dtype first, as transformers rounds it
-    qf = _l2_normalised(q.float()).repeat_interleave(per_key, 1) * key_dim ** -0.5
-    kf = _l2_normalised(k.float()).repeat_interleave(per_key, 1)
-    vf = v.float()
-    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+                     spans: list[tuple[int, int, int]], tiled: bool = False,
+                     steps_kernel: StepsKernel | None = None) -> torch.Tensor:
+    """Backend.gated_delta_rule's reference (its docstring says what each argument is). `steps_kernel` takes the
+    one-token spans instead of `_step` (a backend's fused kernel: the same arguments, the rows and their slots, and
+    the output to write those rows of)."""
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     steps = [(start, slot) for start, end, slot in spans if end - start == 1]
     if steps:
         rows = torch.tensor([r for r, _ in steps], device=v.device)
         slots = torch.tensor([s for _, s in steps], device=v.device)
-        out[rows], state[slots] = _step(qf[rows], kf[rows], vf[rows], g[rows], beta[rows], state[slots])
+        if steps_kernel is not None:
+            steps_kernel(q, k, v, a, b, a_log, dt_bias, state, rows, slots, out, tiled)
+        else:
+            o, state[slots] = _step(*_float_inputs(q[rows], k[rows], v[rows], a[rows], b[rows], a_log, dt_bias,
+                                                   tiled), state[slots])
+            out[rows] = o.to(v.dtype)
     for start, end, slot in spans:
         if end - start > 1:
             rows = slice(start, end)
-            out[rows], state[slot] = _chunked(qf[rows], kf[rows], vf[rows], g[rows], beta[rows], state[slot])
-    return out.to(v.dtype)
+            o, state[slot] = _chunked(*_float_inputs(q[rows], k[rows], v[rows], a[rows], b[rows], a_log, dt_bias,
+                                                     tiled), state[slot])
+            out[rows] = o.to(v.dtype)
+    return out
+
+
+def _float_inputs(q, k, v, a, b, a_log, dt_bias, tiled):
+    """The delta rule's inputs in float32: q and k normalised (q scaled) and repeated for their value heads (each
+    key head's next to each other, or `tiled`: all key heads, again and again), the log decay g and the write
+    strength beta [n, Hv]."""
+    per_key = v.shape[1] // k.shape[1]
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    beta = torch.sigmoid(b).float()  # in the model's dtype first, as transformers rounds it
+
+    def per_value_head(x):
+        return x.repeat(1, per_key, 1) if tiled else x.repeat_interleave(per_key, 1)
+
+    qf = per_value_head(_l2_normalised(q.float())) * k.shape[2] ** -0.5
+    kf = per_value_head(_l2_normalised(k.float()))
+    return qf, kf, v.float(), g, beta
 
 
 def _step(q, k, v, g, beta, s):

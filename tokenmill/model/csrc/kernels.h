@@ -89,3 +89,10 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
                        const std::vector<at::Tensor>& gate_up_w, const std::vector<at::Tensor>& gate_up_packed,
                        const std::vector<at::Tensor>& gate_up_scale, const std::vector<at::Tensor>& down_w,
                        const std::vector<at::Tensor>& down_packed, const std::vector<at::Tensor>& down_scale);
+
+// recurrent.cpp: Gated DeltaNet's one-token steps (rows of q, k [T, Hk, Dk], v [T, Hv, Dv], gates a, b [T, Hv])
+// against the slots' float32 state matrices [S, Hv, Dk, Dv], in place; out [T, Hv, Dv] at the same rows. Value head
+// h reads key head h / (Hv / Hk), or with `tiled` h % Hk
+void gated_delta_steps(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor a, at::Tensor b, at::Tensor a_log,
+                       at::Tensor dt_bias, at::Tensor state, at::Tensor rows, at::Tensor slots, at::Tensor out,
+                       bool tiled);
