@@ -1,9 +1,10 @@
-"""A second chat turn on a hybrid model (LFM2-350M's shape, random weights, bfloat16) against the same model with
-every layer attention, in one run: the second turn resends the first with its answer, and prefix caching should
+"""A second chat turn on a hybrid model (LFM2-350M's or Qwen3.5-0.8B's shape, random weights, bfloat16) against the
+same model with every layer attention, in one run: the second turn resends the first with its answer, and prefix caching should
 cover it on both (the hybrid's convolution state from a snapshot at the first turn's last block boundary).
 
     python benchmarks/hybrid_prefix.py                 # 3 ShareGPT conversations, defaults below
     python benchmarks/hybrid_prefix.py --conversations 5 --first-len 1024
+    python benchmarks/hybrid_prefix.py --family qwen3.5
 
 Per conversation: turn 1 is the conversation's opening text cut to --first-len tokens, answered with --answer-len
 tokens (greedy, ignore_eos); turn 2 is turn 1, its answer and the next --next-len tokens of the conversation. Its
@@ -43,6 +44,18 @@ LFM2_350M = {"architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2", "vocab_
              "conv_L_cache": 3, "conv_bias": False, "norm_eps": 1e-5, "max_position_embeddings": 128000,
              "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "tie_embedding": True,
              "layer_types": ["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)]}
+
+# Qwen3.5-0.8B's text model (its config.json's text_config): 24 layers, every 4th gated attention (8 heads of 256,
+# 2 KV heads, rotary on a quarter), the rest Gated DeltaNet (16 key and 16 value heads of 128), tied embeddings
+QWEN3_5_08B = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 248320,
+               "hidden_size": 1024, "intermediate_size": 3584, "num_hidden_layers": 24, "num_attention_heads": 8,
+               "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 16,
+               "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+               "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(24)],
+               "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "tie_word_embeddings": True,
+               "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                   "mrope_section": [11, 11, 10]}}
+SHAPES = {"lfm2": ("LFM2-350M", LFM2_350M), "qwen3.5": ("Qwen3.5-0.8B", QWEN3_5_08B)}
 
 
 def random_model(path: Path, cfg: dict) -> Path:
@@ -106,6 +119,7 @@ def run_model(path: Path, convs: list, answer_len: int, memory: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--family", choices=sorted(SHAPES), default="lfm2")
     ap.add_argument("--conversations", type=int, default=3)
     ap.add_argument("--first-len", type=int, default=768)
     ap.add_argument("--answer-len", type=int, default=64)
@@ -113,14 +127,15 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", type=int, default=1 << 30)
     args = ap.parse_args()
     convs = conversations(args.conversations, args.first_len, args.next_len)
-    attention = {**LFM2_350M, "layer_types": ["full_attention"] * 16}
+    shape, hybrid = SHAPES[args.family]
+    attention = {**hybrid, "layer_types": ["full_attention"] * hybrid["num_hidden_layers"]}
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, cfg in (("hybrid", LFM2_350M), ("attention", attention)):
-            print(f"{name}: building a random LFM2-350M-shaped model", flush=True)
-            results[name] = run_model(random_model(Path(tmp) / f"lfm2-350m-{name}", cfg), convs, args.answer_len,
-                                      args.kv_cache_memory)
-    print(f"\n## second chat turn, LFM2-350M shape, bfloat16, median of {len(convs)} conversations "
+        for name, cfg in (("hybrid", hybrid), ("attention", attention)):
+            print(f"{name}: building a random {shape}-shaped model", flush=True)
+            results[name] = run_model(random_model(Path(tmp) / f"{args.family}-{name}", cfg), convs,
+                                      args.answer_len, args.kv_cache_memory)
+    print(f"\n## second chat turn, {shape} shape, bfloat16, median of {len(convs)} conversations "
           f"(CPU {cpu_isa()})\n")
     print("| model | turn 2 tokens | cold TTFT ms | warm TTFT ms | warm / cold | hit rate |")
     print("|---|---|---|---|---|---|")
@@ -128,7 +143,8 @@ def main() -> None:
         tokens = statistics.median(row["prompt"] for row in r["rows"])
         print(f"| {name} | {tokens:.0f} | {r['cold_ms']:.0f} | {r['warm_ms']:.0f} | {r['ratio']:.3f} | "
               f"{r['hit_rate']:.3f} |")
-    out = ROOT / "benchmarks" / "results" / "hybrid_prefix.json"
+    out = ROOT / "benchmarks" / "results" / ("hybrid_prefix.json" if args.family == "lfm2"
+                                             else f"hybrid_prefix_{args.family}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"cpu": cpu_isa(), "args": vars(args), "results": results}, indent=1))
     print(f"\nresults: {out}")

@@ -60,7 +60,7 @@ def weight_memory(model: str) -> dict:
     file_bytes = sum(int(t.n_bytes) for t in GGUFReader(str(resolve_model_path(model))).tensors)
     out = {"file_tensor_mib": file_bytes / 2**20}
     for name, q in FORMATS.items():
-        llm = LLM(model, quantization=q, kv_cache_memory=64 << 20)
+        llm = LLM(model, quantization=q, kv_cache_memory=64 << 20, max_num_seqs=2)  # one stream: 2 state slots
         m = llm.engine.core.runner.model
         rotary = [r for r in (m.rotary, getattr(m, "local_rotary", None)) if r is not None]
         rot = sum(b.untyped_storage().nbytes() for r in rotary for b in r.buffers())
@@ -103,7 +103,7 @@ def llama_bench(binary: Path, model: Path, threads: int, prompt: int, gen: int) 
 def speed(model: str, runs: int, threads: int, llama_bin: Path) -> dict:
     from tokenmill import LLM
 
-    llms = {name: LLM(model, quantization=q, num_threads=threads, kv_cache_memory=64 << 20)
+    llms = {name: LLM(model, quantization=q, num_threads=threads, kv_cache_memory=64 << 20, max_num_seqs=2)
             for name, q in FORMATS.items()}
     path = resolve_model_path(model)
     rng = random.Random(0)
@@ -142,7 +142,7 @@ def greedy(model: str) -> dict:
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=5)
     outs = {}
     for name, q in FORMATS.items():
-        llm = LLM(model, quantization=q, kv_cache_memory=64 << 20)
+        llm = LLM(model, quantization=q, kv_cache_memory=64 << 20, max_num_seqs=2)  # one stream: 2 state slots
         outs[name] = [o.outputs[0] for o in llm.generate(GREEDY_PROMPTS, params, use_tqdm=False)]
         llm.shutdown()
     result = []

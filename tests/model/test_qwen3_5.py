@@ -240,26 +240,42 @@ def test_a_multimodal_checkpoint_serves_its_text_model(qwen3_5, tmp_path, monkey
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_cpu_kernels_steps_are_the_references(dtype):
-    """The fused one-token step (csrc/recurrent.cpp) against the reference's, on rows of a strided batch whose other
-    rows are prompt chunks: the same outputs and states, and no other slot touched."""
+def test_the_cpu_kernels_are_the_references(dtype):
+    """csrc/recurrent.cpp against the reference on a strided batch of decodes and prompt chunks (the kernel takes
+    each token in turn, the reference a prompt's chunked form): the delta rule's outputs and states, the
+    convolution's with SiLU, the gated norm; no slot but the batch's touched."""
     from tokenmill.model.backends import CpuBackend, TorchBackend
     from tokenmill.model.cpu_kernels import _extension
 
-    cpu = CpuBackend(_extension())
+    backends = (TorchBackend(), CpuBackend(_extension()))
     gen = torch.Generator().manual_seed(1)
-    t, hk, hv, dk, dv = 9, 2, 4, 16, 8
-    qkv = torch.randn(t, 2 * hk * dk + hv * dv, generator=gen).to(dtype)
+    t, hk, hv, dk, dv = 80, 2, 4, 16, 8
+    width = 2 * hk * dk + hv * dv
+    qkv = torch.randn(t, width + 5, generator=gen).to(dtype)[:, :width]  # rows strided, as the projection's slices
     q, k = qkv[:, :hk * dk].view(t, hk, dk), qkv[:, hk * dk:2 * hk * dk].view(t, hk, dk)
     v = qkv[:, 2 * hk * dk:].view(t, hv, dv)
     ba = torch.randn(t, 2 * hv, generator=gen).to(dtype)
     a_log, dt_bias = (0.5 * torch.randn(hv, generator=gen)).to(dtype), torch.randn(hv, generator=gen).to(dtype)
-    spans = [(0, 1, 3), (1, 6, 0), (6, 7, 1), (7, 9, 4)]
-    states = [torch.randn(6, hv, dk, dv, generator=gen) for _ in range(2)]
-    states[1].copy_(states[0])
-    outs = [backend.gated_delta_rule(q, k, v, ba[:, hv:], ba[:, :hv], a_log, dt_bias, state, spans)
-            for backend, state in zip((TorchBackend(), cpu), states)]
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    spans = [(0, 1, 3), (1, 71, 0), (71, 72, 1), (72, 80, 4)]  # the long prompt crosses a block of the chunked form
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    states = [torch.randn(6, hv, dk, dv, generator=gen)] * 2
+    states = [s.clone() for s in states]
+    outs = [backend.gated_delta_rule(q, k, v, ba[:, hv:], ba[:, :hv], a_log, dt_bias, state, spans, tiled)
+            for backend, state, tiled in zip(backends, states, (False, False))]
     torch.testing.assert_close(outs[1], outs[0], **tol)
-    torch.testing.assert_close(states[1], states[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states[1], states[0], atol=1e-4, rtol=1e-4)
     assert torch.equal(states[1][2], states[0][2]) and torch.equal(states[1][5], states[0][5])
+    tiled = [b.gated_delta_rule(q, k, v, ba[:, hv:], ba[:, :hv], a_log, dt_bias, s.clone(), spans, True)
+             for b, s in zip(backends, states)]
+    torch.testing.assert_close(tiled[1], tiled[0], **tol)
+    assert not torch.allclose(tiled[0], outs[0])  # the heads' order matters
+    weight = torch.randn(width, 4, generator=gen).to(dtype)
+    conv_states = [torch.randn(6, 3, width, generator=gen)] * 2
+    conv_states = [s.clone() for s in conv_states]
+    convs = [b.short_conv(qkv, weight, None, s, spans, silu=True) for b, s in zip(backends, conv_states)]
+    torch.testing.assert_close(convs[1], convs[0], **tol)
+    torch.testing.assert_close(conv_states[1], conv_states[0])
+    x, gate = torch.randn(t * hv, dv, generator=gen).to(dtype), torch.randn(t * hv, dv, generator=gen).to(dtype)
+    norm = torch.randn(dv, generator=gen).to(dtype)
+    torch.testing.assert_close(backends[1].gated_rms_norm(x, gate, norm, 1e-6),
+                               backends[0].gated_rms_norm(x, gate, norm, 1e-6), **tol)

@@ -31,7 +31,7 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]  # sums a row-parallel layer's p
 
 # A fused projection's checkpoint tensors in row order: checkpoint `q_proj` is shard 0 of our `qkv_proj`.
 FUSED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
-                "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"), "in_proj_ba": ("in_proj_b", "in_proj_a")}
+                "in_proj_ba": ("in_proj_b", "in_proj_a")}
 WeightTarget = tuple[nn.Module, nn.Parameter, int | None]  # the parameter's owner, the parameter, its shard
 
 

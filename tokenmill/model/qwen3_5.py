@@ -50,9 +50,10 @@ class GatedDeltaNet(nn.Module):
         keys, values = self.key_heads * self.key_dim, self.heads * self.value_dim
         self.conv_dim = 2 * keys + values
         h = cfg.hidden_size
-        # in_proj_qkv and in_proj_z in one matmul, in_proj_b and in_proj_a in another (FUSED_SHARDS)
-        self.in_proj_qkvz = Linear(h, [self.conv_dim, values], bias=False, backend=backend, method=method,
-                                   dtype=dtype)
+        # in_proj_qkv and in_proj_z apart: llama-quantize gives them different types (a fused matmul of two
+        # GGUF types would be kept dense); in_proj_b and in_proj_a in one matmul (FUSED_SHARDS)
+        self.in_proj_qkv = Linear(h, self.conv_dim, bias=False, backend=backend, method=method, dtype=dtype)
+        self.in_proj_z = Linear(h, values, bias=False, backend=backend, method=method, dtype=dtype)
         self.in_proj_ba = Linear(h, [self.heads, self.heads], bias=False, backend=backend, method=method, dtype=dtype)
         self.conv1d = DepthwiseConv(self.conv_dim, cfg.conv_kernel, False, dtype)
         self.dt_bias = nn.Parameter(torch.zeros(self.heads, dtype=dtype))
@@ -63,15 +64,15 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: tuple[torch.Tensor, torch.Tensor]
                 ) -> torch.Tensor:
         t, keys = x.shape[0], self.key_heads * self.key_dim
-        qkvz, ba = self.in_proj_qkvz(x), self.in_proj_ba(x)
-        qkv = self.backend.short_conv(qkvz[:, :self.conv_dim], self.conv1d.weight.squeeze(1), None, state[0],
+        ba = self.in_proj_ba(x)
+        qkv = self.backend.short_conv(self.in_proj_qkv(x), self.conv1d.weight.squeeze(1), None, state[0],
                                       meta.state_spans, silu=True)
         q = qkv[:, :keys].view(t, self.key_heads, self.key_dim)
         k = qkv[:, keys:2 * keys].view(t, self.key_heads, self.key_dim)
         v = qkv[:, 2 * keys:].view(t, self.heads, self.value_dim)
         out = self.backend.gated_delta_rule(q, k, v, ba[:, self.heads:], ba[:, :self.heads], self.A_log,
                                             self.dt_bias, state[1], meta.state_spans, self.tiled)
-        z = qkvz[:, self.conv_dim:].reshape(t * self.heads, self.value_dim)
+        z = self.in_proj_z(x).view(t * self.heads, self.value_dim)
         out = self.norm(out.view(t * self.heads, self.value_dim), z)
         return self.out_proj(out.view(t, self.heads * self.value_dim))
 

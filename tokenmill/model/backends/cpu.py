@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tokenmill.model.backends import recurrent
 from tokenmill.model.backends.base import LinearWeights
 from tokenmill.model.backends.cpu_decode import (
     DECODE_MODEL,
@@ -70,6 +69,11 @@ def _head_tiles_serve_lookups(m: LinearWeights) -> bool:
     """A tied LM head packed in bfloat16 tiles: its embedding looks rows up in them (tile_rows)."""
     return (getattr(m, "shares_weight", False) and m.packed_weight is not None
             and m.packed_weight.dtype == torch.bfloat16 and m.packed_weight.dim() == 4)
+
+
+def _spans(spans: list[tuple[int, int, int]]) -> torch.Tensor:
+    """A step's state spans (AttentionMetadata.state_spans) as the recurrent kernels take them: int64 [n, 3]."""
+    return torch.tensor(spans, dtype=torch.long)
 
 
 def _rows(x: torch.Tensor) -> bool:
@@ -146,8 +150,24 @@ class CpuBackend(TorchBackend):
         super().lora_add(y, x, slots)
 
     def gated_delta_rule(self, q, k, v, a, b, a_log, dt_bias, state, spans, tiled=False):
-        kernel = self.ops.gated_delta_steps if v.dtype in (torch.float32, torch.bfloat16) else None
-        return recurrent.gated_delta_rule(q, k, v, a, b, a_log, dt_bias, state, spans, tiled, kernel)
+        if v.dtype not in (torch.float32, torch.bfloat16) or not spans:
+            return super().gated_delta_rule(q, k, v, a, b, a_log, dt_bias, state, spans, tiled)
+        out = torch.empty(v.shape, dtype=v.dtype)
+        self.ops.gated_delta_rule(q, k, v, a, b, a_log, dt_bias, state, _spans(spans), out, tiled)
+        return out
+
+    def short_conv(self, x, weight, bias, state, spans, silu=False):
+        if not (_rows(x) and spans and x.dtype in (torch.float32, torch.bfloat16) and weight.dtype == x.dtype):
+            return super().short_conv(x, weight, bias, state, spans, silu)
+        out = torch.empty(x.shape, dtype=x.dtype)
+        self.ops.causal_conv(x, weight.contiguous(), bias, state, _spans(spans), out, silu)
+        return out
+
+    def gated_rms_norm(self, x, gate, weight, eps):
+        same = gate.dtype == weight.dtype == x.dtype
+        if _rows(x) and _rows(gate) and x.dtype in (torch.float32, torch.bfloat16) and same:
+            return self.ops.gated_rms_norm(x, gate, weight, eps)
+        return super().gated_rms_norm(x, gate, weight, eps)
 
     def silu_mul(self, gate_up):
         if _rows(gate_up) and gate_up.is_contiguous():

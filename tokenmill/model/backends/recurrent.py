@@ -9,18 +9,16 @@ then corrects towards its value (the delta rule), then reads with its query:
 step's decodes. A longer span (a prompt chunk) takes the chunked form: within a chunk of CHUNK tokens the corrections
 depend on each other through a unit lower-triangular system (the WY form of the delta rule's products), solved once
 per chunk, and the state carries from chunk to chunk. Both forms give the same values up to rounding; which one a
-request's rows take depends on its own span only, so its output does not depend on the rest of the batch.
+request's rows take depends on its own span only, so its output does not depend on the rest of the batch. (The CPU
+backend's kernel, csrc/recurrent.cpp, takes every span token by token: the step's form throughout.)
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 CHUNK = 64  # tokens per block of the chunked form
-StepsKernel = Callable[..., None]
 
 
 def _l2_normalised(x: torch.Tensor) -> torch.Tensor:
@@ -29,22 +27,16 @@ def _l2_normalised(x: torch.Tensor) -> torch.Tensor:
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                      a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
-                     spans: list[tuple[int, int, int]], tiled: bool = False,
-                     steps_kernel: StepsKernel | None = None) -> torch.Tensor:
-    """Backend.gated_delta_rule's reference (its docstring says what each argument is). `steps_kernel` takes the
-    one-token spans instead of `_step` (a backend's fused kernel: the same arguments, the rows and their slots, and
-    the output to write those rows of)."""
+                     spans: list[tuple[int, int, int]], tiled: bool = False) -> torch.Tensor:
+    """Backend.gated_delta_rule's reference (its docstring says what each argument is)."""
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     steps = [(start, slot) for start, end, slot in spans if end - start == 1]
     if steps:
         rows = torch.tensor([r for r, _ in steps], device=v.device)
         slots = torch.tensor([s for _, s in steps], device=v.device)
-        if steps_kernel is not None:
-            steps_kernel(q, k, v, a, b, a_log, dt_bias, state, rows, slots, out, tiled)
-        else:
-            o, state[slots] = _step(*_float_inputs(q[rows], k[rows], v[rows], a[rows], b[rows], a_log, dt_bias,
-                                                   tiled), state[slots])
-            out[rows] = o.to(v.dtype)
+        o, state[slots] = _step(*_float_inputs(q[rows], k[rows], v[rows], a[rows], b[rows], a_log, dt_bias, tiled),
+                                state[slots])
+        out[rows] = o.to(v.dtype)
     for start, end, slot in spans:
         if end - start > 1:
             rows = slice(start, end)

@@ -44,7 +44,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_avx2_linear", &gguf_avx2_linear, "gguf_vnni_linear with AVX2 products; x bfloat16 or float32");
   m.def("gguf_avx2_linear_silu", &gguf_avx2_linear_silu, "gguf_vnni_linear_silu with AVX2 products");
   m.def("dpbf16_linear", &dpbf16_linear, "bf16_linear with AVX512-BF16 dot products");
-  m.def("gated_delta_steps", &gated_delta_steps, "Gated DeltaNet one-token steps on the slots' states, in place");
+  m.def("gated_delta_rule", &gated_delta_rule, "Gated DeltaNet over each request's rows, its slot's state in place");
+  m.def("causal_conv", &causal_conv, "a causal depthwise convolution over each request's rows, its state in place");
+  m.def("gated_rms_norm", &gated_rms_norm, "weight * x / rms(x) * silu(gate) per row");
   m.def("f32_panels_available", &f32_panels_available, "whether this build has the float32 panel matmul");
   // without the GIL: its threads run ATen ops, and one that dispatches to Python (a meta tensor's) would wait on it
   m.def("moe_experts", &moe_experts, "a mixture of experts' MLP: tokens grouped by expert, k products summed per token",

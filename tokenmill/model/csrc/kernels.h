@@ -90,9 +90,13 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
                        const std::vector<at::Tensor>& gate_up_scale, const std::vector<at::Tensor>& down_w,
                        const std::vector<at::Tensor>& down_packed, const std::vector<at::Tensor>& down_scale);
 
-// recurrent.cpp: Gated DeltaNet's one-token steps (rows of q, k [T, Hk, Dk], v [T, Hv, Dv], gates a, b [T, Hv])
-// against the slots' float32 state matrices [S, Hv, Dk, Dv], in place; out [T, Hv, Dv] at the same rows. Value head
-// h reads key head h / (Hv / Hk), or with `tiled` h % Hk
-void gated_delta_steps(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor a, at::Tensor b, at::Tensor a_log,
-                       at::Tensor dt_bias, at::Tensor state, at::Tensor rows, at::Tensor slots, at::Tensor out,
-                       bool tiled);
+// recurrent.cpp: a request's rows at a time (spans [n, 3] int64: start, end, state slot), its slot's float32
+// state updated in place. Gated DeltaNet: q, k [T, Hk, Dk], v [T, Hv, Dv], gates a, b [T, Hv], state [S, Hv, Dk, Dv],
+// out [T, Hv, Dv]; value head h reads key head h / (Hv / Hk), or with `tiled` h % Hk
+void gated_delta_rule(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor a, at::Tensor b, at::Tensor a_log,
+                      at::Tensor dt_bias, at::Tensor state, at::Tensor spans, at::Tensor out, bool tiled);
+// a causal depthwise convolution of x [T, C] (weight [C, K], state [S, K - 1, C]) into out, then SiLU if asked
+void causal_conv(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias, at::Tensor state, at::Tensor spans,
+                 at::Tensor out, bool apply_silu);
+// weight * x / rms(x) * silu(gate) over the rows of x [N, D]
+at::Tensor gated_rms_norm(at::Tensor x, at::Tensor gate, at::Tensor weight, double eps);
