@@ -36,6 +36,70 @@ std::vector<Span> read_spans(const at::Tensor& spans) {
   return out;
 }
 
+// The token's two passes over one head's state matrix s [key_dim, VD]: decay it and read it with the key (kv), then
+// write the correction along the key and read the result with the query (o). VD a constant: the value vectors stay in
+// registers through each pass (128 floats: 8 AVX-512 or 16 AVX2 registers).
+template <int64_t VD>
+inline void delta_passes(float* __restrict s, const float* __restrict kn, const float* __restrict qn,
+                         const float* __restrict v, float decay, float beta, int64_t key_dim, float* __restrict o) {
+  float kv[VD];
+  for (int64_t e = 0; e < VD; ++e) kv[e] = 0.f;
+  for (int64_t d = 0; d < key_dim; ++d) {
+    float* __restrict sd = s + d * VD;
+    const float kd = kn[d];
+#pragma omp simd
+    for (int64_t e = 0; e < VD; ++e) {
+      sd[e] *= decay;
+      kv[e] += kd * sd[e];
+    }
+  }
+  for (int64_t e = 0; e < VD; ++e) {
+    kv[e] = (v[e] - kv[e]) * beta;  // what the token writes
+    o[e] = 0.f;
+  }
+  float acc[VD];
+  for (int64_t e = 0; e < VD; ++e) acc[e] = 0.f;
+  for (int64_t d = 0; d < key_dim; ++d) {
+    float* __restrict sd = s + d * VD;
+    const float kd = kn[d], qd = qn[d];
+#pragma omp simd
+    for (int64_t e = 0; e < VD; ++e) {
+      sd[e] += kd * kv[e];
+      acc[e] += qd * sd[e];
+    }
+  }
+  for (int64_t e = 0; e < VD; ++e) o[e] = acc[e];
+}
+
+// The same for any value_dim (a runtime width).
+inline void delta_passes_any(float* __restrict s, const float* __restrict kn, const float* __restrict qn,
+                             const float* __restrict v, float decay, float beta, int64_t key_dim, int64_t value_dim,
+                             float* __restrict kv, float* __restrict o) {
+  for (int64_t e = 0; e < value_dim; ++e) kv[e] = 0.f;
+  for (int64_t d = 0; d < key_dim; ++d) {
+    float* __restrict sd = s + d * value_dim;
+    const float kd = kn[d];
+#pragma omp simd
+    for (int64_t e = 0; e < value_dim; ++e) {
+      sd[e] *= decay;
+      kv[e] += kd * sd[e];
+    }
+  }
+  for (int64_t e = 0; e < value_dim; ++e) {
+    kv[e] = (v[e] - kv[e]) * beta;
+    o[e] = 0.f;
+  }
+  for (int64_t d = 0; d < key_dim; ++d) {
+    float* __restrict sd = s + d * value_dim;
+    const float kd = kn[d], qd = qn[d];
+#pragma omp simd
+    for (int64_t e = 0; e < value_dim; ++e) {
+      sd[e] += kd * kv[e];
+      o[e] += qd * sd[e];
+    }
+  }
+}
+
 template <typename T>
 void delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& a,
                 const at::Tensor& b, const at::Tensor& a_log, const at::Tensor& dt_bias, at::Tensor& state,
@@ -54,7 +118,7 @@ void delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   const float q_scale = 1.f / std::sqrt(static_cast<float>(key_dim));
   const int64_t tasks = static_cast<int64_t>(spans.size()) * heads;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qn(key_dim), kn(key_dim), kv(value_dim), o(value_dim);
+    std::vector<float> qn(key_dim), kn(key_dim), vf(value_dim), kv(value_dim), o(value_dim);
     for (int64_t task = begin; task < end; ++task) {
       const Span& span = spans[task / heads];
       const int64_t h = task % heads, kh = tiled ? h % key_heads : h / per_key;
@@ -79,29 +143,12 @@ void delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
         const float decay = std::exp(a_scale * (x > 20.f ? x : std::log1p(std::exp(x))));
         // sigmoid in the model's dtype first, as the reference rounds it
         const float beta = to_float(round_to<T>(1.f / (1.f + std::exp(-to_float(bp[r * b.stride(0) + h])))));
-        // pass 1: decay the matrix and read it back with the key
-        std::fill(kv.begin(), kv.end(), 0.f);
-        for (int64_t d = 0; d < key_dim; ++d) {
-          float* sd = s + d * value_dim;
-          const float kd = kn[d];
-#pragma omp simd
-          for (int64_t e = 0; e < value_dim; ++e) {
-            sd[e] *= decay;
-            kv[e] += kd * sd[e];
-          }
-        }
         const T* vr = vp + r * v.stride(0) + h * v.stride(1);
-        for (int64_t e = 0; e < value_dim; ++e) kv[e] = (to_float(vr[e]) - kv[e]) * beta;  // what the token writes
-        // pass 2: write the correction along the key, read the result with the query
-        std::fill(o.begin(), o.end(), 0.f);
-        for (int64_t d = 0; d < key_dim; ++d) {
-          float* sd = s + d * value_dim;
-          const float kd = kn[d], qd = qn[d];
-#pragma omp simd
-          for (int64_t e = 0; e < value_dim; ++e) {
-            sd[e] += kd * kv[e];
-            o[e] += qd * sd[e];
-          }
+        for (int64_t e = 0; e < value_dim; ++e) vf[e] = to_float(vr[e]);
+        if (value_dim == 128) {
+          delta_passes<128>(s, kn.data(), qn.data(), vf.data(), decay, beta, key_dim, o.data());
+        } else {
+          delta_passes_any(s, kn.data(), qn.data(), vf.data(), decay, beta, key_dim, value_dim, kv.data(), o.data());
         }
         T* orow = op + r * out.stride(0) + h * out.stride(1);
         for (int64_t e = 0; e < value_dim; ++e) orow[e] = round_to<T>(o[e]);
@@ -123,32 +170,47 @@ void conv_spans(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
   float* sp = state.data_ptr<float>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, static_cast<int64_t>(spans.size()) * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> w(taps * CONV_CHANNELS), window(taps * CONV_CHANNELS);
+    // w: the block's taps [taps][CONV_CHANNELS]; inputs: the kept inputs before the span, then the span's own
+    std::vector<float> w(taps * CONV_CHANNELS), b(CONV_CHANNELS), acc(CONV_CHANNELS), inputs;
     for (int64_t task = begin; task < end; ++task) {
       const Span& span = spans[task / blocks];
       const int64_t c0 = task % blocks * CONV_CHANNELS, n = std::min(CONV_CHANNELS, channels - c0);
+      const int64_t len = span.end - span.start;
       for (int64_t j = 0; j < taps; ++j)
         for (int64_t c = 0; c < n; ++c) w[j * CONV_CHANNELS + c] = to_float(wp[(c0 + c) * taps + j]);
+      for (int64_t c = 0; c < n; ++c) b[c] = bp != nullptr ? to_float(bp[c0 + c]) : 0.f;
       float* s = sp + span.slot * kept * channels + c0;  // [kept, channels]: the last inputs, oldest first
-      // window rows 0 .. kept - 1: the state; row kept: the token's input
+      inputs.resize((kept + len) * CONV_CHANNELS);
       for (int64_t j = 0; j < kept; ++j)
-        for (int64_t c = 0; c < n; ++c) window[j * CONV_CHANNELS + c] = s[j * channels + c];
-      for (int64_t r = span.start; r < span.end; ++r) {
-        const T* xr = xp + r * x.stride(0) + c0;
-        float* last = window.data() + kept * CONV_CHANNELS;
-        for (int64_t c = 0; c < n; ++c) last[c] = to_float(xr[c]);
-        T* orow = op + r * out.stride(0) + c0;
-        for (int64_t c = 0; c < n; ++c) {
-          // the same order of products as the reference: tap 0 (the oldest input) first
-          float acc = window[c] * w[c];
-          for (int64_t j = 1; j < taps; ++j) acc += window[j * CONV_CHANNELS + c] * w[j * CONV_CHANNELS + c];
-          if (bp != nullptr) acc += to_float(bp[c0 + c]);
-          orow[c] = round_to<T>(apply_silu ? silu(acc) : acc);
-        }
-        std::copy(window.begin() + CONV_CHANNELS, window.end(), window.begin());  // slide by one input
+        for (int64_t c = 0; c < n; ++c) inputs[j * CONV_CHANNELS + c] = s[j * channels + c];
+      for (int64_t i = 0; i < len; ++i) {
+        const T* xr = xp + (span.start + i) * x.stride(0) + c0;
+        float* in = inputs.data() + (kept + i) * CONV_CHANNELS;
+        for (int64_t c = 0; c < n; ++c) in[c] = to_float(xr[c]);
       }
-      for (int64_t j = 0; j < kept; ++j)
-        for (int64_t c = 0; c < n; ++c) s[j * channels + c] = window[j * CONV_CHANNELS + c];
+      for (int64_t i = 0; i < len; ++i) {
+        // the same order of sums as the reference: tap 0 (the oldest input) first, the bias last
+        const float* in = inputs.data() + i * CONV_CHANNELS;
+#pragma omp simd
+        for (int64_t c = 0; c < CONV_CHANNELS; ++c) acc[c] = in[c] * w[c];
+        for (int64_t j = 1; j < taps; ++j) {
+          const float* inj = in + j * CONV_CHANNELS;
+          const float* wj = w.data() + j * CONV_CHANNELS;
+#pragma omp simd
+          for (int64_t c = 0; c < CONV_CHANNELS; ++c) acc[c] += inj[c] * wj[c];
+        }
+        if (apply_silu) {  // its own loop, so the compiler vectorizes the exp (the rounding below would not let it)
+#pragma omp simd
+          for (int64_t c = 0; c < CONV_CHANNELS; ++c) acc[c] = silu(acc[c] + b[c]);
+        } else {
+#pragma omp simd
+          for (int64_t c = 0; c < CONV_CHANNELS; ++c) acc[c] += b[c];
+        }
+        T* orow = op + (span.start + i) * out.stride(0) + c0;
+        for (int64_t c = 0; c < n; ++c) orow[c] = round_to<T>(acc[c]);
+      }
+      for (int64_t j = 0; j < kept; ++j)  // the last kept inputs, for the request's next rows
+        for (int64_t c = 0; c < n; ++c) s[j * channels + c] = inputs[(len + j) * CONV_CHANNELS + c];
     }
   });
 }
