@@ -242,3 +242,54 @@ def qwen3_5_hf_fields(num_layers: int, delta_layers: list[int], heads: tuple[int
             "linear_value_head_dim": dims[1], "linear_conv_kernel_dim": conv_kernel,
             "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta,
                                 "partial_rotary_factor": partial_rotary_factor}}
+
+
+GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"
+# Granite-4.0-H's tensor names for what the Llama modules call otherwise (its shared MLP's gate and up rows are one
+# tensor, input_linear, which checkpoint.FUSED_TENSORS splits)
+GRANITE_NAMES = (("shared_mlp.down_proj.", "shared_mlp.output_linear."),)
+
+
+def granite_name(llama_name: str) -> str:
+    for ours, theirs in GRANITE_NAMES:
+        llama_name = llama_name.replace(ours, theirs)
+    return llama_name
+
+
+def hf_granite_hybrid_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Granite-4.0-H's ModelConfig fields: which layers are Mamba2 (`layer_types` "mamba" or "linear_attention"),
+    their heads, head width (mamba_d_head, or the inner width / heads), state size, groups, convolution, biases;
+    the shared MLP's width; the multipliers (embedding, residual, attention scale, logits divisor); rotary only with
+    position_embedding_type "rope". Experts (num_local_experts) are refused here: dense Granite-4.0-H only."""
+    if cfg.get("num_local_experts"):
+        raise ConfigError("Granite-4.0-H with experts (num_local_experts > 0) is not served yet; its dense models are")
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * layers
+    heads = int(cfg.get("mamba_n_heads", 128))
+    inner = int(cfg.get("mamba_expand", 2)) * int(cfg["hidden_size"])
+    head_dim = cfg.get("mamba_d_head", "auto")
+    return {"mamba_layers": [i for i, t in enumerate(types) if t in ("mamba", "linear_attention")],
+            "mamba_heads": heads, "mamba_head_dim": inner // heads if head_dim in (None, "auto") else int(head_dim),
+            "mamba_state": int(cfg.get("mamba_d_state", 256)), "mamba_groups": int(cfg.get("mamba_n_groups", 1)),
+            "conv_kernel": int(cfg.get("mamba_d_conv", 4)), "conv_bias": bool(cfg.get("mamba_conv_bias", True)),
+            "mamba_proj_bias": bool(cfg.get("mamba_proj_bias", False)),
+            "intermediate_size": int(cfg.get("shared_intermediate_size") or cfg["intermediate_size"]),
+            "embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
+            "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
+            "attention_multiplier": float(cfg.get("attention_multiplier", 1.0)),
+            "logits_scaling": float(cfg.get("logits_scaling", 1.0)),
+            "nope_layers": [] if cfg.get("position_embedding_type") == "rope" else list(range(layers))}
+
+
+def granite_hybrid_hf_fields(num_layers: int, mamba_layers: list[int], heads: int, head_dim: int, state: int,
+                             groups: int, conv_kernel: int, conv_bias: bool, proj_bias: bool,
+                             multipliers: tuple[float, float, float, float], rope: bool,
+                             intermediate_size: int) -> dict[str, Any]:
+    """The config.json keys hf_granite_hybrid_fields reads back (ModelConfig.to_hf_dict)."""
+    embedding, residual, attention, logits = multipliers
+    return {"layer_types": ["mamba" if i in mamba_layers else "attention" for i in range(num_layers)],
+            "mamba_n_heads": heads, "mamba_d_head": head_dim, "mamba_d_state": state, "mamba_n_groups": groups,
+            "mamba_d_conv": conv_kernel, "mamba_conv_bias": conv_bias, "mamba_proj_bias": proj_bias,
+            "shared_intermediate_size": intermediate_size, "num_local_experts": 0,
+            "embedding_multiplier": embedding, "residual_multiplier": residual, "attention_multiplier": attention,
+            "logits_scaling": logits, "position_embedding_type": "rope" if rope else None}

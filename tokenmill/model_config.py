@@ -10,12 +10,15 @@ from typing import Any
 from tokenmill.errors import ConfigError
 from tokenmill.family_config import (
     GEMMA3,
+    GRANITE_HYBRID,
     LFM2,
     MOE_ARCHITECTURES,
     OLMOE,
     QWEN3_5,
     gemma3_hf_fields,
+    granite_hybrid_hf_fields,
     hf_gemma3_fields,
+    hf_granite_hybrid_fields,
     hf_lfm2_fields,
     hf_max_positions,
     hf_moe_fields,
@@ -29,7 +32,8 @@ from tokenmill.family_config import (
 )
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "SmolLM3ForCausalLM", GEMMA3, *MOE_ARCHITECTURES, LFM2, QWEN3_5)
+                           "Phi3ForCausalLM", "SmolLM3ForCausalLM", GEMMA3, *MOE_ARCHITECTURES, LFM2, QWEN3_5,
+                           GRANITE_HYBRID)
 # Architectures of model classes registered from outside the package (model/registry.py register_model), read as
 # Llama-family configs -> the weights (HF name -> shape) a config of it needs
 REGISTERED_ARCHITECTURES: dict[str, Callable[[ModelConfig], dict[str, tuple[int, ...]]]] = {}
@@ -41,7 +45,8 @@ BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCaus
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                "gemma3_text": GEMMA3, "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-               "olmoe": OLMOE, "lfm2": LFM2, "qwen3_5_text": QWEN3_5}
+               "olmoe": OLMOE, "lfm2": LFM2, "qwen3_5_text": QWEN3_5,
+               "granitemoehybrid": GRANITE_HYBRID}
 
 
 @dataclass
@@ -105,6 +110,20 @@ class ModelConfig:
     # value head h reads key head h % delta_key_heads (llama.cpp's order, which its converter puts the value heads
     # in), not h // (delta_value_heads / delta_key_heads) (the checkpoints')
     delta_tiled_heads: bool = False
+    # Granite-4.0-H: `mamba_layers` are Mamba2 (a state of mamba_head_dim x mamba_state per head and per request,
+    # and the last conv_kernel - 1 inputs of its convolution over x, B and C), B and C shared by the heads of each of
+    # mamba_groups groups; the multipliers scale the embedding, each block's output before the residual add and the
+    # attention scores (its scale), and divide the logits
+    mamba_layers: list[int] = field(default_factory=list)
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_state: int = 0
+    mamba_groups: int = 1
+    mamba_proj_bias: bool = False
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES and self.architecture not in REGISTERED_ARCHITECTURES:
@@ -168,6 +187,8 @@ class ModelConfig:
             family.update(hf_lfm2_fields(cfg))
         if arch == QWEN3_5:
             family.update(hf_qwen3_5_fields(cfg))
+        if arch == GRANITE_HYBRID:
+            family.update(hf_granite_hybrid_fields(cfg))
         if arch in MOE_ARCHITECTURES:
             family.update(hf_moe_fields(arch, cfg))
         return cls(**{**dict(
@@ -217,6 +238,12 @@ class ModelConfig:
                                        (self.delta_key_heads, self.delta_value_heads),
                                        (self.delta_key_dim, self.delta_value_dim), self.conv_kernel,
                                        self.partial_rotary_factor, self.rope_theta)
+        if self.architecture == GRANITE_HYBRID:
+            family = granite_hybrid_hf_fields(
+                self.num_layers, self.mamba_layers, self.mamba_heads, self.mamba_head_dim, self.mamba_state,
+                self.mamba_groups, self.conv_kernel, self.conv_bias, self.mamba_proj_bias,
+                (self.embedding_multiplier, self.residual_multiplier, self.attention_multiplier or 1.0,
+                 self.logits_scaling), not self.nope_layers, self.intermediate_size)
         if self.moe:
             family = moe_hf_fields(self.architecture, self.num_experts, self.num_experts_per_tok,
                                    self.moe_intermediate_size, self.norm_topk_prob, self.dense_layers, self.clip_qkv)

@@ -68,6 +68,11 @@ def _hf_config(arch: str, **kw: Any) -> Any:
 
         kw["rope_parameters"] = {"partial_rotary_factor": 0.25, **kw["rope_parameters"]}
         return Qwen3_5TextConfig(**kw)
+    if arch == "granite_hybrid":  # Mamba2 layers but where layer_types says attention; no experts, no rotary
+        from transformers import GraniteMoeHybridConfig
+
+        kw.pop("rope_parameters")
+        return GraniteMoeHybridConfig(num_local_experts=0, shared_intermediate_size=kw["intermediate_size"], **kw)
     if arch == "llama":
         return LlamaConfig(**kw)
     if arch == "mistral":
@@ -75,7 +80,7 @@ def _hf_config(arch: str, **kw: Any) -> Any:
     if arch == "qwen2":
         return Qwen2Config(use_sliding_window=False, **kw)  # q/k/v always carry a bias
     raise ValueError(f"unknown tiny arch {arch!r}; use llama, qwen2, mistral, qwen3, phi3, smollm3, gemma3, mixtral, "
-                     "qwen3_moe, olmoe, lfm2 or qwen3_5")
+                     "qwen3_moe, olmoe, lfm2, qwen3_5 or granite_hybrid")
 
 
 @torch.no_grad()

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.family_config import LFM2, QWEN3_5, lfm2_name
+from tokenmill.family_config import GRANITE_HYBRID, LFM2, QWEN3_5, lfm2_name
 from tokenmill.model_config import REGISTERED_ARCHITECTURES, ModelConfig
 
 
@@ -46,6 +46,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                            p + "self_attn.k_norm.weight": (kv if whole else config.head_dim,)})
     if config.architecture == QWEN3_5:
         return _qwen3_5_shapes(config, shapes)
+    if config.architecture == GRANITE_HYBRID:
+        return _granite_hybrid_shapes(config, shapes)
     return _lfm2_shapes(config, shapes) if config.architecture == LFM2 else shapes
 
 
@@ -86,6 +88,29 @@ def _qwen3_5_shapes(config: ModelConfig, llama: dict[str, tuple[int, ...]]) -> d
     return shapes
 
 
+def _granite_hybrid_shapes(config: ModelConfig, llama: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Granite-4.0-H's tensors: the MLP as its shared_mlp (gate and up rows in one input_linear tensor, which
+    FUSED_TENSORS splits into the parts listed here), Mamba2's in place of attention in its Mamba layers."""
+    mamba = {f"model.layers.{i}." for i in config.mamba_layers}
+    shapes = {name.replace(".mlp.down_proj.", ".shared_mlp.output_linear.").replace(".mlp.", ".shared_mlp."): shape
+              for name, shape in llama.items()
+              if ".self_attn." not in name or name[:name.index("self_attn")] not in mamba}
+    h, heads = config.hidden_size, config.mamba_heads
+    inner = heads * config.mamba_head_dim
+    conv = inner + 2 * config.mamba_groups * config.mamba_state
+    for p in mamba:
+        p += "mamba."
+        shapes.update({p + "in_proj.weight": (inner + conv + heads, h),
+                       p + "conv1d.weight": (conv, 1, config.conv_kernel),
+                       p + "dt_bias": (heads,), p + "A_log": (heads,), p + "D": (heads,), p + "norm.weight": (inner,),
+                       p + "out_proj.weight": (h, inner)})
+        if config.conv_bias:
+            shapes[p + "conv1d.bias"] = (conv,)
+        if config.mamba_proj_bias:
+            shapes.update({p + "in_proj.bias": (inner + conv + heads,), p + "out_proj.bias": (h,)})
+    return shapes
+
+
 def _mlp_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     """Layer `layer`'s feed-forward tensors: a SwiGLU MLP's, or a mixture of experts' router and experts, named as
     the family's checkpoints name them (Mixtral: `block_sparse_moe`, experts' w1/w3/w2 for gate/up/down)."""
@@ -121,7 +146,8 @@ def expert_tensor_name(config: ModelConfig, layer: int, expert: int, proj: str) 
 
 # a fused checkpoint tensor (Phi-3's) -> the tensors it stacks, in row order
 FUSED_TENSORS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                 "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+                 "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+                 "shared_mlp.input_linear": ("shared_mlp.gate_proj", "shared_mlp.up_proj")}
 Part = tuple[str, int, int]  # (fused tensor's name, first row, rows)
 
 

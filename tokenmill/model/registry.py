@@ -7,6 +7,7 @@ from torch import nn
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.gemma3 import Gemma3ForCausalLM
+from tokenmill.model.granite_hybrid import GraniteHybridForCausalLM
 from tokenmill.model.lfm2 import Lfm2ForCausalLM
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.mixtral import MixtralForCausalLM
@@ -31,6 +32,7 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "GraniteMoeHybridForCausalLM": GraniteHybridForCausalLM,
 }
 
 

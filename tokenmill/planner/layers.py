@@ -9,12 +9,13 @@
   planner's state is the engine's.
 
 Every layer, whatever its kind, also has its block's two norms and its feed-forward (dense or experts);
-ModelShape counts those. Two kinds of state layer today, read from config.json by `hf_hybrid_fields` and from
-GGUF metadata by `gguf_hybrid_fields`: LFM2's gated short convolutions (`short_convolutions`) and Qwen3.5's
-Gated DeltaNet (`gated_delta_nets`: a convolution state and a key x value matrix per value head). Another
-hybrid joins with a function like these giving its mixer's parameters and its state's shapes (Mamba2: a
-convolution state and an SSM state per head) and a branch in each reader. The delta rule's own FLOPs (a few
-per state element and token) are not in the roofline: its projections' dominate.
+ModelShape counts those. Three kinds of state layer today, read from config.json by `hf_hybrid_fields` and from
+GGUF metadata by `gguf_hybrid_fields`: LFM2's gated short convolutions (`short_convolutions`), Qwen3.5's
+Gated DeltaNet (`gated_delta_nets`: a convolution state and a key x value matrix per value head) and
+Granite-4.0-H's Mamba2 (`mamba2_mixers`: a convolution state and a head_dim x state matrix per head; from
+config.json only so far). Another hybrid joins with a function like these giving its mixer's parameters and its
+state's shapes and a branch in each reader. The recurrences' own FLOPs (a few per state element and token) are not
+in the roofline: their projections' dominate.
 
 Plain Python, no torch: `tokenmill plan` answers instantly.
 """
@@ -24,7 +25,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.family_config import LFM2, QWEN3_5, hf_lfm2_fields, hf_qwen3_5_fields
+from tokenmill.family_config import (
+    GRANITE_HYBRID,
+    LFM2,
+    QWEN3_5,
+    hf_granite_hybrid_fields,
+    hf_lfm2_fields,
+    hf_qwen3_5_fields,
+)
 from tokenmill.model.layer_cache import LayerCache
 
 
@@ -82,6 +90,24 @@ def gated_delta_nets(layers: list[int] | tuple[int, ...], hidden: int, key_heads
     return StateLayers("Gated DeltaNet", tuple(layers), params, state)
 
 
+def mamba2_mixers(layers: list[int] | tuple[int, ...], hidden: int, heads: int, head_dim: int, state: int,
+                  groups: int, kernel: int, conv_bias: bool, proj_bias: bool) -> StateLayers:
+    """Mamba2 (model/granite_hybrid.py Mamba2Mixer): in_proj to the gate, the convolution's channels (x, B and C)
+    and a step per head; the depthwise convolution (with its bias); dt_bias, A_log and D per head; the gated
+    norm's weight; out_proj. It keeps the convolution's last kernel - 1 inputs and a head_dim x state matrix per
+    head, in float32, as GraniteHybridForCausalLM.layer_caches does."""
+    inner = heads * head_dim
+    channels = inner + 2 * groups * state
+    projected = inner + channels + heads
+    params = hidden * projected + channels * kernel + 3 * heads + inner + inner * hidden
+    if conv_bias:
+        params += channels
+    if proj_bias:
+        params += projected + hidden
+    return StateLayers("Mamba2", tuple(layers), params,
+                       LayerCache.state((kernel - 1, channels), (heads, head_dim, state)))
+
+
 def hf_hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """ModelShape fields a hybrid's config.json sets beside the Llama-family ones (none for another model):
     LFM2's convolution layers, its feed-forward width and tied embeddings as tokenmill reads them
@@ -94,6 +120,14 @@ def hf_hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         return {"intermediate_size": int(cfg["intermediate_size"]),
                 "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)), "qk_norm": True,
                 "gated_attention": True, "state_layers": (delta,) if delta.layers else ()}
+    if arch == GRANITE_HYBRID or cfg.get("model_type") == "granitemoehybrid":
+        f = hf_granite_hybrid_fields(cfg)
+        mixers = mamba2_mixers(f["mamba_layers"], int(cfg["hidden_size"]), f["mamba_heads"], f["mamba_head_dim"],
+                               f["mamba_state"], f["mamba_groups"], f["conv_kernel"], f["conv_bias"],
+                               f["mamba_proj_bias"])
+        return {"intermediate_size": f["intermediate_size"],
+                "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+                "state_layers": (mixers,) if mixers.layers else ()}
     if arch != LFM2 and cfg.get("model_type") != "lfm2":
         return {}
     fields = hf_lfm2_fields(cfg)
@@ -116,8 +150,9 @@ def gguf_hybrid_fields(arch: str, metadata: dict[str, Any], tensor_names: set[st
         delta = ([i for i, r in enumerate(recurrent[:layers]) if r] if isinstance(recurrent, list)
                  else [i for i in range(layers) if (i + 1) % every])
         value_heads = int(metadata["qwen35.ssm.time_step_rank"])
-        nets = gated_delta_nets(delta, int(metadata["qwen35.embedding_length"]), int(metadata["qwen35.ssm.group_count"]),
-                                value_heads, int(metadata["qwen35.ssm.state_size"]),
+        key = int(metadata["qwen35.ssm.state_size"])
+        nets = gated_delta_nets(delta, int(metadata["qwen35.embedding_length"]),
+                                int(metadata["qwen35.ssm.group_count"]), value_heads, key,
                                 int(metadata["qwen35.ssm.inner_size"]) // value_heads,
                                 int(metadata["qwen35.ssm.conv_kernel"]))
         return {"qk_norm": True, "gated_attention": True, "state_layers": (nets,) if nets.layers else ()}

@@ -110,6 +110,24 @@ class Backend(ABC):
         normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
         return ((weight * normed) * torch.nn.functional.silu(gate.float())).to(x.dtype)
 
+    def mamba2_scan(self, x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor, a_log: torch.Tensor,
+                    d: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+                    spans: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Mamba2's selective scan over each request's rows (Granite-4.0-H's Mamba layers): x [T, H, P], dt [T, H]
+        (the step before dt_bias and softplus), b, c [T, G, N] each shared by H / G consecutive heads; per token
+        s <- exp(dt A) s + dt x b^T with A = -exp(a_log), y = s c + d x. A span (start, end, slot) continues the
+        state [H, P, N] its slot holds (float32, in place). Returns y [T, H, P] in x's dtype."""
+        return recurrent.mamba2_scan(x, dt, b, c, a_log, d, dt_bias, state, spans)
+
+    def gated_group_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                         groups: int) -> torch.Tensor:
+        """weight * rms-normalised(x * silu(gate)) over each of `groups` equal parts of the last dim (Mamba2's
+        output norm: gated first, then normalised per group), in float32, rounded to x's dtype before the weight."""
+        xf = x.float() * torch.nn.functional.silu(gate.float())
+        parts = xf.view(*xf.shape[:-1], groups, -1)
+        normed = (parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + eps)).view(xf.shape)
+        return weight * normed.to(x.dtype)
+
     def qk_norm(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_weight: torch.Tensor,
                 k_weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Qwen3's q_norm and k_norm: each q and k head of the fused projection's output qkv [T, (H + 2 KVH) D]

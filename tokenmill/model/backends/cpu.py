@@ -156,6 +156,13 @@ class CpuBackend(TorchBackend):
         self.ops.gated_delta_rule(q, k, v, a, b, a_log, dt_bias, state, _spans(spans), out, tiled)
         return out
 
+    def mamba2_scan(self, x, dt, b, c, a_log, d, dt_bias, state, spans):
+        if x.dtype not in (torch.float32, torch.bfloat16) or not spans:
+            return super().mamba2_scan(x, dt, b, c, a_log, d, dt_bias, state, spans)
+        out = torch.empty(x.shape, dtype=x.dtype)
+        self.ops.mamba2_scan(x, dt, b, c, a_log, d, dt_bias, state, _spans(spans), out)
+        return out
+
     def short_conv(self, x, weight, bias, state, spans, silu=False):
         if not (_rows(x) and spans and x.dtype in (torch.float32, torch.bfloat16) and weight.dtype == x.dtype):
             return super().short_conv(x, weight, bias, state, spans, silu)

@@ -93,3 +93,24 @@ def _chunked(q, k, v, g, beta, s):
         last = cum[:, -1:]
         s = s * last.exp()[..., None] + (kc * (last - cum).exp()[..., None]).transpose(-1, -2) @ corrections
     return out.transpose(0, 1), s
+
+
+def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor, a_log: torch.Tensor,
+                d: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+                spans: list[tuple[int, int, int]]) -> torch.Tensor:
+    """Backend.mamba2_scan's reference: each request's tokens in turn (the step's form; transformers' chunked SSD
+    form gives the same values up to rounding), batched over the heads."""
+    heads, groups = x.shape[1], b.shape[1]
+    step = -a_log.float().exp()  # A, per head
+    delta = F.softplus(dt.float() + dt_bias.float())  # [T, H]
+    bh = b.float().repeat_interleave(heads // groups, 1)  # [T, H, N]: each group's B for its heads
+    ch = c.float().repeat_interleave(heads // groups, 1)
+    xf = x.float()
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    for start, end, slot in spans:
+        s = state[slot]  # [H, P, N]
+        for r in range(start, end):
+            s = s * (delta[r] * step).exp()[:, None, None] + (delta[r][:, None] * xf[r])[:, :, None] * bh[r][:, None, :]
+            out[r] = (s @ ch[r][:, :, None]).squeeze(-1)
+        state[slot] = s
+    return (out + xf * d.float()[:, None]).to(x.dtype)

@@ -46,6 +46,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dpbf16_linear", &dpbf16_linear, "bf16_linear with AVX512-BF16 dot products");
   m.def("gated_delta_rule", &gated_delta_rule, "Gated DeltaNet over each request's rows, its slot's state in place");
   m.def("causal_conv", &causal_conv, "a causal depthwise convolution over each request's rows, its state in place");
+  m.def("mamba2_scan", &mamba2_scan, "Mamba2's selective scan over each request's rows, its slot's state in place");
   m.def("gated_rms_norm", &gated_rms_norm, "weight * x / rms(x) * silu(gate) per row");
   m.def("f32_panels_available", &f32_panels_available, "whether this build has the float32 panel matmul");
   // without the GIL: its threads run ATen ops, and one that dispatches to Python (a meta tensor's) would wait on it

@@ -98,5 +98,9 @@ void gated_delta_rule(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor a, at
 // a causal depthwise convolution of x [T, C] (weight [C, K], state [S, K - 1, C]) into out, then SiLU if asked
 void causal_conv(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias, at::Tensor state, at::Tensor spans,
                  at::Tensor out, bool apply_silu);
+// Mamba2's scan: x [T, H, P], dt [T, H] (before dt_bias and softplus), b, c [T, G, N], state [S, H, P, N]; out
+// [T, H, P] with the d skip
+void mamba2_scan(at::Tensor x, at::Tensor dt, at::Tensor b, at::Tensor c, at::Tensor a_log, at::Tensor d,
+                 at::Tensor dt_bias, at::Tensor state, at::Tensor spans, at::Tensor out);
 // weight * x / rms(x) * silu(gate) over the rows of x [N, D]
 at::Tensor gated_rms_norm(at::Tensor x, at::Tensor gate, at::Tensor weight, double eps);

@@ -157,6 +157,59 @@ void delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   });
 }
 
+// Mamba2's scan for one head of one request, token by token: s [P, N] <- exp(dt A) s + dt x b^T, y = s c + d x.
+template <typename T>
+void scan_spans(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& b, const at::Tensor& c,
+                const at::Tensor& a_log, const at::Tensor& d, const at::Tensor& dt_bias, at::Tensor& state,
+                const std::vector<Span>& spans, at::Tensor& out) {
+  const int64_t heads = x.size(1), head_dim = x.size(2), groups = b.size(1), size = b.size(2);
+  const int64_t per_group = heads / groups;
+  const T* xp = x.data_ptr<T>();
+  const T* dtp = dt.data_ptr<T>();
+  const T* bp = b.data_ptr<T>();
+  const T* cp = c.data_ptr<T>();
+  const T* alog = a_log.data_ptr<T>();
+  const T* dp = d.data_ptr<T>();
+  const T* biasp = dt_bias.data_ptr<T>();
+  float* sp = state.data_ptr<float>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, static_cast<int64_t>(spans.size()) * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> bv(size), cv(size);
+    for (int64_t task = begin; task < end; ++task) {
+      const Span& span = spans[task / heads];
+      const int64_t h = task % heads, g = h / per_group;
+      float* s = sp + (span.slot * heads + h) * head_dim * size;
+      const float a = -std::exp(to_float(alog[h])), skip = to_float(dp[h]), bias = to_float(biasp[h]);
+      for (int64_t r = span.start; r < span.end; ++r) {
+        const float raw = to_float(dtp[r * dt.stride(0) + h]) + bias;
+        const float step = raw > 20.f ? raw : std::log1p(std::exp(raw));
+        const float decay = std::exp(step * a);
+        const T* br = bp + r * b.stride(0) + g * b.stride(1);
+        const T* cr = cp + r * c.stride(0) + g * c.stride(1);
+        for (int64_t n = 0; n < size; ++n) {
+          bv[n] = to_float(br[n]);
+          cv[n] = to_float(cr[n]);
+        }
+        const T* xr = xp + r * x.stride(0) + h * x.stride(1);
+        T* orow = op + r * out.stride(0) + h * out.stride(1);
+        for (int64_t p = 0; p < head_dim; ++p) {
+          float* __restrict sr = s + p * size;
+          const float xv = to_float(xr[p]), w = step * xv;
+          const float* __restrict bb = bv.data();
+          const float* __restrict cc = cv.data();
+          float y = 0.f;
+#pragma omp simd reduction(+ : y)
+          for (int64_t n = 0; n < size; ++n) {
+            sr[n] = sr[n] * decay + w * bb[n];
+            y += sr[n] * cc[n];
+          }
+          orow[p] = round_to<T>(y + xv * skip);
+        }
+      }
+    }
+  });
+}
+
 constexpr int64_t CONV_CHANNELS = 256;  // channels per task of the convolution
 
 template <typename T>
@@ -287,4 +340,21 @@ at::Tensor gated_rms_norm(at::Tensor x, at::Tensor gate, at::Tensor weight, doub
   at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
   by_dtype(x, "gated_rms_norm", [&](auto tag) { gated_norm_rows<decltype(tag)>(x, gate, weight, eps, out); });
   return out;
+}
+
+void mamba2_scan(at::Tensor x, at::Tensor dt, at::Tensor b, at::Tensor c, at::Tensor a_log, at::Tensor d,
+                 at::Tensor dt_bias, at::Tensor state, at::Tensor spans, at::Tensor out) {
+  TORCH_CHECK(x.stride(2) == 1 && b.stride(2) == 1 && c.stride(2) == 1 && dt.stride(1) == 1 && out.stride(2) == 1,
+              "mamba2_scan: heads' and groups' elements contiguous");
+  TORCH_CHECK(state.is_contiguous() && state.scalar_type() == at::kFloat && b.size(1) > 0 &&
+              x.size(1) % b.size(1) == 0, "mamba2_scan: a float32 contiguous state, heads a multiple of groups");
+  for (const at::Tensor* t : {&dt, &b, &c, &a_log, &d, &dt_bias, &out}) {
+    TORCH_CHECK(t->scalar_type() == x.scalar_type(), "mamba2_scan: every input in x's dtype");
+  }
+  TORCH_CHECK(a_log.is_contiguous() && d.is_contiguous() && dt_bias.is_contiguous(),
+              "mamba2_scan: contiguous a_log, d, dt_bias");
+  const std::vector<Span> s = read_spans(spans);
+  by_dtype(x, "mamba2_scan", [&](auto tag) {
+    scan_spans<decltype(tag)>(x, dt, b, c, a_log, d, dt_bias, state, s, out);
+  });
 }
