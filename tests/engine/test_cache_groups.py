@@ -157,17 +157,39 @@ def test_a_slot_is_held_exactly_while_a_request_runs_and_comes_back_on_finish_ab
     assert slots.num_free == 8
 
 
-def test_a_failed_step_puts_the_state_back():
-    """The core reruns a failed step's requests one by one: their state must be what it was before the step."""
+def test_a_reset_zeroes_its_slots_only():
     caches = [LayerCache.attention(), LayerCache.state((2, 3), (3,))]
     cache = CacheTensors(KVLayout.uniform(2, 4, caches), (5, 4, 1, 8), torch.float32, torch.device("cpu"), 4)
     conv, hidden = cache.per_layer[1]
     conv.normal_(), hidden.normal_()
     before = [conv.clone(), hidden.clone()]
-    saved = cache.save_states([1, 3])
-    conv[1].add_(1), hidden[3].mul_(2), hidden[0].add_(5)
-    cache.restore_states(saved)
-    assert torch.equal(conv[1], before[0][1]) and torch.equal(hidden[3], before[1][3])
-    assert not torch.equal(hidden[0], before[1][0])  # a slot not saved keeps what it has
     cache.reset_states([2])
-    assert not conv[2].any() and not hidden[2].any() and torch.equal(conv[1], before[0][1])
+    assert not conv[2].any() and not hidden[2].any()
+    assert torch.equal(conv[1], before[0][1]) and torch.equal(hidden[3], before[1][3])
+
+
+def test_a_failed_step_fails_its_requests_and_leaks_nothing(toy, monkeypatch):
+    """A step that raises has updated its requests' recurrent state in place, part way: rerunning them would start
+    from it, so each request of the step fails with the error; later requests run as usual, and every slot, page and
+    snapshot comes back."""
+    core = make_core(toy)
+    model, forward = core.runner.model, core.runner.model.forward
+
+    def faulty(input_ids, *args, **kwargs):
+        if bool((input_ids == 60).any()):
+            raise RuntimeError("kernel fault")
+        return forward(input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", faulty)
+    add(core, "bad", [5, 60, 7])
+    add(core, "beside", [5, 6, 7, 8])
+    errors = {}
+    while core.has_unfinished:
+        for o in core.step().outputs:
+            if o.error:
+                errors[o.request_id] = o.error
+    assert set(errors) == {"bad", "beside"} and all("kernel fault" in e for e in errors.values())
+    core.check_idle_invariants()
+    add(core, "after", PROMPTS["r1"])
+    assert_greedy_matches(drain(core)["after"], *greedy_reference(load_reference(toy), PROMPTS["r1"], 8))
+    core.check_idle_invariants()

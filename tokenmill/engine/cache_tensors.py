@@ -62,14 +62,6 @@ class CacheTensors:
                 for t in tensors:
                     t.index_fill_(0, index, 0)
 
-    def save_states(self, slots: list[int]) -> list[torch.Tensor]:
-        """A copy of these slots' state, to put back if the step that updates it in place fails (the core then
-        runs its requests again, one by one)."""
-        if not slots or not self._states:
-            return []
-        index = torch.tensor(slots, dtype=torch.long, device=self._states[0][0].device)
-        return [index] + [t.index_select(0, index) for tensors in self._states for t in tensors]
-
     def copy_states(self, pairs: list[tuple[int, int]]) -> None:
         """Row `dst` of every state tensor becomes a copy of row `src`, for each (src, dst): a snapshot into a slot
         or a slot into a snapshot."""
@@ -81,10 +73,3 @@ class CacheTensors:
                 for t in tensors:
                     t.index_copy_(0, dst, t.index_select(0, src))
 
-    def restore_states(self, saved: list[torch.Tensor]) -> None:
-        if not saved:
-            return
-        index, copies = saved[0], iter(saved[1:])
-        for tensors in self._states:
-            for t in tensors:
-                t.index_copy_(0, index, next(copies))

@@ -172,19 +172,14 @@ class ModelRunner(StepInputs, MultiStepRunner):
             return self._execute_run(out)
         if not self.cache.has_state:
             return self._execute_step(out)
-        # State layers update their requests' slots in place: a step of several requests that fails puts them
-        # back, as the core runs them again one by one (a lone request's failure fails it: nothing to put back);
-        # a request starting at position 0 starts from a zero state, one starting at a prefix hit from the hit's
-        # snapshot, and a step ending at a block boundary may leave a snapshot.
+        # State layers update their requests' slots in place (a step that fails leaves them half-updated: the core
+        # then fails its requests, engine/core.py _execute); a request starting at position 0 starts from a zero
+        # state, one starting at a prefix hit from the hit's snapshot, and a step ending at a block boundary may
+        # leave a snapshot.
         reqs = [s.request for s in out.scheduled]
         self.cache.copy_states([(r.state_load, r.state_slot) for r in reqs if r.state_load is not None])
-        saved = self.cache.save_states([r.state_slot for r in reqs if r.num_computed_tokens] if len(reqs) > 1 else [])
         self.cache.reset_states([r.state_slot for r in reqs if not r.num_computed_tokens])
-        try:
-            result = self._execute_step(out)
-        except BaseException:
-            self.cache.restore_states(saved)
-            raise
+        result = self._execute_step(out)
         self.cache.copy_states([(r.state_slot, r.state_save[0]) for r in reqs if r.state_save is not None])
         return result
 
