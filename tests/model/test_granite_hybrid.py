@@ -13,12 +13,14 @@ import torch
 
 from tests.engine.drive import run
 from tests.greedy import assert_matches_reference, hf_greedy
+from tests.models.gguf_writer import write_granite_hybrid_gguf
 from tests.models.reference import make_llm
 from tests.models.tiny import make_tiny_model
 from tokenmill.errors import ConfigError
 from tokenmill.model.checkpoint import expected_shapes
 from tokenmill.model.granite_hybrid import GraniteHybridForCausalLM
-from tokenmill.model.loader import load_model_config
+from tokenmill import LLM
+from tokenmill.model.loader import load_model_config, load_weights
 from tokenmill.model_config import ModelConfig
 from tokenmill.sampling_params import SamplingParams
 
@@ -58,7 +60,7 @@ def test_the_config_is_read_as_transformers_reads_it(granite):
         ModelConfig.from_hf_dict({**raw, "num_local_experts": 4})
 
 
-def test_the_tensors_expected_are_the_checkpoints_and_the_models(granite):
+def test_the_tensors_expected_are_the_checkpoints_and_the_models(granite, tmp_path):
     from safetensors import safe_open
 
     from tokenmill.model.checkpoint import fused_parts
@@ -83,6 +85,8 @@ def test_the_tensors_expected_are_the_checkpoints_and_the_models(granite):
     planned = load_model(str(path))
     assert planned.params == sum(math.prod(shape) for shape in saved.values())
     assert planned.state_bytes_per_sequence == sum(c.state_bytes for c in GraniteHybridForCausalLM.layer_caches(cfg))
+    from_file = load_model(str(write_granite_hybrid_gguf(path, tmp_path / "g.gguf")))
+    assert from_file.params == planned.params and from_file.state_layers == planned.state_layers
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -110,6 +114,49 @@ def test_the_cpu_scan_is_the_references(dtype):
     torch.testing.assert_close(outs[1], outs[0], **tol)
     torch.testing.assert_close(states[1], states[0], atol=1e-4, rtol=1e-4)
     assert torch.equal(states[1][2], states[0][2]) and torch.equal(states[1][5], states[0][5])
+
+
+@pytest.mark.parametrize("qtype", [None, "Q8_0"])
+def test_a_gguf_file_as_llama_cpp_writes_it_serves_the_same_model(granite, tmp_path, qtype):
+    """From the converter's layout (q/k rows in rotary order, -exp(A_log), norm weights by group, the shared MLP
+    split): the same config, and transformers' greedy tokens on the file's weights (Q8_0's dequantized); with
+    Q8_0's blocks kept, every prompt token's logprob close to the dequantized model's."""
+    from dataclasses import replace
+
+    from gguf import GGMLQuantizationType
+    from transformers import AutoModelForCausalLM
+
+    from tests.model.test_lfm2 import prompt_logprobs
+
+    path, _, ref = granite
+    file = write_granite_hybrid_gguf(path, tmp_path / "granite.gguf", qtype and getattr(GGMLQuantizationType, qtype))
+    cfg, want = load_model_config(file), load_model_config(path)
+    float32 = ("rms_norm_eps", "residual_multiplier", "attention_multiplier")  # the file's, in float32
+    assert replace(cfg, max_position_embeddings=want.max_position_embeddings,
+                   **{k: getattr(want, k) for k in float32}) == want
+    if qtype is not None:  # the reference runs the weights the file holds
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        weights = load_weights(file, cfg)
+        state = {n: weights[n] for n in weights if "shared_mlp" not in n}
+        for i in range(cfg.num_layers):  # the shared MLP's gate and up rows back in one input_linear
+            p = f"model.layers.{i}.shared_mlp."
+            gate_up = [weights[p + "gate_proj.weight"], weights[p + "up_proj.weight"]]
+            state[p + "input_linear.weight"] = torch.cat(gate_up)
+            state[p + "output_linear.weight"] = weights[p + "output_linear.weight"]
+        hf.load_state_dict(state, strict=True)
+        ref = {rid: hf_greedy(hf, prompt, TOKENS) for rid, prompt in PROMPTS.items()}
+    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+    dense = LLM(str(file), dtype="float32", kv_cache_memory=8 << 20, block_size=4, tokenizer=str(path))
+    done = run(dense.engine, PROMPTS, params)
+    for rid, (tokens, logits) in ref.items():
+        assert_matches_reference(done[rid].token_ids, tokens, logits)
+    if qtype is not None:
+        kept = LLM(str(file), dtype="float32", kv_cache_memory=8 << 20, block_size=4, tokenizer=str(path),
+                   quantization="gguf")
+        assert kept.engine.core.runner.weight_format().startswith("gguf")
+        a = torch.cat([prompt_logprobs(kept, p) for p in PROMPTS.values()])
+        b = torch.cat([prompt_logprobs(dense, p) for p in PROMPTS.values()])
+        assert 0 < (a - b).abs().mean() < 0.02 * b.abs().mean()  # int8 activations: close, not equal
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])

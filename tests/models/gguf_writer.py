@@ -153,3 +153,78 @@ def write_qwen3_5_gguf(model_dir: Path, out: Path, qtype=None) -> Path:
             w.add_tensor(name, data)
     write(w)
     return out
+
+
+def write_granite_hybrid_gguf(model_dir: Path, out: Path, qtype=None) -> Path:
+    """A GGUF file of the HF directory's Granite-4.0-H (no experts) as llama.cpp's convert_hf_to_gguf.py
+    (GraniteHybridModel) writes it: KV head counts per layer (0 for a Mamba2 layer), the ssm.* keys, the four
+    multipliers as given, rope.scaling.finetuned false (no rotary); the shared MLP's input_linear split into
+    ffn_gate and ffn_up, q and k rows in llama.cpp's rotary order, A_log as -exp(A_log) and D as [heads, 1], the
+    gated norm's weight as [groups, inner / groups], the convolution squeezed to [C, K] and kept in F32; other 2-D
+    weights in `qtype` (None: F32)."""
+    from gguf import MODEL_ARCH, GGUFWriter, get_tensor_name_map, quants
+    from safetensors.torch import load_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    heads, kv_heads, hidden = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
+    mamba = [t in ("mamba", "linear_attention") for t in cfg["layer_types"]]
+    w = GGUFWriter(str(out), "granitehybrid")
+    w.add_name("tiny granite-4.0-h")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(1 << 20)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_uint32("granitehybrid.expert_shared_feed_forward_length", cfg["shared_intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv([0 if m else kv_heads for m in mamba])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_float32("granitehybrid.attention.scale", cfg["attention_multiplier"])
+    w.add_float32("granitehybrid.embedding_scale", cfg["embedding_multiplier"])
+    w.add_float32("granitehybrid.residual_scale", cfg["residual_multiplier"])
+    w.add_float32("granitehybrid.logit_scale", cfg["logits_scaling"])
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_bool("granitehybrid.rope.scaling.finetuned", False)
+    w.add_ssm_conv_kernel(cfg["mamba_d_conv"])
+    w.add_ssm_state_size(cfg["mamba_d_state"])
+    w.add_ssm_group_count(cfg["mamba_n_groups"])
+    w.add_ssm_inner_size(cfg["mamba_expand"] * hidden)
+    w.add_ssm_time_step_rank(cfg["mamba_n_heads"])
+    w.add_expert_count(0)
+    w.add_expert_used_count(0)
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    names = get_tensor_name_map(MODEL_ARCH.GRANITE_HYBRID, cfg["num_hidden_layers"])
+    tensors: dict[str, np.ndarray] = {}
+    for hf_name, tensor in load_file(model_dir / "model.safetensors").items():
+        data = tensor.numpy().astype(np.float32)
+        prefix, _, leaf = hf_name.rpartition(".")
+        if "shared_mlp.input_linear" in hf_name:
+            half = data.shape[0] // 2
+            layer = prefix.split(".")[2]
+            tensors[f"blk.{layer}.ffn_gate.weight"], tensors[f"blk.{layer}.ffn_up.weight"] = data[:half], data[half:]
+            continue
+        if "shared_mlp.output_linear" in hf_name:
+            tensors[f"blk.{prefix.split('.')[2]}.ffn_down.weight"] = data
+            continue
+        if leaf in ("A_log", "D"):
+            data = (-np.exp(data) if leaf == "A_log" else data).reshape(-1, 1)
+        elif "mamba.norm" in hf_name:
+            data = data.reshape(cfg["mamba_n_groups"], -1)
+        elif "conv1d.weight" in hf_name:
+            data = data.squeeze(1)
+        elif "q_proj" in hf_name or "k_proj" in hf_name:  # llama.cpp's rotary row order, rope or not
+            n = heads if "q_proj" in hf_name else kv_heads
+            data = data.reshape(n, 2, data.shape[0] // n // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
+        base = hf_name.replace(".dt_bias", ".dt_proj.bias")
+        name = names.get_name(base, try_suffixes=(".weight", ".bias")) or names.get_name(base)
+        assert name is not None, hf_name
+        tensors[name] = data
+    for name, data in tensors.items():
+        if qtype is not None and data.ndim == 2 and "ssm_conv1d" not in name and name.endswith(".weight") \
+                and "norm" not in name:
+            w.add_tensor(name, quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, data)
+    write(w)
+    return out

@@ -1,195 +1,28 @@
-"""A llama.cpp GGUF file as a tokenmill model: its ModelConfig from the `{arch}.*` metadata, and its tensors under
-Hugging Face parameter names (a Checkpoint), in HF's rotary row order."""
+"""A llama.cpp GGUF file's tensors under Hugging Face parameter names (a Checkpoint), in HF's rotary row order; its
+ModelConfig comes from model/gguf_config.py."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from tokenmill.errors import ConfigError, ModelLoadError
-from tokenmill.family_config import lfm2_name, longrope_scaling
+from tokenmill.errors import ModelLoadError
+from tokenmill.family_config import lfm2_name
 from tokenmill.formats.gguf import GGUFFile
 from tokenmill.formats.gguf_blocks import GGMLBlocks, dequantize, kept_gguf_type
 from tokenmill.formats.kquants import TRANSCODED
 from tokenmill.model.checkpoint import Checkpoint, expected_shapes, expert_tensor_name, fused_parts
+from tokenmill.model.gguf_config import gguf_architecture
 from tokenmill.model_config import ModelConfig
 
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                      "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "lfm2": "Lfm2ForCausalLM",
-                      "qwen35": "Qwen3_5ForCausalLM"}
-# whether llama.cpp renormalises a mixture of experts' top weights, by architecture (unless the file says)
-_MOE_NORM_TOPK = {"llama": True, "qwen3moe": True, "olmoe": False}
 # one expert projection of every expert stacked [experts, rows, cols], as llama.cpp stores them
 _EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 # llama.cpp's converter reorders q/k rows for ggml's rope of these (LlamaModel and its subclasses), not the others
-PERMUTED_QK = ("llama", "smollm3")
+PERMUTED_QK = ("llama", "smollm3", "granitehybrid")
 # tensors llama.cpp writes that the config reads (Phi-3's long-rope factors), not model weights
 _CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
-
-
-def gguf_architecture(gguf: GGUFFile) -> tuple[str, str]:
-    """(GGUF metadata prefix, HF architecture). llama.cpp files Mistral under `llama`; its name tells."""
-    arch = gguf.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ModelLoadError(f"GGUF file {gguf.path} has unsupported architecture {arch!r}; supported: "
-                             f"{', '.join(GGUF_ARCHITECTURES)} (Mistral GGUFs are filed as llama)")
-    hf_arch = GGUF_ARCHITECTURES[arch]
-    if arch == "llama" and gguf.get("llama.expert_count"):  # llama.cpp files Mixtral under `llama`, with experts
-        hf_arch = "MixtralForCausalLM"
-    elif arch == "llama" and "mistral" in str(gguf.get("general.name", "")).lower():
-        hf_arch = "MistralForCausalLM"
-    return arch, hf_arch
-
-
-def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
-    """Map llama.cpp's `{arch}.*` metadata keys onto ModelConfig."""
-    arch, hf_arch = gguf_architecture(gguf)
-
-    def need(key: str) -> Any:
-        value = gguf.get(f"{arch}.{key}")
-        if value is None:
-            raise ModelLoadError(f"GGUF file {gguf.path} lacks the metadata key {arch}.{key}")
-        return value
-
-    hidden, num_heads = int(need("embedding_length")), int(need("attention.head_count"))
-    num_kv = gguf.get(f"{arch}.attention.head_count_kv", num_heads)
-    conv: dict[str, Any] = {}
-    if arch == "lfm2":  # per layer: 0 where the layer is a short convolution
-        counts = [int(n) for n in (num_kv if isinstance(num_kv, list) else [num_kv])]
-        conv = {"conv_layers": [i for i, n in enumerate(counts) if n == 0],
-                "conv_kernel": int(need("shortconv.l_cache")),
-                "conv_bias": any(n.endswith("shortconv.in_proj.bias") for n in gguf.tensors)}
-        num_kv = max(counts)
-    elif arch == "qwen35":
-        conv = _gguf_qwen35_fields(gguf)
-    elif isinstance(num_kv, list):
-        raise ModelLoadError(f"GGUF file {gguf.path} has per-layer KV head counts, which are not supported")
-    head_dim = int(gguf.get(f"{arch}.attention.key_length") or 0)
-    rope_dims = gguf.get(f"{arch}.rope.dimension_count")
-    partial = 1.0
-    if arch == "phi3":  # rope.dimension_count is the rotated part of a head (Phi-4-mini: 96 of 128)
-        head_dim = head_dim or hidden // num_heads
-        partial = int(rope_dims) / head_dim if rope_dims else 1.0
-        if int(head_dim * partial) != (rope_dims or head_dim):
-            raise ModelLoadError(f"GGUF file {gguf.path}: rotating {rope_dims} of {head_dim} dims is not supported")
-    elif arch == "qwen35":  # rope.dimension_count is the rotated part of a head (a quarter)
-        partial = int(rope_dims) / head_dim
-    else:
-        head_dim = head_dim or int(rope_dims or 0)
-    context = int(gguf.get(f"{arch}.context_length", 2048))
-    window = gguf.get(f"{arch}.attention.sliding_window") if arch == "phi3" else None
-    tokens = gguf.get("tokenizer.ggml.tokens")
-    vocab = gguf.get(f"{arch}.vocab_size") or (len(tokens) if tokens else None)
-    if vocab is None:
-        embd = gguf.tensors.get("token_embd.weight")
-        vocab = embd.shape[0] if embd else need("vocab_size")
-    eos = [gguf.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
-    if arch == "gemma3" and tokens and "<end_of_turn>" in tokens:  # a chat turn's end, as llama.cpp finds it
-        eos.append(tokens.index("<end_of_turn>"))
-    layers = int(need("block_count")) - int(gguf.get(f"{arch}.nextn_predict_layers", 0))  # MTP blocks: not run
-    family = (_gguf_gemma3_fields(gguf, layers, int(head_dim or hidden // num_heads), hidden // num_heads)
-              if arch == "gemma3" else {"rope_scaling": _gguf_rope_scaling(gguf, arch, context)})
-    moe = _gguf_moe_fields(gguf, arch, layers) if gguf.get(f"{arch}.expert_count") else {}
-    ffn = gguf.get(f"{arch}.feed_forward_length") or moe.get("moe_intermediate_size") or need("feed_forward_length")
-    return ModelConfig(
-        architecture=hf_arch,
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(ffn),
-        num_layers=layers,
-        num_heads=num_heads,
-        num_kv_heads=int(num_kv),
-        head_dim=int(head_dim or hidden // num_heads),
-        rms_norm_eps=float(gguf.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(gguf.get(f"{arch}.rope.freq_base", 10000.0)),
-        # no sliding-window attention here: serve only lengths Phi-3's window never cuts (0: none)
-        max_position_embeddings=min(context, int(window)) if window else context,
-        tie_word_embeddings="output.weight" not in gguf.tensors,
-        attention_bias=hf_arch == "Qwen2ForCausalLM" or "blk.0.attn_q.bias" in gguf.tensors,
-        qk_norm=arch in ("qwen3", "gemma3", "qwen3moe", "olmoe", "lfm2", "qwen35"),
-        partial_rotary_factor=partial,
-        # llama.cpp has no key for SmolLM3's NoPE layers: it fixes every 4th (src/models/smollm3.cpp), as here
-        nope_layers=[i for i in range(layers) if (i + 1) % 4 == 0] if arch == "smollm3" else [],
-        bos_token_id=gguf.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=list(dict.fromkeys(int(i) for i in eos if i is not None)),
-        **family,
-        **moe,
-        **conv,
-    )
-
-
-def _gguf_qwen35_fields(gguf: GGUFFile) -> dict[str, Any]:
-    """Qwen3.5's Gated DeltaNet from llama.cpp's keys: the recurrent layers (its list, else every layer but each
-    full_attention_interval-th), key heads (ssm.group_count) of ssm.state_size dims, value heads (time_step_rank)
-    sharing ssm.inner_size, and the value heads in llama.cpp's tiled order where there are more of them."""
-    layers = int(gguf.get("qwen35.block_count")) - int(gguf.get("qwen35.nextn_predict_layers", 0))
-    recurrent = gguf.get("qwen35.attention.recurrent_layers")
-    every = int(gguf.get("qwen35.full_attention_interval", 4))
-    delta = ([i for i, r in enumerate(recurrent[:layers]) if r] if isinstance(recurrent, list)
-             else [i for i in range(layers) if (i + 1) % every])
-    key_heads, value_heads = int(gguf.get("qwen35.ssm.group_count")), int(gguf.get("qwen35.ssm.time_step_rank"))
-    return {"delta_layers": delta, "delta_key_heads": key_heads, "delta_value_heads": value_heads,
-            "delta_key_dim": int(gguf.get("qwen35.ssm.state_size")),
-            "delta_value_dim": int(gguf.get("qwen35.ssm.inner_size")) // value_heads,
-            "conv_kernel": int(gguf.get("qwen35.ssm.conv_kernel")), "delta_tiled_heads": key_heads != value_heads}
-
-
-def _gguf_moe_fields(gguf: GGUFFile, arch: str, layers: int) -> dict[str, Any]:
-    """A mixture of experts' fields from llama.cpp's keys: expert counts, an expert's width (its own key, else the
-    feed-forward length), whether the top weights are renormalised (the file's key, else what llama.cpp does for the
-    architecture), OLMoE's clamp; a layer holding a plain MLP's tensors is a dense one."""
-    width = gguf.get(f"{arch}.expert_feed_forward_length") or gguf.get(f"{arch}.feed_forward_length")
-    norm = gguf.get(f"{arch}.expert_weights_norm")
-    clip = gguf.get(f"{arch}.attention.clamp_kqv")
-    return {"num_experts": int(gguf.get(f"{arch}.expert_count")),
-            "num_experts_per_tok": int(gguf.get(f"{arch}.expert_used_count", 0)),
-            "moe_intermediate_size": int(width or 0),
-            "norm_topk_prob": bool(_MOE_NORM_TOPK.get(arch, True) if norm is None else norm),
-            "dense_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate.weight" in gguf.tensors],
-            "clip_qkv": float(clip) if clip else None}
-
-
-def _gguf_gemma3_fields(gguf: GGUFFile, layers: int, head_dim: int, head_width: int) -> dict[str, Any]:
-    """Gemma 3 as llama.cpp runs it (src/llama-model.cpp), which the file's keys do not all say: every 6th layer
-    global and the others local (unless the file lists them), the local ones with base 10000 and the file's window;
-    scores scaled by head_dim ** -0.5 (the 27B, 62 layers: (hidden / heads) ** -0.5); linear rope scaling on the
-    global layers where the file asks for it."""
-    window = gguf.get("gemma3.attention.sliding_window")
-    pattern = gguf.get("gemma3.attention.sliding_window_pattern", 6)
-    local = ([i for i, f in enumerate(pattern) if f] if isinstance(pattern, list)
-             else [i for i in range(layers) if (i + 1) % int(pattern)])
-    kind, factor = gguf.get("gemma3.rope.scaling.type"), gguf.get("gemma3.rope.scaling.factor")
-    if kind not in (None, "none", "linear"):
-        raise ConfigError(f"GGUF file {gguf.path} uses rope scaling {kind!r}; Gemma 3 takes linear only")
-    return {"sliding_window": int(window) if window else None, "sliding_layers": local if window else [],
-            "rope_local_theta": 10000.0, "query_pre_attn_scalar": float(head_width if layers == 62 else head_dim),
-            "rope_scaling": ({"rope_type": "linear", "factor": float(factor)}
-                             if kind == "linear" and factor and factor != 1.0 else None)}
-
-
-def _gguf_rope_scaling(gguf: GGUFFile, arch: str, context: int) -> dict[str, Any] | None:
-    """Phi-3's long-rope (its factors stored as two tensors, as llama.cpp's converter writes them); any other
-    scaling is refused, rather than run the model with the wrong positions."""
-    if arch == "phi3" and "rope_factors_long.weight" in gguf.tensors:
-        original = gguf.get(f"{arch}.rope.scaling.original_context_length")
-        factors = {f"{k}_factor": gguf.read_tensor(f"rope_factors_{k}.weight").tolist() for k in ("short", "long")}
-        try:
-            return longrope_scaling({**factors, "attention_factor": gguf.get(f"{arch}.rope.scaling.attn_factor")},
-                                    context, original)
-        except ConfigError as e:
-            raise ModelLoadError(f"GGUF file {gguf.path}: {e}") from None
-    kind = gguf.get(f"{arch}.rope.scaling.type")
-    if kind not in (None, "none"):
-        raise ConfigError(f"GGUF file {gguf.path} uses rope scaling {kind!r}, which tokenmill does not "
-                          "support for GGUF models (supported: none; llama3 scaling via a HF directory)")
-    if "rope_freqs.weight" in gguf.tensors:
-        raise ConfigError(f"GGUF file {gguf.path} carries rope_freqs (llama3-style rope scaling baked into "
-                          "a tensor), which tokenmill does not support; use the model's HF directory")
-    return None
 
 
 # GGUF leaf name -> HF leaf name, within `blk.N.` / `model.layers.N.`
@@ -223,6 +56,14 @@ _QWEN35_LAYER_NAMES = {"attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
                        "ssm_a": "linear_attn.A_log", "ssm_conv1d.weight": "linear_attn.conv1d.weight",
                        "ssm_norm.weight": "linear_attn.norm.weight", "ssm_out.weight": "linear_attn.out_proj.weight",
                        "post_attention_norm.weight": "post_attention_layernorm.weight"}
+# Granite-4.0-H's: its shared MLP and its Mamba2 tensors (ssm_a holds -exp(A_log) as [heads, 1], ssm_d D as
+# [heads, 1], ssm_norm the norm's weight as [groups, inner / groups])
+_GRANITE_LAYER_NAMES = {"ffn_gate.weight": "shared_mlp.gate_proj.weight", "ffn_up.weight": "shared_mlp.up_proj.weight",
+                        "ffn_down.weight": "shared_mlp.output_linear.weight", "ssm_in.weight": "mamba.in_proj.weight",
+                        "ssm_in.bias": "mamba.in_proj.bias", "ssm_conv1d.weight": "mamba.conv1d.weight",
+                        "ssm_conv1d.bias": "mamba.conv1d.bias", "ssm_dt.bias": "mamba.dt_bias", "ssm_a": "mamba.A_log",
+                        "ssm_d": "mamba.D", "ssm_norm.weight": "mamba.norm.weight",
+                        "ssm_out.weight": "mamba.out_proj.weight", "ssm_out.bias": "mamba.out_proj.bias"}
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LFM2_GLOBAL_NAMES = {**_GGUF_GLOBAL_NAMES, "token_embd_norm": "model.norm"}
 
@@ -231,8 +72,9 @@ def hf_name_for_gguf(name: str, arch: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for unknown names. Phi-3's
     `ffn_up` holds gate and up stacked (its HF `gate_up_proj`), which checkpoint.fused_parts splits."""
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
-    if arch == "qwen35" and m and m.group(2) in _QWEN35_LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_QWEN35_LAYER_NAMES[m.group(2)]}"
+    own = {"qwen35": _QWEN35_LAYER_NAMES, "granitehybrid": _GRANITE_LAYER_NAMES}.get(arch, {})
+    if m and m.group(2) in own:
+        return f"model.layers.{m.group(1)}.{own[m.group(2)]}"
     base, _, suffix = name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None
@@ -283,7 +125,8 @@ class GGUFCheckpoint(Checkpoint):
         self._experts: dict[str, int] = {}  # HF name of one expert's projection -> its index in the stacked tensor
         # LFM2's and Qwen3.5's convolution weights, stored [C, K] (the checkpoint's: [C, 1, K])
         self._squeezed: set[str] = set()
-        self._decays: set[str] = set()  # Qwen3.5's A_log, stored as -exp(A_log)
+        self._decays: set[str] = set()  # Qwen3.5's and Granite-4.0-H's A_log, stored as -exp(A_log)
+        self._reshaped: dict[str, tuple[int, ...]] = {}  # Granite-4.0-H's ssm_a, ssm_d, ssm_norm: to the HF shape
         shapes: dict[str, tuple[int, ...]] = {}
         for name in gguf.tensors:
             if name in _CONFIG_TENSORS or _extra_block(name, config.num_layers):
@@ -307,12 +150,15 @@ class GGUFCheckpoint(Checkpoint):
                 self._shifted.add(hf_name)
             if name.endswith(("shortconv.conv.weight", "ssm_conv1d.weight")):
                 self._squeezed.add(hf_name)
-            if arch == "qwen35" and name.endswith(".ssm_a"):
+            if name.endswith(".ssm_a"):
                 self._decays.add(hf_name)
+            if arch == "granitehybrid" and name.endswith((".ssm_a", ".ssm_d", ".ssm_norm.weight")):
+                self._reshaped[hf_name] = expected[hf_name]
             if arch in PERMUTED_QK and (".attn_q." in name or ".attn_k." in name):
                 self._rope_heads[hf_name] = config.num_heads if ".attn_q." in name else config.num_kv_heads
         shapes.update({n: gguf.tensors[g].shape for n, g in self._names.items() if n not in self._experts})
         shapes.update({n: (shapes[n][0], 1, shapes[n][1]) for n in self._squeezed})
+        shapes.update(self._reshaped)
         super().__init__(path, config, dtype, shapes)
 
     def _read(self, name: str) -> torch.Tensor:
@@ -323,7 +169,10 @@ class GGUFCheckpoint(Checkpoint):
         if name in self._shifted:  # 1 + w in float32 (exactly w where w + 1 was exact), then the model's dtype
             return (self._gguf.read_tensor(self._names[name], torch.float32) - 1.0).to(self.dtype)
         if name in self._decays:  # A_log from -exp(A_log), in float32
-            return torch.log(-self._gguf.read_tensor(self._names[name], torch.float32)).to(self.dtype)
+            a = torch.log(-self._gguf.read_tensor(self._names[name], torch.float32))
+            return a.reshape(self._reshaped.get(name, a.shape)).to(self.dtype)
+        if name in self._reshaped:
+            return self._gguf.read_tensor(self._names[name], self.dtype).reshape(self._reshaped[name])
         w = self._gguf.read_tensor(self._names[name], self.dtype)
         if name in self._squeezed:
             return w.unsqueeze(1)

@@ -20,7 +20,8 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.formats.awq_format import awq_config
 from tokenmill.formats.gguf import GGUFFile
 from tokenmill.model.checkpoint import Checkpoint
-from tokenmill.model.gguf_checkpoint import GGUFCheckpoint, gguf_model_config
+from tokenmill.model.gguf_checkpoint import GGUFCheckpoint
+from tokenmill.model.gguf_config import gguf_model_config
 from tokenmill.model.hf_checkpoint import AWQCheckpoint, SafetensorsCheckpoint, read_json
 from tokenmill.model.paths import SUPPORTED_FORMS, default_model_path, is_gguf, resolve_model_path  # noqa: F401
 from tokenmill.model_config import ModelConfig

@@ -12,9 +12,9 @@ Every layer, whatever its kind, also has its block's two norms and its feed-forw
 ModelShape counts those. Three kinds of state layer today, read from config.json by `hf_hybrid_fields` and from
 GGUF metadata by `gguf_hybrid_fields`: LFM2's gated short convolutions (`short_convolutions`), Qwen3.5's
 Gated DeltaNet (`gated_delta_nets`: a convolution state and a key x value matrix per value head) and
-Granite-4.0-H's Mamba2 (`mamba2_mixers`: a convolution state and a head_dim x state matrix per head; from
-config.json only so far). Another hybrid joins with a function like these giving its mixer's parameters and its
-state's shapes and a branch in each reader. The recurrences' own FLOPs (a few per state element and token) are not
+Granite-4.0-H's Mamba2 (`mamba2_mixers`: a convolution state and a head_dim x state matrix per head). Another
+hybrid joins with a function like these giving its mixer's parameters and its state's shapes and a branch in each
+reader. The recurrences' own FLOPs (a few per state element and token) are not
 in the roofline: their projections' dominate.
 
 Plain Python, no torch: `tokenmill plan` answers instantly.
@@ -141,7 +141,7 @@ def hf_hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
 def gguf_hybrid_fields(arch: str, metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
     """The same from a GGUF file's metadata (none for another architecture): llama.cpp files LFM2 as `lfm2` with
     a KV head count per layer, 0 for a convolution layer, and the convolution's width as shortconv.l_cache;
-    Qwen3.5 as `qwen35` with its recurrent layers listed and the ssm.* keys (model/gguf_checkpoint.py reads the
+    Qwen3.5 as `qwen35` with its recurrent layers listed and the ssm.* keys (model/gguf_config.py reads the
     same)."""
     if arch == "qwen35":
         layers = int(metadata["qwen35.block_count"]) - int(metadata.get("qwen35.nextn_predict_layers", 0))
@@ -156,6 +156,18 @@ def gguf_hybrid_fields(arch: str, metadata: dict[str, Any], tensor_names: set[st
                                 int(metadata["qwen35.ssm.inner_size"]) // value_heads,
                                 int(metadata["qwen35.ssm.conv_kernel"]))
         return {"qk_norm": True, "gated_attention": True, "state_layers": (nets,) if nets.layers else ()}
+    if arch == "granitehybrid":  # per layer: 0 KV heads where the layer is Mamba2
+        kv = metadata["granitehybrid.attention.head_count_kv"]
+        kv = kv if isinstance(kv, list) else [kv] * int(metadata["granitehybrid.block_count"])
+        heads = int(metadata["granitehybrid.ssm.time_step_rank"])
+        mixers = mamba2_mixers([i for i, n in enumerate(kv) if not n], int(metadata["granitehybrid.embedding_length"]),
+                               heads, int(metadata["granitehybrid.ssm.inner_size"]) // heads,
+                               int(metadata["granitehybrid.ssm.state_size"]),
+                               int(metadata.get("granitehybrid.ssm.group_count", 1)),
+                               int(metadata["granitehybrid.ssm.conv_kernel"]),
+                               any(n.endswith("ssm_conv1d.bias") for n in tensor_names),
+                               any(n.endswith("ssm_in.bias") for n in tensor_names))
+        return {"state_layers": (mixers,) if mixers.layers else ()}
     if arch != "lfm2":
         return {}
     counts = metadata.get("lfm2.attention.head_count_kv")
