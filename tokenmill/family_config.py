@@ -65,7 +65,8 @@ def hf_nope_layers(cfg: dict[str, Any]) -> list[int]:
 
 
 MIXTRAL, QWEN3_MOE, OLMOE = "MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"
-MOE_ARCHITECTURES = (MIXTRAL, QWEN3_MOE, OLMOE)
+QWEN3_5_MOE = "Qwen3_5MoeForCausalLM"  # Qwen3.5's layers with experts in every one, and a gated shared expert
+MOE_ARCHITECTURES = (MIXTRAL, QWEN3_MOE, OLMOE, QWEN3_5_MOE)
 
 
 def hf_moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -79,7 +80,10 @@ def hf_moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     width = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
     fields: dict[str, Any] = {"num_experts": int(experts), "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
                               "moe_intermediate_size": int(width),
-                              "norm_topk_prob": True if arch == MIXTRAL else bool(cfg.get("norm_topk_prob", False))}
+                              "norm_topk_prob": True if arch in (MIXTRAL, QWEN3_5_MOE)
+                              else bool(cfg.get("norm_topk_prob", False))}
+    if arch == QWEN3_5_MOE:  # every layer's experts beside one shared expert, whose output a sigmoid gates
+        fields["shared_expert_size"] = int(cfg.get("shared_expert_intermediate_size") or 0)
     if arch == QWEN3_MOE:
         step, only = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or [])
         fields["dense_layers"] = [i for i in range(layers) if i in only or (i + 1) % step]
@@ -201,16 +205,18 @@ QWEN3_5 = "Qwen3_5ForCausalLM"
 # a multimodal Qwen3.5 checkpoint: its text model is served (config.json's text_config, the tensors under
 # model.language_model.; the vision tower's and the multi-token-prediction head's left in the file)
 QWEN3_5_VL = "Qwen3_5ForConditionalGeneration"
+QWEN3_5_MOE_VL = "Qwen3_5MoeForConditionalGeneration"
 
 
 def hf_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """A multimodal checkpoint's config.json read as its text model's (Qwen3.5's text_config), others as they are."""
     archs = cfg.get("architectures") or []
-    if (archs[:1] != [QWEN3_5_VL] and cfg.get("model_type") != "qwen3_5") or "text_config" not in cfg:
+    moe = archs[:1] == [QWEN3_5_MOE_VL] or cfg.get("model_type") == "qwen3_5_moe"
+    if not (moe or archs[:1] == [QWEN3_5_VL] or cfg.get("model_type") == "qwen3_5") or "text_config" not in cfg:
         return cfg
     text = dict(cfg["text_config"])
     text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
-    return {**text, "architectures": [QWEN3_5]}
+    return {**text, "architectures": [QWEN3_5_MOE if moe else QWEN3_5]}
 
 
 def hf_qwen3_5_fields(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from tokenmill.family_config import (
     MOE_ARCHITECTURES,
     OLMOE,
     QWEN3_5,
+    QWEN3_5_MOE,
     gemma3_hf_fields,
     granite_hybrid_hf_fields,
     hf_gemma3_fields,
@@ -45,7 +46,7 @@ BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCaus
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                "gemma3_text": GEMMA3, "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-               "olmoe": OLMOE, "lfm2": LFM2, "qwen3_5_text": QWEN3_5,
+               "olmoe": OLMOE, "lfm2": LFM2, "qwen3_5_text": QWEN3_5, "qwen3_5_moe_text": QWEN3_5_MOE,
                "granitemoehybrid": GRANITE_HYBRID}
 
 
@@ -90,6 +91,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     dense_layers: list[int] = field(default_factory=list)
+    shared_expert_size: int = 0  # Qwen3.5-MoE: a shared SwiGLU expert this wide beside the routed ones, gated
     clip_qkv: float | None = None  # OLMoE: q, k (after their norms) and v clamped to [-clip, clip]
     # expert parallelism: the experts [start, start + count) this rank holds (parallel/layout.py); None: all
     expert_range: tuple[int, int] | None = None
@@ -185,7 +187,7 @@ class ModelConfig:
         family = hf_gemma3_fields(cfg) if arch == GEMMA3 else {"rope_scaling": hf_rope_scaling(cfg)}
         if arch == LFM2:
             family.update(hf_lfm2_fields(cfg))
-        if arch == QWEN3_5:
+        if arch in (QWEN3_5, QWEN3_5_MOE):
             family.update(hf_qwen3_5_fields(cfg))
         if arch == GRANITE_HYBRID:
             family.update(hf_granite_hybrid_fields(cfg))
@@ -195,7 +197,8 @@ class ModelConfig:
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg.get("intermediate_size") or cfg.get("block_ff_dim"),
+            intermediate_size=(cfg.get("intermediate_size") or cfg.get("block_ff_dim")
+                               or cfg.get("shared_expert_intermediate_size")),  # Qwen3.5-MoE has no dense MLP
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
@@ -206,7 +209,7 @@ class ModelConfig:
             tie_word_embeddings=headless or cfg.get("tie_word_embeddings", False),
             headless=headless,
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", GEMMA3, "Qwen3MoeForCausalLM", OLMOE, LFM2, QWEN3_5),
+            qk_norm=arch in ("Qwen3ForCausalLM", GEMMA3, "Qwen3MoeForCausalLM", OLMOE, LFM2, QWEN3_5, QWEN3_5_MOE),
             partial_rotary_factor=float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor")
                                         or 1.0),
             nope_layers=hf_nope_layers(cfg) if arch == "SmolLM3ForCausalLM" else [],
@@ -233,7 +236,7 @@ class ModelConfig:
         if self.delta_tiled_heads:
             raise ConfigError("a GGUF file's Gated DeltaNet value heads are in llama.cpp's order, which a Hugging "
                               "Face config cannot say: start from the model's Hugging Face directory")
-        if self.architecture == QWEN3_5:
+        if self.architecture in (QWEN3_5, QWEN3_5_MOE):
             family = qwen3_5_hf_fields(self.num_layers, self.delta_layers,
                                        (self.delta_key_heads, self.delta_value_heads),
                                        (self.delta_key_dim, self.delta_value_dim), self.conv_kernel,
@@ -245,8 +248,12 @@ class ModelConfig:
                 (self.embedding_multiplier, self.residual_multiplier, self.attention_multiplier or 1.0,
                  self.logits_scaling), not self.nope_layers, self.intermediate_size)
         if self.moe:
-            family = moe_hf_fields(self.architecture, self.num_experts, self.num_experts_per_tok,
-                                   self.moe_intermediate_size, self.norm_topk_prob, self.dense_layers, self.clip_qkv)
+            family = {**(family if self.architecture == QWEN3_5_MOE else {}),
+                      **moe_hf_fields(self.architecture, self.num_experts, self.num_experts_per_tok,
+                                      self.moe_intermediate_size, self.norm_topk_prob, self.dense_layers,
+                                      self.clip_qkv)}
+            if self.shared_expert_size:
+                family["shared_expert_intermediate_size"] = self.shared_expert_size
         return {"architectures": [self.architecture], "model_type": model_type,
                 "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
                 "intermediate_size": self.intermediate_size,

@@ -6,6 +6,7 @@ from the prefix cache, from a multimodal checkpoint's text part, on the CPU kern
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -79,7 +80,8 @@ def test_the_chunked_form_and_the_step_agree_with_transformers():
     gen = torch.Generator().manual_seed(0)
     t, hk, hv, dk, dv = recurrent.CHUNK + 37, 2, 4, 16, 8
     q, k = torch.randn(t, hk, dk, generator=gen), torch.randn(t, hk, dk, generator=gen)
-    v, a, b = torch.randn(t, hv, dv, generator=gen), torch.randn(t, hv, generator=gen), torch.randn(t, hv, generator=gen)
+    v = torch.randn(t, hv, dv, generator=gen)
+    a, b = torch.randn(t, hv, generator=gen), torch.randn(t, hv, generator=gen)
     a_log, dt_bias = 0.5 * torch.randn(hv, generator=gen), torch.randn(hv, generator=gen)
     g = -a_log.exp() * torch.nn.functional.softplus(a + dt_bias)
     state = torch.zeros(3, hv, dk, dv)
@@ -279,3 +281,53 @@ def test_the_cpu_kernels_are_the_references(dtype):
     norm = torch.randn(dv, generator=gen).to(dtype)
     torch.testing.assert_close(backends[1].gated_rms_norm(x, gate, norm, 1e-6),
                                backends[0].gated_rms_norm(x, gate, norm, 1e-6), **tol)
+
+
+MOE_SHAPE = {**{k: v for k, v in SHAPE.items() if k != "intermediate_size"}, "moe_intermediate_size": 32,
+             "shared_expert_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 2}
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_moe(tmp_path_factory):
+    """A tiny Qwen3.5-MoE: 8 experts of 32, two a token, and a shared expert of 48 in every layer."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model(tmp_path_factory.mktemp("qwen3_5_moe"), arch="qwen3_5_moe", **MOE_SHAPE)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return path, hf, {rid: hf_greedy(hf, prompt, TOKENS) for rid, prompt in PROMPTS.items()}
+
+
+def test_the_moe_config_and_tensors_are_the_checkpoints(qwen3_5_moe):
+    from safetensors import safe_open
+
+    from tokenmill.model.qwen3_5 import Qwen3_5MoeForCausalLM
+
+    path, _, _ = qwen3_5_moe
+    cfg = load_model_config(path)
+    experts = (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.shared_expert_size)
+    assert experts == (8, 2, 32, 48)
+    assert cfg.norm_topk_prob and cfg.delta_layers == [0, 1, 3] and not cfg.dense_layers
+    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    with safe_open(path / "model.safetensors", framework="pt") as f:
+        saved = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    assert expected_shapes(cfg) == saved
+    with torch.device("meta"):
+        assert set(Qwen3_5MoeForCausalLM(cfg).weight_targets()) == set(saved)
+    from tokenmill.planner import load_model  # tokenmill plan counts every tensor, the shared expert's too
+
+    assert load_model(str(path)).params == sum(math.prod(s) for s in saved.values())
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_moe_greedy_output_matches_transformers_batched_and_from_the_prefix_cache(qwen3_5_moe, backend, monkeypatch):
+    path, hf, ref = qwen3_5_moe
+    llm = make_llm(path, backend, monkeypatch, dtype="float32", kv_cache_memory=8 << 20, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+    done = run(llm.engine, PROMPTS, params)
+    for rid, (tokens, logits) in ref.items():
+        assert_matches_reference(done[rid].token_ids, tokens, logits)
+    second = PROMPTS["p3"] + done["p3"].token_ids + [17, 18, 19]
+    out = llm.generate([{"prompt_token_ids": second}], params, use_tqdm=False)[0]
+    assert out.num_cached_tokens == (len(PROMPTS["p3"]) + TOKENS - 1) // 4 * 4
+    assert_matches_reference(out.outputs[0].token_ids, *hf_greedy(hf, second, TOKENS))
+    llm.engine.core.check_idle_invariants()

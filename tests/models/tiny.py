@@ -68,6 +68,12 @@ def _hf_config(arch: str, **kw: Any) -> Any:
 
         kw["rope_parameters"] = {"partial_rotary_factor": 0.25, **kw["rope_parameters"]}
         return Qwen3_5TextConfig(**kw)
+    if arch == "qwen3_5_moe":  # qwen3_5's layers with experts and a shared expert in every one
+        from transformers import Qwen3_5MoeTextConfig
+
+        kw["rope_parameters"] = {"partial_rotary_factor": 0.25, **kw["rope_parameters"]}
+        kw.pop("intermediate_size")
+        return Qwen3_5MoeTextConfig(**kw)
     if arch == "granite_hybrid":  # Mamba2 layers but where layer_types says attention; no experts, no rotary
         from transformers import GraniteMoeHybridConfig
 
@@ -80,7 +86,7 @@ def _hf_config(arch: str, **kw: Any) -> Any:
     if arch == "qwen2":
         return Qwen2Config(use_sliding_window=False, **kw)  # q/k/v always carry a bias
     raise ValueError(f"unknown tiny arch {arch!r}; use llama, qwen2, mistral, qwen3, phi3, smollm3, gemma3, mixtral, "
-                     "qwen3_moe, olmoe, lfm2, qwen3_5 or granite_hybrid")
+                     "qwen3_moe, olmoe, lfm2, qwen3_5, qwen3_5_moe or granite_hybrid")
 
 
 @torch.no_grad()
@@ -165,7 +171,7 @@ def make_tiny_model(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed)
-    if arch in ("gemma3", "qwen3_5"):  # their norms scale by 1 + w: the same spread around 1 as the others'
+    if arch in ("gemma3", "qwen3_5", "qwen3_5_moe"):  # norms scaling by 1 + w: the others' spread around 1
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):  # that one: w

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.family_config import GRANITE_HYBRID, LFM2, QWEN3_5, lfm2_name
+from tokenmill.family_config import GRANITE_HYBRID, LFM2, QWEN3_5, QWEN3_5_MOE, lfm2_name
 from tokenmill.model_config import REGISTERED_ARCHITECTURES, ModelConfig
 
 
@@ -44,7 +44,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             whole = config.architecture == "OlmoeForCausalLM"
             shapes.update({p + "self_attn.q_norm.weight": (q if whole else config.head_dim,),
                            p + "self_attn.k_norm.weight": (kv if whole else config.head_dim,)})
-    if config.architecture == QWEN3_5:
+    if config.architecture in (QWEN3_5, QWEN3_5_MOE):
         return _qwen3_5_shapes(config, shapes)
     if config.architecture == GRANITE_HYBRID:
         return _granite_hybrid_shapes(config, shapes)
@@ -119,8 +119,11 @@ def _mlp_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
         i = config.intermediate_size
         return {p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
                 p + "mlp.down_proj.weight": (h, i)}
-    m = config.moe_intermediate_size
+    m, s = config.moe_intermediate_size, config.shared_expert_size
     shapes = {router_tensor_name(config, layer): (config.num_experts, h)}
+    if s:  # Qwen3.5-MoE's shared expert and its gate
+        shapes.update({p + "mlp.shared_expert.gate_proj.weight": (s, h), p + "mlp.shared_expert.up_proj.weight": (s, h),
+                       p + "mlp.shared_expert.down_proj.weight": (h, s), p + "mlp.shared_expert_gate.weight": (1, h)})
     for e in config.local_experts:
         shapes.update({expert_tensor_name(config, layer, e, "gate"): (m, h),
                        expert_tensor_name(config, layer, e, "up"): (m, h),

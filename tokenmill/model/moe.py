@@ -87,6 +87,21 @@ class SparseMoE(nn.Module):
         return out if self.reduce is None else self.reduce(out)
 
 
+class SharedExpertMoE(SparseMoE):
+    """Qwen3.5-MoE's block: the routed experts plus one shared expert every token takes, its output scaled by
+    sigmoid(shared_expert_gate(x)), a [1, hidden] projection kept dense."""
+
+    def __init__(self, cfg: ModelConfig, backend: Backend, dtype: torch.dtype | None = None,
+                 method: LinearMethod | None = None, reduce: Reduce | None = None, round_weights: bool = True):
+        super().__init__(cfg, backend, dtype, method, reduce, round_weights)
+        self.shared_expert = SwiGLU(cfg.hidden_size, cfg.shared_expert_size, backend, dtype, method, reduce)
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False, backend=backend, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return super().forward(x) + shared
+
+
 class MoELayerMixin:
     """A decoder layer whose MLP is a SparseMoE, but in the config's dense layers (Qwen3-MoE's mlp_only_layers)."""
 

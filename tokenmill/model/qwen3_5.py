@@ -10,7 +10,7 @@ one full one in the released models.
   gate on its output: q_proj gives each head's query then its gate.
 - Every RMSNorm but the gated one scales by (1 + w) (gemma3.py's GemmaRMSNorm); the MLP is SwiGLU.
 Text positions only: the multimodal checkpoints' three rotary sections see the same position for text, which is
-plain rotary.
+plain rotary. Qwen3.5-MoE is the same with experts and a gated shared expert in every layer (moe.py).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from tokenmill.model.layer_cache import LayerCache
 from tokenmill.model.layers import DepthwiseConv, SwiGLU
 from tokenmill.model.linear import Linear
 from tokenmill.model.llama import Attention, LlamaForCausalLM
+from tokenmill.model.moe import MoEModelMixin, SharedExpertMoE
 from tokenmill.model_config import ModelConfig
 
 
@@ -110,7 +111,11 @@ class Qwen3_5Layer(nn.Module):
         else:
             self.self_attn = GatedAttention(cfg, backend, dtype, method, reduce, layer_idx)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps, backend, dtype)
-        self.mlp = SwiGLU(h, cfg.intermediate_size, backend, dtype, method, reduce)
+        self.mlp = self.make_mlp(cfg, backend, dtype, method, reduce)
+
+    def make_mlp(self, cfg: ModelConfig, backend, dtype, method, reduce) -> nn.Module:
+        """The feed-forward block (Qwen3_5MoeLayer's: experts and a shared expert)."""
+        return SwiGLU(cfg.hidden_size, cfg.intermediate_size, backend, dtype, method, reduce)
 
     def forward(self, x, cos, sin, meta, cache):
         """Updates the residual stream `x` in place and returns it."""
@@ -145,3 +150,15 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         super().load_hf_weights(weights)
         refresh_norms(self)
+
+
+class Qwen3_5MoeLayer(Qwen3_5Layer):
+    def make_mlp(self, cfg: ModelConfig, backend, dtype, method, reduce) -> nn.Module:
+        return SharedExpertMoE(cfg, backend, dtype, method, reduce)
+
+
+class Qwen3_5MoeForCausalLM(MoEModelMixin, Qwen3_5ForCausalLM):
+    """Qwen3_5MoeForCausalLM (HF), and Qwen3_5MoeForConditionalGeneration's text model: Qwen3.5's layers with
+    experts and a gated shared expert in every one."""
+
+    layer_class = Qwen3_5MoeLayer

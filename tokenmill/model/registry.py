@@ -14,7 +14,7 @@ from tokenmill.model.mixtral import MixtralForCausalLM
 from tokenmill.model.olmoe import OlmoeForCausalLM
 from tokenmill.model.phi3 import Phi3ForCausalLM
 from tokenmill.model.qwen3 import Qwen3ForCausalLM
-from tokenmill.model.qwen3_5 import Qwen3_5ForCausalLM
+from tokenmill.model.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from tokenmill.model.qwen3_moe import Qwen3MoeForCausalLM
 from tokenmill.model.smollm3 import SmolLM3ForCausalLM
 from tokenmill.model_config import REGISTERED_ARCHITECTURES, ModelConfig
@@ -32,6 +32,7 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteHybridForCausalLM,
 }
 

@@ -29,6 +29,7 @@ from tokenmill.family_config import (
     GRANITE_HYBRID,
     LFM2,
     QWEN3_5,
+    QWEN3_5_MOE,
     hf_granite_hybrid_fields,
     hf_lfm2_fields,
     hf_qwen3_5_fields,
@@ -113,11 +114,12 @@ def hf_hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     LFM2's convolution layers, its feed-forward width and tied embeddings as tokenmill reads them
     (family_config), and its attention layers' per-head q/k norms; Qwen3.5's Gated DeltaNet layers, and its
     attention layers' norms and output gates."""
-    if arch == QWEN3_5 or cfg.get("model_type") == "qwen3_5_text":
+    if arch in (QWEN3_5, QWEN3_5_MOE) or cfg.get("model_type") in ("qwen3_5_text", "qwen3_5_moe_text"):
         f = hf_qwen3_5_fields(cfg)
         delta = gated_delta_nets(f["delta_layers"], int(cfg["hidden_size"]), f["delta_key_heads"],
                                  f["delta_value_heads"], f["delta_key_dim"], f["delta_value_dim"], f["conv_kernel"])
-        return {"intermediate_size": int(cfg["intermediate_size"]),
+        width = cfg.get("intermediate_size") or cfg.get("shared_expert_intermediate_size")  # MoE: no dense MLP
+        return {"intermediate_size": int(width),
                 "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)), "qk_norm": True,
                 "gated_attention": True, "state_layers": (delta,) if delta.layers else ()}
     if arch == GRANITE_HYBRID or cfg.get("model_type") == "granitemoehybrid":

@@ -96,8 +96,9 @@ def _hf_experts(cfg: dict[str, Any]) -> dict[str, Any]:
     layers = int(cfg["num_hidden_layers"])
     step, only = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or [])
     return {"num_experts": experts, "experts_per_token": int(cfg["num_experts_per_tok"]),
-            "expert_intermediate_size": int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
-            "moe_layers": sum(1 for i in range(layers) if i not in only and (i + 1) % step == 0)}
+            "expert_intermediate_size": int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")),
+            "moe_layers": sum(1 for i in range(layers) if i not in only and (i + 1) % step == 0),
+            "shared_expert_size": int(cfg.get("shared_expert_intermediate_size") or 0)}
 
 
 def from_hf_dir(path: Path) -> ModelShape:

@@ -44,6 +44,7 @@ class ModelShape:
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     moe_layers: int | None = None
+    shared_expert_size: int = 0  # a shared SwiGLU expert every token takes, gated by a [1, hidden] projection
     qk_norm: bool = False  # per-head q and k RMSNorm weights (head_dim each) in each attention layer (LFM2)
     gated_attention: bool = False  # q_proj also gives each head's output gate: twice as wide (Qwen3.5)
     # a hybrid: the layers whose token mixer keeps a fixed state per sequence instead of attention's KV, by
@@ -104,7 +105,8 @@ class ModelShape:
     @property
     def moe_layer_params(self) -> int:
         """One mixture-of-experts block: attention, the router, every expert."""
-        return self.attention_params + self.num_experts * (self.hidden_size + self.expert_params)
+        shared = 3 * self.hidden_size * self.shared_expert_size + self.hidden_size if self.shared_expert_size else 0
+        return self.attention_params + self.num_experts * (self.hidden_size + self.expert_params) + shared
 
     @property
     def computed_params(self) -> int:
