@@ -140,6 +140,8 @@ class ModelConfig:
         if self.delta_layers and (not self.delta_key_heads or self.delta_value_heads % self.delta_key_heads):
             raise ConfigError(f"linear_num_value_heads {self.delta_value_heads} is not a multiple of "
                               f"linear_num_key_heads {self.delta_key_heads}")
+        if self.mamba_layers and (self.mamba_groups < 1 or self.mamba_heads % self.mamba_groups):
+            raise ConfigError(f"mamba_n_heads {self.mamba_heads} is not a multiple of mamba_n_groups {self.mamba_groups}")
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise ConfigError(f"partial_rotary_factor {self.partial_rotary_factor} of head_dim {self.head_dim} "
                               "does not give an even number of rotated dims")
