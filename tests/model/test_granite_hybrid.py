@@ -13,13 +13,13 @@ import torch
 
 from tests.engine.drive import run
 from tests.greedy import assert_matches_reference, hf_greedy
+from tests.models.gguf_serving import assert_gguf_serves
 from tests.models.gguf_writer import write_granite_hybrid_gguf
 from tests.models.reference import make_llm
 from tests.models.tiny import make_tiny_model
 from tokenmill.errors import ConfigError
 from tokenmill.model.checkpoint import expected_shapes
 from tokenmill.model.granite_hybrid import GraniteHybridForCausalLM
-from tokenmill import LLM
 from tokenmill.model.loader import load_model_config, load_weights
 from tokenmill.model_config import ModelConfig
 from tokenmill.sampling_params import SamplingParams
@@ -28,10 +28,10 @@ LAYERS = ["mamba", "attention", "mamba", "mamba"]
 PROMPTS = {f"p{i}": [(11 * i + 5 * j) % 250 + 3 for j in range(3 + 23 * i)] for i in range(4)}
 TOKENS = 12
 # 8 heads of 16 in 2 groups of B and C (16 wide); the multipliers away from 1, so a missing one changes the output
-SHAPE = dict(num_layers=len(LAYERS), hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2,
-             vocab_size=256, layer_types=LAYERS, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2,
-             mamba_d_conv=4, mamba_expand=2, embedding_multiplier=0.5, residual_multiplier=0.9,
-             attention_multiplier=0.1, logits_scaling=2.0, tie_word_embeddings=False)
+SHAPE = {"num_layers": len(LAYERS), "hidden_size": 64, "intermediate_size": 96, "num_heads": 4, "num_kv_heads": 2,
+             "vocab_size": 256, "layer_types": LAYERS, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_n_groups": 2,
+             "mamba_d_conv": 4, "mamba_expand": 2, "embedding_multiplier": 0.5, "residual_multiplier": 0.9,
+             "attention_multiplier": 0.1, "logits_scaling": 2.0, "tie_word_embeddings": False}
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_the_cpu_scan_is_the_references(dtype):
     states = [torch.randn(6, heads, dim, size, generator=gen)] * 2
     states = [s.clone() for s in states]
     outs = [backend.mamba2_scan(x, dt, b, c, a_log, d, dt_bias, s, spans) for backend, s in zip(backends, states)]
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
     torch.testing.assert_close(outs[1], outs[0], **tol)
     torch.testing.assert_close(states[1], states[0], atol=1e-4, rtol=1e-4)
     assert torch.equal(states[1][2], states[0][2]) and torch.equal(states[1][5], states[0][5])
@@ -125,8 +125,6 @@ def test_a_gguf_file_as_llama_cpp_writes_it_serves_the_same_model(granite, tmp_p
 
     from gguf import GGMLQuantizationType
     from transformers import AutoModelForCausalLM
-
-    from tests.model.test_lfm2 import prompt_logprobs
 
     path, _, ref = granite
     file = write_granite_hybrid_gguf(path, tmp_path / "granite.gguf", qtype and getattr(GGMLQuantizationType, qtype))
@@ -145,18 +143,7 @@ def test_a_gguf_file_as_llama_cpp_writes_it_serves_the_same_model(granite, tmp_p
             state[p + "output_linear.weight"] = weights[p + "output_linear.weight"]
         hf.load_state_dict(state, strict=True)
         ref = {rid: hf_greedy(hf, prompt, TOKENS) for rid, prompt in PROMPTS.items()}
-    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
-    dense = LLM(str(file), dtype="float32", kv_cache_memory=8 << 20, block_size=4, tokenizer=str(path))
-    done = run(dense.engine, PROMPTS, params)
-    for rid, (tokens, logits) in ref.items():
-        assert_matches_reference(done[rid].token_ids, tokens, logits)
-    if qtype is not None:
-        kept = LLM(str(file), dtype="float32", kv_cache_memory=8 << 20, block_size=4, tokenizer=str(path),
-                   quantization="gguf")
-        assert kept.engine.core.runner.weight_format().startswith("gguf")
-        a = torch.cat([prompt_logprobs(kept, p) for p in PROMPTS.values()])
-        b = torch.cat([prompt_logprobs(dense, p) for p in PROMPTS.values()])
-        assert 0 < (a - b).abs().mean() < 0.02 * b.abs().mean()  # int8 activations: close, not equal
+    assert_gguf_serves(file, path, PROMPTS, ref, TOKENS, qtype is not None)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])

@@ -11,10 +11,10 @@ import torch
 
 from tests.engine.drive import run
 from tests.greedy import assert_matches_reference, hf_greedy
+from tests.models.gguf_serving import assert_gguf_serves
 from tests.models.gguf_writer import write_lfm2_gguf
 from tests.models.reference import make_llm
 from tests.models.tiny import make_tiny_model
-from tokenmill import LLM
 from tokenmill.model.checkpoint import expected_shapes
 from tokenmill.model.lfm2 import Lfm2ForCausalLM
 from tokenmill.model.loader import load_model_config, load_weights
@@ -93,24 +93,7 @@ def test_a_gguf_file_as_llama_cpp_writes_it_serves_the_same_model(lfm2, tmp_path
         weights = load_weights(file, cfg)
         hf.load_state_dict({name: weights[name] for name in weights}, strict=False)
         ref = {rid: hf_greedy(hf, prompt, TOKENS) for rid, prompt in PROMPTS.items()}
-    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
-    dense = LLM(str(file), dtype="float32", kv_cache_memory=4 << 20, block_size=4, tokenizer=str(path))
-    done = run(dense.engine, PROMPTS, params)
-    for rid, (tokens, logits) in ref.items():
-        assert_matches_reference(done[rid].token_ids, tokens, logits)
-    if qtype is not None:
-        kept = LLM(str(file), dtype="float32", kv_cache_memory=4 << 20, block_size=4, tokenizer=str(path),
-                   quantization="gguf")
-        assert kept.engine.core.runner.weight_format().startswith("gguf")
-        a = torch.cat([prompt_logprobs(kept, p) for p in PROMPTS.values()])
-        b = torch.cat([prompt_logprobs(dense, p) for p in PROMPTS.values()])
-        assert 0 < (a - b).abs().mean() < 0.02 * b.abs().mean()  # int8 activations: close, not equal
-
-
-def prompt_logprobs(llm: LLM, prompt: list[int]) -> torch.Tensor:
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                       use_tqdm=False)[0]
-    return torch.tensor([lp[t] for lp, t in zip(out.prompt_logprobs[1:], prompt[1:])])
+    assert_gguf_serves(file, path, PROMPTS, ref, TOKENS, qtype is not None, memory=4 << 20)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])

@@ -14,12 +14,12 @@ import torch
 
 from tests.engine.drive import run
 from tests.greedy import assert_matches_reference, hf_greedy
+from tests.models.gguf_serving import assert_gguf_serves
 from tests.models.gguf_writer import write_qwen3_5_gguf
 from tests.models.reference import make_llm
 from tests.models.tiny import make_tiny_model
 from tokenmill.model.backends import recurrent
 from tokenmill.model.checkpoint import expected_shapes
-from tokenmill import LLM
 from tokenmill.model.loader import load_model_config, load_weights
 from tokenmill.model.qwen3_5 import Qwen3_5ForCausalLM
 from tokenmill.model_config import ModelConfig
@@ -29,9 +29,9 @@ LAYERS = ["linear_attention", "linear_attention", "full_attention", "linear_atte
 # p3 is longer than the chunked form's block, so a prompt crosses from one block of it to the next
 PROMPTS = {f"p{i}": [(11 * i + 5 * j) % 250 + 3 for j in range(3 + 23 * i)] for i in range(4)}
 TOKENS = 12
-SHAPE = dict(num_layers=len(LAYERS), hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
-             vocab_size=256, layer_types=LAYERS, linear_num_key_heads=2, linear_num_value_heads=4,
-             linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4, tie_word_embeddings=False)
+SHAPE = {"num_layers": len(LAYERS), "hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32,
+             "vocab_size": 256, "layer_types": LAYERS, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+             "linear_key_head_dim": 16, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "tie_word_embeddings": False}
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +74,10 @@ def test_the_tensors_expected_are_the_checkpoints_and_the_models(qwen3_5):
 def test_the_chunked_form_and_the_step_agree_with_transformers():
     """The prompt form (blocks of recurrent.CHUNK) and the one-token step, from a state a first span left, give
     transformers' chunked and recurrent gated delta rule's outputs and states."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import (torch_chunk_gated_delta_rule,
-                                                              torch_recurrent_gated_delta_rule)
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        torch_chunk_gated_delta_rule,
+        torch_recurrent_gated_delta_rule,
+    )
 
     gen = torch.Generator().manual_seed(0)
     t, hk, hv, dk, dv = recurrent.CHUNK + 37, 2, 4, 16, 8
@@ -108,8 +110,6 @@ def test_a_gguf_file_as_llama_cpp_writes_it_serves_the_same_model(qwen3_5, tmp_p
     from gguf import GGMLQuantizationType
     from transformers import AutoModelForCausalLM
 
-    from tests.model.test_lfm2 import prompt_logprobs
-
     path, _, ref = qwen3_5
     file = write_qwen3_5_gguf(path, tmp_path / "qwen3_5.gguf", qtype and getattr(GGMLQuantizationType, qtype))
     cfg, want = load_model_config(file), load_model_config(path)
@@ -121,18 +121,7 @@ def test_a_gguf_file_as_llama_cpp_writes_it_serves_the_same_model(qwen3_5, tmp_p
         grouped = untile(dict(weights.items()), want)
         hf.load_state_dict(grouped, strict=False)
         ref = {rid: hf_greedy(hf, prompt, TOKENS) for rid, prompt in PROMPTS.items()}
-    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
-    dense = LLM(str(file), dtype="float32", kv_cache_memory=8 << 20, block_size=4, tokenizer=str(path))
-    done = run(dense.engine, PROMPTS, params)
-    for rid, (tokens, logits) in ref.items():
-        assert_matches_reference(done[rid].token_ids, tokens, logits)
-    if qtype is not None:
-        kept = LLM(str(file), dtype="float32", kv_cache_memory=8 << 20, block_size=4, tokenizer=str(path),
-                   quantization="gguf")
-        assert kept.engine.core.runner.weight_format().startswith("gguf")
-        a = torch.cat([prompt_logprobs(kept, p) for p in PROMPTS.values()])
-        b = torch.cat([prompt_logprobs(dense, p) for p in PROMPTS.values()])
-        assert 0 < (a - b).abs().mean() < 0.02 * b.abs().mean()  # int8 activations: close, not equal
+    assert_gguf_serves(file, path, PROMPTS, ref, TOKENS, qtype is not None)
 
 
 def untile(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -220,8 +209,8 @@ def test_a_multimodal_checkpoint_serves_its_text_model(qwen3_5, tmp_path, monkey
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     path, hf, ref = qwen3_5
-    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64, patch_size=4,
-                  temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+    vision = {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64, "patch_size": 4,
+                  "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 16}
     config = Qwen3_5Config(text_config=hf.config.to_dict(), vision_config=vision, tie_word_embeddings=False)
     both = Qwen3_5ForConditionalGeneration(config)
     both.model.language_model.load_state_dict(hf.model.state_dict())
@@ -259,7 +248,7 @@ def test_the_cpu_kernels_are_the_references(dtype):
     ba = torch.randn(t, 2 * hv, generator=gen).to(dtype)
     a_log, dt_bias = (0.5 * torch.randn(hv, generator=gen)).to(dtype), torch.randn(hv, generator=gen).to(dtype)
     spans = [(0, 1, 3), (1, 71, 0), (71, 72, 1), (72, 80, 4)]  # the long prompt crosses a block of the chunked form
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     states = [torch.randn(6, hv, dk, dv, generator=gen)] * 2
     states = [s.clone() for s in states]
     outs = [backend.gated_delta_rule(q, k, v, ba[:, hv:], ba[:, :hv], a_log, dt_bias, state, spans, tiled)

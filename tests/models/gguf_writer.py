@@ -87,7 +87,7 @@ def write_qwen3_5_gguf(model_dir: Path, out: Path, qtype=None) -> Path:
     weight + 1 but the gated one, A_log as -exp(A_log), the convolution squeezed to [C, K] and kept in F32, and the
     value heads reordered from grouped to tiled (GGUF head h is HF head (h % key heads) * per key + h // key heads)
     in every tensor that has them; other 2-D weights in `qtype` (None: F32)."""
-    from gguf import MODEL_ARCH, GGUFWriter, get_tensor_name_map, quants
+    from gguf import MODEL_ARCH, get_tensor_name_map, quants
     from safetensors.torch import load_file
 
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -103,21 +103,11 @@ def write_qwen3_5_gguf(model_dir: Path, out: Path, qtype=None) -> Path:
         rest = rest.reshape(nv, width, *rest.shape[1:])[order].reshape(rest.shape)
         return np.moveaxis(np.concatenate([lead, rest]), 0, axis)
 
-    w = GGUFWriter(str(out), "qwen35")
-    w.add_name("tiny qwen3.5")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w = llama_like_writer(out, "qwen35", cfg, "tiny qwen3.5")
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
-    rope = cfg["rope_parameters"]
-    w.add_rope_freq_base(rope["rope_theta"])
-    w.add_rope_dimension_count(int(cfg["head_dim"] * rope["partial_rotary_factor"]))
+    w.add_rope_dimension_count(int(cfg["head_dim"] * cfg["rope_parameters"]["partial_rotary_factor"]))
     w.add_rope_dimension_sections([11, 11, 10, 0])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])  # the converter writes the tokenizer's tokens instead
     w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
     w.add_ssm_state_size(dk)
@@ -162,22 +152,15 @@ def write_granite_hybrid_gguf(model_dir: Path, out: Path, qtype=None) -> Path:
     ffn_gate and ffn_up, q and k rows in llama.cpp's rotary order, A_log as -exp(A_log) and D as [heads, 1], the
     gated norm's weight as [groups, inner / groups], the convolution squeezed to [C, K] and kept in F32; other 2-D
     weights in `qtype` (None: F32)."""
-    from gguf import MODEL_ARCH, GGUFWriter, get_tensor_name_map, quants
+    from gguf import MODEL_ARCH, get_tensor_name_map, quants
     from safetensors.torch import load_file
 
     cfg = json.loads((model_dir / "config.json").read_text())
     heads, kv_heads, hidden = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
     mamba = [t in ("mamba", "linear_attention") for t in cfg["layer_types"]]
-    w = GGUFWriter(str(out), "granitehybrid")
-    w.add_name("tiny granite-4.0-h")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(1 << 20)
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(cfg["intermediate_size"])
+    w = llama_like_writer(out, "granitehybrid", {**cfg, "max_position_embeddings": 1 << 20}, "tiny granite-4.0-h")
     w.add_uint32("granitehybrid.expert_shared_feed_forward_length", cfg["shared_intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv([0 if m else kv_heads for m in mamba])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_head_count_kv([0 if m else kv_heads for m in mamba])  # over the scalar, as the converter does
     w.add_float32("granitehybrid.attention.scale", cfg["attention_multiplier"])
     w.add_float32("granitehybrid.embedding_scale", cfg["embedding_multiplier"])
     w.add_float32("granitehybrid.residual_scale", cfg["residual_multiplier"])
