@@ -29,9 +29,9 @@ PROMPTS = {f"p{i}": [(11 * i + 5 * j) % 250 + 3 for j in range(3 + 23 * i)] for 
 TOKENS = 12
 # 8 heads of 16 in 2 groups of B and C (16 wide); the multipliers away from 1, so a missing one changes the output
 SHAPE = {"num_layers": len(LAYERS), "hidden_size": 64, "intermediate_size": 96, "num_heads": 4, "num_kv_heads": 2,
-             "vocab_size": 256, "layer_types": LAYERS, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_n_groups": 2,
-             "mamba_d_conv": 4, "mamba_expand": 2, "embedding_multiplier": 0.5, "residual_multiplier": 0.9,
-             "attention_multiplier": 0.1, "logits_scaling": 2.0, "tie_word_embeddings": False}
+         "vocab_size": 256, "layer_types": LAYERS, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16,
+         "mamba_n_groups": 2, "mamba_d_conv": 4, "mamba_expand": 2, "embedding_multiplier": 0.5,
+         "residual_multiplier": 0.9, "attention_multiplier": 0.1, "logits_scaling": 2.0, "tie_word_embeddings": False}
 
 
 @pytest.fixture(scope="module")

@@ -29,9 +29,10 @@ LAYERS = ["linear_attention", "linear_attention", "full_attention", "linear_atte
 # p3 is longer than the chunked form's block, so a prompt crosses from one block of it to the next
 PROMPTS = {f"p{i}": [(11 * i + 5 * j) % 250 + 3 for j in range(3 + 23 * i)] for i in range(4)}
 TOKENS = 12
-SHAPE = {"num_layers": len(LAYERS), "hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32,
-             "vocab_size": 256, "layer_types": LAYERS, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-             "linear_key_head_dim": 16, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "tie_word_embeddings": False}
+SHAPE = {"num_layers": len(LAYERS), "hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "num_kv_heads": 2,
+         "head_dim": 32, "vocab_size": 256, "layer_types": LAYERS, "linear_num_key_heads": 2,
+         "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 8,
+         "linear_conv_kernel_dim": 4, "tie_word_embeddings": False}
 
 
 @pytest.fixture(scope="module")
@@ -209,8 +210,8 @@ def test_a_multimodal_checkpoint_serves_its_text_model(qwen3_5, tmp_path, monkey
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     path, hf, ref = qwen3_5
-    vision = {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64, "patch_size": 4,
-                  "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 16}
+    vision = {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64,
+              "patch_size": 4, "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 16}
     config = Qwen3_5Config(text_config=hf.config.to_dict(), vision_config=vision, tie_word_embeddings=False)
     both = Qwen3_5ForConditionalGeneration(config)
     both.model.language_model.load_state_dict(hf.model.state_dict())
@@ -273,12 +274,12 @@ def test_the_cpu_kernels_are_the_references(dtype):
 
 
 MOE_SHAPE = {**{k: v for k, v in SHAPE.items() if k != "intermediate_size"}, "moe_intermediate_size": 32,
-             "shared_expert_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 2}
+             "shared_expert_intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2}
 
 
 @pytest.fixture(scope="module")
 def qwen3_5_moe(tmp_path_factory):
-    """A tiny Qwen3.5-MoE: 8 experts of 32, two a token, and a shared expert of 48 in every layer."""
+    """A tiny Qwen3.5-MoE: 8 experts of 32, two a token, and a shared expert of 64 in every layer."""
     from transformers import AutoModelForCausalLM
 
     path = make_tiny_model(tmp_path_factory.mktemp("qwen3_5_moe"), arch="qwen3_5_moe", **MOE_SHAPE)
@@ -294,7 +295,7 @@ def test_the_moe_config_and_tensors_are_the_checkpoints(qwen3_5_moe):
     path, _, _ = qwen3_5_moe
     cfg = load_model_config(path)
     experts = (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.shared_expert_size)
-    assert experts == (8, 2, 32, 48)
+    assert experts == (8, 2, 32, 64)
     assert cfg.norm_topk_prob and cfg.delta_layers == [0, 1, 3] and not cfg.dense_layers
     assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
     with safe_open(path / "model.safetensors", framework="pt") as f:
@@ -320,3 +321,43 @@ def test_moe_greedy_output_matches_transformers_batched_and_from_the_prefix_cach
     assert out.num_cached_tokens == (len(PROMPTS["p3"]) + TOKENS - 1) // 4 * 4
     assert_matches_reference(out.outputs[0].token_ids, *hf_greedy(hf, second, TOKENS))
     llm.engine.core.check_idle_invariants()
+
+
+@pytest.mark.parametrize("qtype", [None, "Q8_0"])
+def test_a_moe_gguf_file_as_llama_cpp_writes_it_serves_the_same_model(qwen3_5_moe, tmp_path, qtype):
+    """`qwen35moe`: the experts stacked per layer, the shared expert and its gate beside them; the same config but
+    for the heads' order, and transformers' greedy tokens on the file's weights."""
+    from gguf import GGMLQuantizationType
+    from transformers import AutoModelForCausalLM
+
+    path, _, ref = qwen3_5_moe
+    file = write_qwen3_5_gguf(path, tmp_path / "moe.gguf", qtype and getattr(GGMLQuantizationType, qtype))
+    cfg, want = load_model_config(file), load_model_config(path)
+    assert replace(cfg, delta_tiled_heads=False, rms_norm_eps=want.rms_norm_eps) == want
+    if qtype is not None:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        hf.load_state_dict(stacked_experts(untile(dict(load_weights(file, cfg).items()), want), want), strict=True)
+        ref = {rid: hf_greedy(hf, prompt, TOKENS) for rid, prompt in PROMPTS.items()}
+    assert_gguf_serves(file, path, PROMPTS, ref, TOKENS, qtype is not None)
+
+
+def stacked_experts(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Per-expert tensors (the checkpoint's names) as transformers' model holds them: each layer's experts stacked,
+    gate and up rows side by side."""
+    out = {n: w for n, w in weights.items() if ".mlp.experts." not in n}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}.mlp.experts."
+        out[p + "gate_up_proj"] = torch.stack([torch.cat([weights[f"{p}{e}.gate_proj.weight"],
+                                                          weights[f"{p}{e}.up_proj.weight"]])
+                                               for e in range(cfg.num_experts)])
+        out[p + "down_proj"] = torch.stack([weights[f"{p}{e}.down_proj.weight"] for e in range(cfg.num_experts)])
+    return out
+
+
+def test_tokenmill_plan_reads_the_moe_gguf_file_as_the_directory(qwen3_5_moe, tmp_path):
+    from tokenmill.planner import load_model
+
+    path, _, _ = qwen3_5_moe
+    from_dir, from_file = load_model(str(path)), load_model(str(write_qwen3_5_gguf(path, tmp_path / "m.gguf")))
+    assert from_file.state_layers == from_dir.state_layers and from_file.params == from_dir.params
+    assert (from_file.num_experts, from_file.shared_expert_size) == (8, 64)

@@ -21,7 +21,8 @@ def llama_like_writer(out: Path, arch: str, cfg: dict[str, Any], name: str, rope
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
+    if cfg.get("intermediate_size"):  # a model with experts only (Qwen3.5-MoE) has none
+        w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
@@ -86,7 +87,9 @@ def write_qwen3_5_gguf(model_dir: Path, out: Path, qtype=None) -> Path:
     --no-mtp) writes it: the recurrent layers as a list, the ssm.* keys, rope on a quarter of each head; every norm
     weight + 1 but the gated one, A_log as -exp(A_log), the convolution squeezed to [C, K] and kept in F32, and the
     value heads reordered from grouped to tiled (GGUF head h is HF head (h % key heads) * per key + h // key heads)
-    in every tensor that has them; other 2-D weights in `qtype` (None: F32)."""
+    in every tensor that has them; other 2-D weights in `qtype` (None: F32). A Qwen3.5-MoE directory gives a
+    `qwen35moe` file: the expert keys, each layer's experts stacked [experts, rows, cols] (ffn_*_exps), the shared
+    expert (ffn_*_shexp), the router and the shared expert's gate kept in F32."""
     from gguf import MODEL_ARCH, get_tensor_name_map, quants
     from safetensors.torch import load_file
 
@@ -103,7 +106,13 @@ def write_qwen3_5_gguf(model_dir: Path, out: Path, qtype=None) -> Path:
         rest = rest.reshape(nv, width, *rest.shape[1:])[order].reshape(rest.shape)
         return np.moveaxis(np.concatenate([lead, rest]), 0, axis)
 
-    w = llama_like_writer(out, "qwen35", cfg, "tiny qwen3.5")
+    arch = "qwen35moe" if cfg.get("num_experts") else "qwen35"
+    w = llama_like_writer(out, arch, cfg, "tiny qwen3.5")
+    if arch == "qwen35moe":  # no feed_forward_length: the converter writes the experts' widths only
+        w.add_expert_count(cfg["num_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
     w.add_rope_dimension_count(int(cfg["head_dim"] * cfg["rope_parameters"]["partial_rotary_factor"]))
@@ -115,11 +124,22 @@ def write_qwen3_5_gguf(model_dir: Path, out: Path, qtype=None) -> Path:
     w.add_ssm_time_step_rank(nv)
     w.add_ssm_inner_size(dv * nv)
     w.add_full_attention_interval(4)
-    w.add_array("qwen35.attention.recurrent_layers", [t == "linear_attention" for t in cfg["layer_types"]])
+    w.add_array(f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in cfg["layer_types"]])
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
-    names = get_tensor_name_map(MODEL_ARCH.QWEN35, cfg["num_hidden_layers"])
-    for hf_name, tensor in load_file(model_dir / "model.safetensors").items():
+    names = get_tensor_name_map(MODEL_ARCH.QWEN35MOE if arch == "qwen35moe" else MODEL_ARCH.QWEN35,
+                                cfg["num_hidden_layers"])
+    tensors = load_file(model_dir / "model.safetensors")
+    experts = {}  # (layer, proj) -> every expert's tensor, stacked below as llama.cpp's ffn_*_exps
+    for hf_name in [n for n in tensors if ".mlp.experts." in n]:
+        _, _, layer, _, _, e, proj, _ = hf_name.split(".")
+        experts.setdefault((int(layer), proj), {})[int(e)] = tensors.pop(hf_name).numpy().astype(np.float32)
+    for (layer, proj), by_expert in experts.items():
+        data = np.stack([by_expert[e] for e in sorted(by_expert)])
+        name = f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.weight"
+        w.add_tensor(name, quants.quantize(data, qtype) if qtype is not None else data,
+                     raw_dtype=qtype if qtype is not None else None)
+    for hf_name, tensor in tensors.items():
         data = tensor.numpy().astype(np.float32)
         leaf = hf_name.rsplit(".", 1)[-1] if "linear_attn." in hf_name else ""
         if hf_name.endswith("norm.weight") and "linear_attn.norm" not in hf_name:
@@ -137,7 +157,7 @@ def write_qwen3_5_gguf(model_dir: Path, out: Path, qtype=None) -> Path:
         base = hf_name.replace(".dt_bias", ".dt_proj.bias")
         name = names.get_name(base, try_suffixes=(".weight", ".bias")) or names.get_name(base)
         assert name is not None, hf_name
-        if qtype is not None and data.ndim == 2 and "ssm_conv1d" not in name:
+        if qtype is not None and data.ndim == 2 and "ssm_conv1d" not in name and ".ffn_gate_inp" not in name:
             w.add_tensor(name, quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, data)

@@ -64,6 +64,11 @@ _GRANITE_LAYER_NAMES = {"ffn_gate.weight": "shared_mlp.gate_proj.weight", "ffn_u
                         "ssm_conv1d.bias": "mamba.conv1d.bias", "ssm_dt.bias": "mamba.dt_bias", "ssm_a": "mamba.A_log",
                         "ssm_d": "mamba.D", "ssm_norm.weight": "mamba.norm.weight",
                         "ssm_out.weight": "mamba.out_proj.weight", "ssm_out.bias": "mamba.out_proj.bias"}
+# Qwen3.5-MoE's: Qwen3.5's, and its shared expert and the shared expert's gate ([1, hidden] in the file)
+_QWEN35MOE_LAYER_NAMES = {**_QWEN35_LAYER_NAMES, "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+                          "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+                          "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+                          "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight"}
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LFM2_GLOBAL_NAMES = {**_GGUF_GLOBAL_NAMES, "token_embd_norm": "model.norm"}
 
@@ -72,7 +77,8 @@ def hf_name_for_gguf(name: str, arch: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for unknown names. Phi-3's
     `ffn_up` holds gate and up stacked (its HF `gate_up_proj`), which checkpoint.fused_parts splits."""
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
-    own = {"qwen35": _QWEN35_LAYER_NAMES, "granitehybrid": _GRANITE_LAYER_NAMES}.get(arch, {})
+    own = {"qwen35": _QWEN35_LAYER_NAMES, "qwen35moe": _QWEN35MOE_LAYER_NAMES,
+           "granitehybrid": _GRANITE_LAYER_NAMES}.get(arch, {})
     if m and m.group(2) in own:
         return f"model.layers.{m.group(1)}.{own[m.group(2)]}"
     base, _, suffix = name.rpartition(".")
@@ -126,7 +132,8 @@ class GGUFCheckpoint(Checkpoint):
         # LFM2's and Qwen3.5's convolution weights, stored [C, K] (the checkpoint's: [C, 1, K])
         self._squeezed: set[str] = set()
         self._decays: set[str] = set()  # Qwen3.5's and Granite-4.0-H's A_log, stored as -exp(A_log)
-        self._reshaped: dict[str, tuple[int, ...]] = {}  # Granite-4.0-H's ssm_a, ssm_d, ssm_norm: to the HF shape
+        # Granite-4.0-H's ssm_a, ssm_d, ssm_norm, Qwen3.5-MoE's shared expert gate: to the HF shape
+        self._reshaped: dict[str, tuple[int, ...]] = {}
         shapes: dict[str, tuple[int, ...]] = {}
         for name in gguf.tensors:
             if name in _CONFIG_TENSORS or _extra_block(name, config.num_layers):
@@ -146,13 +153,15 @@ class GGUFCheckpoint(Checkpoint):
             if hf_name == "lm_head.weight" and config.tie_word_embeddings:
                 continue
             self._names[hf_name] = name
-            if (arch == "gemma3" or arch == "qwen35" and ".ssm_norm." not in name) and name.endswith("norm.weight"):
+            qwen35 = arch in ("qwen35", "qwen35moe")
+            if (arch == "gemma3" or qwen35 and ".ssm_norm." not in name) and name.endswith("norm.weight"):
                 self._shifted.add(hf_name)
             if name.endswith(("shortconv.conv.weight", "ssm_conv1d.weight")):
                 self._squeezed.add(hf_name)
             if name.endswith(".ssm_a"):
                 self._decays.add(hf_name)
-            if arch == "granitehybrid" and name.endswith((".ssm_a", ".ssm_d", ".ssm_norm.weight")):
+            if arch == "granitehybrid" and name.endswith((".ssm_a", ".ssm_d", ".ssm_norm.weight")) or \
+                    name.endswith("ffn_gate_inp_shexp.weight"):  # llama.cpp's loader takes it as [hidden] too
                 self._reshaped[hf_name] = expected[hf_name]
             if arch in PERMUTED_QK and (".attn_q." in name or ".attn_k." in name):
                 self._rope_heads[hf_name] = config.num_heads if ".attn_q." in name else config.num_kv_heads

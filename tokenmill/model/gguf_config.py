@@ -13,7 +13,8 @@ from tokenmill.model_config import ModelConfig
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
                       "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "lfm2": "Lfm2ForCausalLM",
-                      "qwen35": "Qwen3_5ForCausalLM", "granitehybrid": "GraniteMoeHybridForCausalLM"}
+                      "qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM",
+                      "granitehybrid": "GraniteMoeHybridForCausalLM"}
 # whether llama.cpp renormalises a mixture of experts' top weights, by architecture (unless the file says)
 _MOE_NORM_TOPK = {"llama": True, "qwen3moe": True, "olmoe": False}
 
@@ -51,8 +52,8 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
                 "conv_kernel": int(need("shortconv.l_cache")),
                 "conv_bias": any(n.endswith("shortconv.in_proj.bias") for n in gguf.tensors)}
         num_kv = max(counts)
-    elif arch == "qwen35":
-        conv = _gguf_qwen35_fields(gguf)
+    elif arch in ("qwen35", "qwen35moe"):
+        conv = _gguf_qwen35_fields(gguf, arch)
     elif arch == "granitehybrid":  # per layer: 0 KV heads where the layer is Mamba2
         counts = [int(n) for n in (num_kv if isinstance(num_kv, list) else [num_kv])]
         conv = _gguf_granite_fields(gguf, counts)
@@ -67,7 +68,7 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
         partial = int(rope_dims) / head_dim if rope_dims else 1.0
         if int(head_dim * partial) != (rope_dims or head_dim):
             raise ModelLoadError(f"GGUF file {gguf.path}: rotating {rope_dims} of {head_dim} dims is not supported")
-    elif arch == "qwen35":  # rope.dimension_count is the rotated part of a head (a quarter)
+    elif arch in ("qwen35", "qwen35moe"):  # rope.dimension_count is the rotated part of a head (a quarter)
         partial = int(rope_dims) / head_dim
     else:
         head_dim = head_dim or int(rope_dims or 0)
@@ -101,7 +102,7 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
         max_position_embeddings=min(context, int(window)) if window else context,
         tie_word_embeddings="output.weight" not in gguf.tensors,
         attention_bias=hf_arch == "Qwen2ForCausalLM" or "blk.0.attn_q.bias" in gguf.tensors,
-        qk_norm=arch in ("qwen3", "gemma3", "qwen3moe", "olmoe", "lfm2", "qwen35"),
+        qk_norm=arch in ("qwen3", "gemma3", "qwen3moe", "olmoe", "lfm2", "qwen35", "qwen35moe"),
         partial_rotary_factor=partial,
         # llama.cpp has no key for SmolLM3's NoPE layers: it fixes every 4th (src/models/smollm3.cpp), as here
         nope_layers=[i for i in range(layers) if (i + 1) % 4 == 0] if arch == "smollm3" else [],
@@ -110,20 +111,26 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
     ), **family, **moe, **conv})  # a family's own fields over the generic ones
 
 
-def _gguf_qwen35_fields(gguf: GGUFFile) -> dict[str, Any]:
+def _gguf_qwen35_fields(gguf: GGUFFile, arch: str) -> dict[str, Any]:
     """Qwen3.5's Gated DeltaNet from llama.cpp's keys: the recurrent layers (its list, else every layer but each
     full_attention_interval-th), key heads (ssm.group_count) of ssm.state_size dims, value heads (time_step_rank)
-    sharing ssm.inner_size, and the value heads in llama.cpp's tiled order where there are more of them."""
-    layers = int(gguf.get("qwen35.block_count")) - int(gguf.get("qwen35.nextn_predict_layers", 0))
-    recurrent = gguf.get("qwen35.attention.recurrent_layers")
-    every = int(gguf.get("qwen35.full_attention_interval", 4))
+    sharing ssm.inner_size, and the value heads in llama.cpp's tiled order where there are more of them. Qwen3.5-MoE
+    (`qwen35moe`): its shared expert's width too (expert_shared_feed_forward_length), which is also the width
+    tokenmill names its intermediate size by, as for the Hugging Face config (no dense MLP)."""
+    layers = int(gguf.get(f"{arch}.block_count")) - int(gguf.get(f"{arch}.nextn_predict_layers", 0))
+    recurrent = gguf.get(f"{arch}.attention.recurrent_layers")
+    every = int(gguf.get(f"{arch}.full_attention_interval", 4))
     delta = ([i for i, r in enumerate(recurrent[:layers]) if r] if isinstance(recurrent, list)
              else [i for i in range(layers) if (i + 1) % every])
-    key_heads, value_heads = int(gguf.get("qwen35.ssm.group_count")), int(gguf.get("qwen35.ssm.time_step_rank"))
-    return {"delta_layers": delta, "delta_key_heads": key_heads, "delta_value_heads": value_heads,
-            "delta_key_dim": int(gguf.get("qwen35.ssm.state_size")),
-            "delta_value_dim": int(gguf.get("qwen35.ssm.inner_size")) // value_heads,
-            "conv_kernel": int(gguf.get("qwen35.ssm.conv_kernel")), "delta_tiled_heads": key_heads != value_heads}
+    key_heads, value_heads = int(gguf.get(f"{arch}.ssm.group_count")), int(gguf.get(f"{arch}.ssm.time_step_rank"))
+    fields = {"delta_layers": delta, "delta_key_heads": key_heads, "delta_value_heads": value_heads,
+              "delta_key_dim": int(gguf.get(f"{arch}.ssm.state_size")),
+              "delta_value_dim": int(gguf.get(f"{arch}.ssm.inner_size")) // value_heads,
+              "conv_kernel": int(gguf.get(f"{arch}.ssm.conv_kernel")), "delta_tiled_heads": key_heads != value_heads}
+    shared = gguf.get(f"{arch}.expert_shared_feed_forward_length")
+    if arch == "qwen35moe" and shared:
+        fields.update(shared_expert_size=int(shared), intermediate_size=int(shared))
+    return fields
 
 
 def _gguf_granite_fields(gguf: GGUFFile, kv_heads: list[int]) -> dict[str, Any]:

@@ -143,21 +143,21 @@ def hf_hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
 def gguf_hybrid_fields(arch: str, metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
     """The same from a GGUF file's metadata (none for another architecture): llama.cpp files LFM2 as `lfm2` with
     a KV head count per layer, 0 for a convolution layer, and the convolution's width as shortconv.l_cache;
-    Qwen3.5 as `qwen35` with its recurrent layers listed and the ssm.* keys (model/gguf_config.py reads the
-    same)."""
-    if arch == "qwen35":
-        layers = int(metadata["qwen35.block_count"]) - int(metadata.get("qwen35.nextn_predict_layers", 0))
-        recurrent = metadata.get("qwen35.attention.recurrent_layers")
-        every = int(metadata.get("qwen35.full_attention_interval", 4))
+    Qwen3.5 as `qwen35` (`qwen35moe`) with its recurrent layers listed and the ssm.* keys (model/gguf_config.py
+    reads the same)."""
+    if arch in ("qwen35", "qwen35moe"):
+        k = metadata.get
+        layers = int(k(f"{arch}.block_count")) - int(k(f"{arch}.nextn_predict_layers", 0))
+        recurrent = k(f"{arch}.attention.recurrent_layers")
+        every = int(k(f"{arch}.full_attention_interval", 4))
         delta = ([i for i, r in enumerate(recurrent[:layers]) if r] if isinstance(recurrent, list)
                  else [i for i in range(layers) if (i + 1) % every])
-        value_heads = int(metadata["qwen35.ssm.time_step_rank"])
-        key = int(metadata["qwen35.ssm.state_size"])
-        nets = gated_delta_nets(delta, int(metadata["qwen35.embedding_length"]),
-                                int(metadata["qwen35.ssm.group_count"]), value_heads, key,
-                                int(metadata["qwen35.ssm.inner_size"]) // value_heads,
-                                int(metadata["qwen35.ssm.conv_kernel"]))
-        return {"qk_norm": True, "gated_attention": True, "state_layers": (nets,) if nets.layers else ()}
+        value_heads = int(k(f"{arch}.ssm.time_step_rank"))
+        nets = gated_delta_nets(delta, int(k(f"{arch}.embedding_length")), int(k(f"{arch}.ssm.group_count")),
+                                value_heads, int(k(f"{arch}.ssm.state_size")),
+                                int(k(f"{arch}.ssm.inner_size")) // value_heads, int(k(f"{arch}.ssm.conv_kernel")))
+        return {"qk_norm": True, "gated_attention": True, "state_layers": (nets,) if nets.layers else (),
+                "shared_expert_size": int(k(f"{arch}.expert_shared_feed_forward_length") or 0)}
     if arch == "granitehybrid":  # per layer: 0 KV heads where the layer is Mamba2
         kv = metadata["granitehybrid.attention.head_count_kv"]
         kv = kv if isinstance(kv, list) else [kv] * int(metadata["granitehybrid.block_count"])
