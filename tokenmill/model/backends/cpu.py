@@ -321,7 +321,9 @@ class CpuBackend(TorchBackend):
         for m in model.linear_layers():
             pairs = getattr(m, "silu_pairs", False) and m.bias is None  # the fused epilogue adds no bias
             if getattr(m, "gguf_type", None) is not None:  # GGUF blocks: packed, or the reference on the blocks
-                if model.norm.weight.dtype in self.gguf_dtypes:
+                # (a weight whose rows do not fill whole 16-feature tiles, e.g. Mamba2's in_proj, takes the latter)
+                whole_tiles = m.gguf_blocks.shape[0] % (32 if pairs else 16) == 0
+                if model.norm.weight.dtype in self.gguf_dtypes and whole_tiles:
                     m.packed_weight = gguf_pack(m.gguf_blocks, m.gguf_type, pairs=pairs,
                                                 layout=kernel_layout(self.gguf_kernel, m.gguf_type))
                     m.gguf_blocks = m.gguf_blocks.to("meta")
