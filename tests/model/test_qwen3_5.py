@@ -231,8 +231,9 @@ def test_a_multimodal_checkpoint_serves_its_text_model(qwen3_5, tmp_path, monkey
         assert_matches_reference(done[rid].token_ids, tokens, logits)
 
 
+@pytest.mark.parametrize("dv", [8, 128])  # 128: the kernel's fixed-width path (Qwen3.5's value heads)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_cpu_kernels_are_the_references(dtype):
+def test_the_cpu_kernels_are_the_references(dtype, dv):
     """csrc/recurrent.cpp against the reference on a strided batch of decodes and prompt chunks (the kernel takes
     each token in turn, the reference a prompt's chunked form): the delta rule's outputs and states, the
     convolution's with SiLU, the gated norm; no slot but the batch's touched."""
@@ -241,7 +242,7 @@ def test_the_cpu_kernels_are_the_references(dtype):
 
     backends = (TorchBackend(), CpuBackend(_extension()))
     gen = torch.Generator().manual_seed(1)
-    t, hk, hv, dk, dv = 80, 2, 4, 16, 8
+    t, hk, hv, dk = 80, 2, 4, 16
     width = 2 * hk * dk + hv * dv
     qkv = torch.randn(t, width + 5, generator=gen).to(dtype)[:, :width]  # rows strided, as the projection's slices
     q, k = qkv[:, :hk * dk].view(t, hk, dk), qkv[:, hk * dk:2 * hk * dk].view(t, hk, dk)

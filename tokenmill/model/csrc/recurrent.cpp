@@ -36,68 +36,43 @@ std::vector<Span> read_spans(const at::Tensor& spans) {
   return out;
 }
 
-// The token's two passes over one head's state matrix s [key_dim, VD]: decay it and read it with the key (kv), then
-// write the correction along the key and read the result with the query (o). VD a constant: the value vectors stay in
-// registers through each pass (128 floats: 8 AVX-512 or 16 AVX2 registers).
+// The token's two passes over one head's state matrix s [key_dim, value_dim]: decay it and read it with the key
+// (kv), then write the correction along the key and read the result with the query (o). VD > 0: value_dim is that
+// constant, and the value vectors stay in registers through each pass (128 floats: 8 AVX-512 or 16 AVX2 registers);
+// VD = 0: any value_dim, the vectors in `scratch` (2 x value_dim).
 template <int64_t VD>
 inline void delta_passes(float* __restrict s, const float* __restrict kn, const float* __restrict qn,
-                         const float* __restrict v, float decay, float beta, int64_t key_dim, float* __restrict o) {
-  float kv[VD];
-  for (int64_t e = 0; e < VD; ++e) kv[e] = 0.f;
+                         const float* __restrict v, float decay, float beta, int64_t key_dim, int64_t value_dim,
+                         float* __restrict scratch, float* __restrict o) {
+  constexpr int64_t kLocal = VD > 0 ? VD : 1;
+  float kv_local[kLocal], acc_local[kLocal];
+  const int64_t width = VD > 0 ? VD : value_dim;
+  float* __restrict kv = VD > 0 ? kv_local : scratch;
+  float* __restrict acc = VD > 0 ? acc_local : scratch + value_dim;
+  for (int64_t e = 0; e < width; ++e) kv[e] = 0.f;
   for (int64_t d = 0; d < key_dim; ++d) {
-    float* __restrict sd = s + d * VD;
+    float* __restrict sd = s + d * width;
     const float kd = kn[d];
 #pragma omp simd
-    for (int64_t e = 0; e < VD; ++e) {
+    for (int64_t e = 0; e < width; ++e) {
       sd[e] *= decay;
       kv[e] += kd * sd[e];
     }
   }
-  for (int64_t e = 0; e < VD; ++e) {
+  for (int64_t e = 0; e < width; ++e) {
     kv[e] = (v[e] - kv[e]) * beta;  // what the token writes
-    o[e] = 0.f;
+    acc[e] = 0.f;
   }
-  float acc[VD];
-  for (int64_t e = 0; e < VD; ++e) acc[e] = 0.f;
   for (int64_t d = 0; d < key_dim; ++d) {
-    float* __restrict sd = s + d * VD;
+    float* __restrict sd = s + d * width;
     const float kd = kn[d], qd = qn[d];
 #pragma omp simd
-    for (int64_t e = 0; e < VD; ++e) {
+    for (int64_t e = 0; e < width; ++e) {
       sd[e] += kd * kv[e];
       acc[e] += qd * sd[e];
     }
   }
-  for (int64_t e = 0; e < VD; ++e) o[e] = acc[e];
-}
-
-// The same for any value_dim (a runtime width).
-inline void delta_passes_any(float* __restrict s, const float* __restrict kn, const float* __restrict qn,
-                             const float* __restrict v, float decay, float beta, int64_t key_dim, int64_t value_dim,
-                             float* __restrict kv, float* __restrict o) {
-  for (int64_t e = 0; e < value_dim; ++e) kv[e] = 0.f;
-  for (int64_t d = 0; d < key_dim; ++d) {
-    float* __restrict sd = s + d * value_dim;
-    const float kd = kn[d];
-#pragma omp simd
-    for (int64_t e = 0; e < value_dim; ++e) {
-      sd[e] *= decay;
-      kv[e] += kd * sd[e];
-    }
-  }
-  for (int64_t e = 0; e < value_dim; ++e) {
-    kv[e] = (v[e] - kv[e]) * beta;
-    o[e] = 0.f;
-  }
-  for (int64_t d = 0; d < key_dim; ++d) {
-    float* __restrict sd = s + d * value_dim;
-    const float kd = kn[d], qd = qn[d];
-#pragma omp simd
-    for (int64_t e = 0; e < value_dim; ++e) {
-      sd[e] += kd * kv[e];
-      o[e] += qd * sd[e];
-    }
-  }
+  for (int64_t e = 0; e < width; ++e) o[e] = acc[e];
 }
 
 template <typename T>
@@ -118,7 +93,7 @@ void delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   const float q_scale = 1.f / std::sqrt(static_cast<float>(key_dim));
   const int64_t tasks = static_cast<int64_t>(spans.size()) * heads;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qn(key_dim), kn(key_dim), vf(value_dim), kv(value_dim), o(value_dim);
+    std::vector<float> qn(key_dim), kn(key_dim), vf(value_dim), scratch(2 * value_dim), o(value_dim);
     for (int64_t task = begin; task < end; ++task) {
       const Span& span = spans[task / heads];
       const int64_t h = task % heads, kh = tiled ? h % key_heads : h / per_key;
@@ -146,9 +121,10 @@ void delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
         const T* vr = vp + r * v.stride(0) + h * v.stride(1);
         for (int64_t e = 0; e < value_dim; ++e) vf[e] = to_float(vr[e]);
         if (value_dim == 128) {
-          delta_passes<128>(s, kn.data(), qn.data(), vf.data(), decay, beta, key_dim, o.data());
+          delta_passes<128>(s, kn.data(), qn.data(), vf.data(), decay, beta, key_dim, 128, nullptr, o.data());
         } else {
-          delta_passes_any(s, kn.data(), qn.data(), vf.data(), decay, beta, key_dim, value_dim, kv.data(), o.data());
+          delta_passes<0>(s, kn.data(), qn.data(), vf.data(), decay, beta, key_dim, value_dim, scratch.data(),
+                          o.data());
         }
         T* orow = op + r * out.stride(0) + h * out.stride(1);
         for (int64_t e = 0; e < value_dim; ++e) orow[e] = round_to<T>(o[e]);
