@@ -26,10 +26,22 @@ from tokenmill.model.llama import Attention, LlamaForCausalLM, WeightTarget
 from tokenmill.model_config import ModelConfig
 
 
+class GroupGatedRMSNorm(nn.Module):
+    """weight * rms-normalised(x * silu(gate)), over each of `groups` equal parts of the inner width."""
+
+    def __init__(self, dim: int, groups: int, eps: float, backend, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype))
+        self.groups, self.eps, self.backend = groups, eps, backend
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return self.backend.gated_group_norm(x, gate, self.weight, self.eps, self.groups)
+
+
 class Mamba2Mixer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend, dtype=None, method=None):
         super().__init__()
-        self.backend, self.eps = backend, cfg.rms_norm_eps
+        self.backend = backend
         self.heads, self.head_dim, self.state, self.groups = (cfg.mamba_heads, cfg.mamba_head_dim, cfg.mamba_state,
                                                               cfg.mamba_groups)
         self.inner = self.heads * self.head_dim
@@ -41,8 +53,7 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(self.heads, dtype=dtype))
         self.A_log = nn.Parameter(torch.zeros(self.heads, dtype=dtype))
         self.D = nn.Parameter(torch.zeros(self.heads, dtype=dtype))
-        self.norm = nn.Module()
-        self.norm.weight = nn.Parameter(torch.zeros(self.inner, dtype=dtype))
+        self.norm = GroupGatedRMSNorm(self.inner, self.groups, cfg.rms_norm_eps, backend, dtype)
         self.out_proj = Linear(self.inner, h, bias=cfg.mamba_proj_bias, backend=backend, method=method, dtype=dtype)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: tuple[torch.Tensor, torch.Tensor]
@@ -56,9 +67,7 @@ class Mamba2Mixer(nn.Module):
                                      xbc[:, inner:inner + bc].view(t, self.groups, self.state),
                                      xbc[:, inner + bc:].view(t, self.groups, self.state),
                                      self.A_log, self.D, self.dt_bias, state[1], meta.state_spans)
-        y = self.backend.gated_group_norm(y.view(t, inner), projected[:, :inner], self.norm.weight, self.eps,
-                                          self.groups)
-        return self.out_proj(y)
+        return self.out_proj(self.norm(y.view(t, inner), projected[:, :inner]))
 
 
 class GraniteAttention(Attention):
