@@ -15,6 +15,11 @@ from tests.engine.drive import run
 from tests.greedy import assert_matches_reference, hf_greedy
 from tests.models.gguf_serving import assert_gguf_serves
 from tests.models.gguf_writer import write_granite_hybrid_gguf
+from tests.models.hybrid_checks import (
+    assert_bfloat16_output_does_not_depend_on_the_batch,
+    assert_chunked_and_preempted_output_matches,
+    assert_second_turn_hits,
+)
 from tests.models.reference import make_llm
 from tests.models.tiny import make_tiny_model
 from tokenmill.errors import ConfigError
@@ -159,14 +164,7 @@ def test_greedy_output_matches_transformers_in_chunks_and_after_preemption(grani
     path, _, ref = granite
     conv, ssm = 3 * (128 + 64) * 4, 8 * 16 * 16 * 4
     state, block = 3 * 4 * (conv + ssm), 2 * 2 * 16 * 4 * 4  # 4 slots of 3 layers; a block: K and V of 4 tokens
-    llm = make_llm(path, "cpu", monkeypatch, dtype="float32", block_size=4, max_num_seqs=4, new_token_ratio=0,
-                   max_num_batched_tokens=8, long_prefill_token_threshold=8, enable_prefix_caching=False,
-                   kv_cache_memory=state + 30 * block)
-    assert llm.engine.core.cache_info.num_blocks < sum(-(-(len(p) + TOKENS) // 4) for p in PROMPTS.values())
-    done = run(llm.engine, PROMPTS, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True))
-    assert llm.engine.core.scheduler.num_preemptions > 0, "the pool was meant to be short"
-    for rid, (tokens, logits) in ref.items():
-        assert_matches_reference(done[rid].token_ids, tokens, logits)
+    assert_chunked_and_preempted_output_matches(path, monkeypatch, PROMPTS, ref, TOKENS, state + 30 * block, 8)
 
 
 def greedy_without_cache(hf, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
@@ -183,22 +181,9 @@ def greedy_without_cache(hf, prompt: list[int], n: int) -> tuple[list[int], list
 
 def test_a_second_turn_starts_from_the_first_turns_cached_state(granite, monkeypatch):
     path, hf, ref = granite
-    llm = make_llm(path, "cpu", monkeypatch, dtype="float32", kv_cache_memory=8 << 20, block_size=4)
-    first = PROMPTS["p3"]
-    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
-    answer = run(llm.engine, {"t1": first}, params)["t1"].token_ids
-    assert answer == ref["p3"][0]
-    second = first + answer + [17, 18, 19]
-    out = llm.generate([{"prompt_token_ids": second}], params, use_tqdm=False)[0]
-    assert out.num_cached_tokens == (len(first) + TOKENS - 1) // 4 * 4
-    assert_matches_reference(out.outputs[0].token_ids, *greedy_without_cache(hf, second, TOKENS))
-    llm.engine.core.check_idle_invariants()
+    assert_second_turn_hits(path, monkeypatch, PROMPTS["p3"], ref["p3"][0], TOKENS,
+                            lambda prompt, n: greedy_without_cache(hf, prompt, n))
 
 
 def test_bfloat16_output_does_not_depend_on_the_batch(granite, monkeypatch):
-    path, _, _ = granite
-    llm = make_llm(path, "cpu", monkeypatch, dtype="bfloat16", kv_cache_memory=8 << 20, block_size=4)
-    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
-    together = run(llm.engine, PROMPTS, params)
-    for rid, prompt in PROMPTS.items():
-        assert run(llm.engine, {rid: prompt}, params)[rid].token_ids == together[rid].token_ids
+    assert_bfloat16_output_does_not_depend_on_the_batch(granite[0], monkeypatch, PROMPTS, TOKENS)

@@ -13,6 +13,11 @@ from tests.engine.drive import run
 from tests.greedy import assert_matches_reference, hf_greedy
 from tests.models.gguf_serving import assert_gguf_serves
 from tests.models.gguf_writer import write_lfm2_gguf
+from tests.models.hybrid_checks import (
+    assert_bfloat16_output_does_not_depend_on_the_batch,
+    assert_chunked_and_preempted_output_matches,
+    assert_second_turn_hits,
+)
 from tests.models.reference import make_llm
 from tests.models.tiny import make_tiny_model
 from tokenmill.model.checkpoint import expected_shapes
@@ -106,49 +111,20 @@ def test_greedy_output_matches_transformers_batched(lfm2, backend, monkeypatch):
 
 
 def test_greedy_output_matches_transformers_in_chunks_and_after_preemption(lfm2, monkeypatch):
-    """4-token chunks carry the convolution state from chunk to chunk; a pool too small for every request at
-    once preempts some, which start again from a zero state."""
     path, _, ref = lfm2
     # 4 slots of 3 layers' state (no prefix cache: no snapshots); a block: 2 layers' K and V of 4 tokens
     state, block = 3 * 4 * (2 * 64 * 4), 2 * 2 * 2 * 16 * 4 * 4
-    llm = make_llm(path, "cpu", monkeypatch, dtype="float32", block_size=4, max_num_seqs=4, new_token_ratio=0,
-                   max_num_batched_tokens=4, long_prefill_token_threshold=4, enable_prefix_caching=False,
-                   kv_cache_memory=state + 10 * block)
-    needed = sum(-(-(len(p) + TOKENS) // 4) for p in PROMPTS.values())
-    assert llm.engine.core.cache_info.num_blocks < needed
-    done = run(llm.engine, PROMPTS, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True))
-    assert llm.engine.core.scheduler.num_preemptions > 0, "the pool was meant to be short"
-    for rid, (tokens, logits) in ref.items():
-        assert_matches_reference(done[rid].token_ids, tokens, logits)
+    assert_chunked_and_preempted_output_matches(path, monkeypatch, PROMPTS, ref, TOKENS, state + 10 * block, 4)
 
 
 def test_a_second_turn_starts_from_the_first_turns_cached_state(lfm2, monkeypatch):
-    """The second turn resends the first and its answer: its prefix hit reaches the last block boundary the first
-    turn computed (the convolution state there comes from a snapshot), and it still answers as transformers does."""
-    from transformers import AutoModelForCausalLM
-
-    path, _, ref = lfm2
-    llm = make_llm(path, "cpu", monkeypatch, dtype="float32", kv_cache_memory=4 << 20, block_size=4)
-    first = PROMPTS["p3"]
-    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
-    answer = run(llm.engine, {"t1": first}, params)["t1"].token_ids
-    assert answer == ref["p3"][0]
-    second = first + answer + [17, 18, 19]
-    out = llm.generate([{"prompt_token_ids": second}], params, use_tqdm=False)[0]
-    computed = len(first) + TOKENS - 1  # the first turn's last token was sampled, never fed back
-    assert out.num_cached_tokens == computed // 4 * 4
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    assert_matches_reference(out.outputs[0].token_ids, *hf_greedy(hf, second, TOKENS))
-    llm.engine.core.check_idle_invariants()
+    path, hf, ref = lfm2
+    assert_second_turn_hits(path, monkeypatch, PROMPTS["p3"], ref["p3"][0], TOKENS,
+                            lambda prompt, n: hf_greedy(hf, prompt, n), memory=4 << 20)
 
 
 def test_bfloat16_output_does_not_depend_on_the_batch(lfm2, monkeypatch):
-    path, _, _ = lfm2
-    llm = make_llm(path, "cpu", monkeypatch, dtype="bfloat16", kv_cache_memory=4 << 20, block_size=4)
-    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
-    together = run(llm.engine, PROMPTS, params)
-    for rid, prompt in PROMPTS.items():
-        assert run(llm.engine, {rid: prompt}, params)[rid].token_ids == together[rid].token_ids
+    assert_bfloat16_output_does_not_depend_on_the_batch(lfm2[0], monkeypatch, PROMPTS, TOKENS)
 
 
 def test_the_engine_reports_its_state_slots_and_snapshots_to_the_metrics(lfm2):

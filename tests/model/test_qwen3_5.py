@@ -16,6 +16,11 @@ from tests.engine.drive import run
 from tests.greedy import assert_matches_reference, hf_greedy
 from tests.models.gguf_serving import assert_gguf_serves
 from tests.models.gguf_writer import write_qwen3_5_gguf
+from tests.models.hybrid_checks import (
+    assert_bfloat16_output_does_not_depend_on_the_batch,
+    assert_chunked_and_preempted_output_matches,
+    assert_second_turn_hits,
+)
 from tests.models.reference import make_llm
 from tests.models.tiny import make_tiny_model
 from tokenmill.model.backends import recurrent
@@ -160,46 +165,20 @@ def test_greedy_output_matches_transformers_batched(qwen3_5, backend, monkeypatc
 
 
 def test_greedy_output_matches_transformers_in_chunks_and_after_preemption(qwen3_5, monkeypatch):
-    """8-token chunks carry the convolution and delta-rule states from chunk to chunk; a pool too small for every
-    request at once preempts some, which start again from a zero state."""
     path, _, ref = qwen3_5
     conv, matrices = 3 * (2 * 2 * 16 + 4 * 8) * 4, 4 * 16 * 8 * 4
     state, block = 3 * 4 * (conv + matrices), 2 * 2 * 32 * 4 * 4  # 4 slots of 3 layers; a block: K and V of 4
-    llm = make_llm(path, "cpu", monkeypatch, dtype="float32", block_size=4, max_num_seqs=4, new_token_ratio=0,
-                   max_num_batched_tokens=8, long_prefill_token_threshold=8, enable_prefix_caching=False,
-                   kv_cache_memory=state + 30 * block)
-    needed = sum(-(-(len(p) + TOKENS) // 4) for p in PROMPTS.values())
-    assert llm.engine.core.cache_info.num_blocks < needed
-    done = run(llm.engine, PROMPTS, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True))
-    assert llm.engine.core.scheduler.num_preemptions > 0, "the pool was meant to be short"
-    for rid, (tokens, logits) in ref.items():
-        assert_matches_reference(done[rid].token_ids, tokens, logits)
+    assert_chunked_and_preempted_output_matches(path, monkeypatch, PROMPTS, ref, TOKENS, state + 30 * block, 8)
 
 
 def test_a_second_turn_starts_from_the_first_turns_cached_state(qwen3_5, monkeypatch):
-    """The second turn resends the first and its answer: its prefix hit reaches the last block boundary the first
-    turn computed (both states there from a snapshot), and it still answers as transformers does."""
     path, hf, ref = qwen3_5
-    llm = make_llm(path, "cpu", monkeypatch, dtype="float32", kv_cache_memory=8 << 20, block_size=4)
-    first = PROMPTS["p3"]
-    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
-    answer = run(llm.engine, {"t1": first}, params)["t1"].token_ids
-    assert answer == ref["p3"][0]
-    second = first + answer + [17, 18, 19]
-    out = llm.generate([{"prompt_token_ids": second}], params, use_tqdm=False)[0]
-    computed = len(first) + TOKENS - 1  # the first turn's last token was sampled, never fed back
-    assert out.num_cached_tokens == computed // 4 * 4
-    assert_matches_reference(out.outputs[0].token_ids, *hf_greedy(hf, second, TOKENS))
-    llm.engine.core.check_idle_invariants()
+    assert_second_turn_hits(path, monkeypatch, PROMPTS["p3"], ref["p3"][0], TOKENS,
+                            lambda prompt, n: hf_greedy(hf, prompt, n))
 
 
 def test_bfloat16_output_does_not_depend_on_the_batch(qwen3_5, monkeypatch):
-    path, _, _ = qwen3_5
-    llm = make_llm(path, "cpu", monkeypatch, dtype="bfloat16", kv_cache_memory=8 << 20, block_size=4)
-    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
-    together = run(llm.engine, PROMPTS, params)
-    for rid, prompt in PROMPTS.items():
-        assert run(llm.engine, {rid: prompt}, params)[rid].token_ids == together[rid].token_ids
+    assert_bfloat16_output_does_not_depend_on_the_batch(qwen3_5[0], monkeypatch, PROMPTS, TOKENS)
 
 
 def test_a_multimodal_checkpoint_serves_its_text_model(qwen3_5, tmp_path, monkeypatch):
