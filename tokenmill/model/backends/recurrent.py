@@ -11,6 +11,9 @@ depend on each other through a unit lower-triangular system (the WY form of the 
 per chunk, and the state carries from chunk to chunk. Both forms give the same values up to rounding; which one a
 request's rows take depends on its own span only, so its output does not depend on the rest of the batch. (The CPU
 backend's kernel, csrc/recurrent.cpp, takes every span token by token: the step's form throughout.)
+
+Mamba2 (Granite-4.0-H's SSM layers) keeps a matrix [head_dim, state] per head: s <- exp(dt A) s + dt x b^T, read with
+c; its reference takes each request's tokens in turn.
 """
 
 from __future__ import annotations
@@ -110,7 +113,8 @@ def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Ten
     for start, end, slot in spans:
         s = state[slot]  # [H, P, N]
         for r in range(start, end):
-            s = s * (delta[r] * step).exp()[:, None, None] + (delta[r][:, None] * xf[r])[:, :, None] * bh[r][:, None, :]
+            written = (delta[r][:, None] * xf[r])[:, :, None] * bh[r][:, None, :]  # dt x b^T per head
+            s = s * (delta[r] * step).exp()[:, None, None] + written
             out[r] = (s @ ch[r][:, :, None]).squeeze(-1)
         state[slot] = s
     return (out + xf * d.float()[:, None]).to(x.dtype)
