@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from tokenmill.errors import ModelLoadError
+from tokenmill.family_config import QWEN3_5, QWEN3_5_MOE
 from tokenmill.formats.awq_format import BLOCK, Int4Groups
 from tokenmill.formats.gguf_blocks import GGMLBlocks
 from tokenmill.model.checkpoint import Checkpoint, expected_shapes, fused_parts
@@ -36,7 +37,7 @@ def _ignorable_hf_name(name: str, config: ModelConfig) -> bool:
     """Tensors some checkpoints carry that the model recomputes or shares, or that belong to parts of a multimodal
     checkpoint its text model does not run (Qwen3.5's vision tower and multi-token-prediction head)."""
     return (name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings)
-            or name.startswith(TEXT_ONLY_SKIPPED))
+            or (config.architecture in (QWEN3_5, QWEN3_5_MOE) and name.startswith(TEXT_ONLY_SKIPPED)))
 
 
 # a multimodal checkpoint's text model's tensors are its language model's: "model.language_model.layers.0...."

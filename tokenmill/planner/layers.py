@@ -9,7 +9,7 @@
   planner's state is the engine's.
 
 Every layer, whatever its kind, also has its block's two norms and its feed-forward (dense or experts);
-ModelShape counts those. Three kinds of state layer today, read from config.json by `hf_hybrid_fields` and from
+ModelShape counts those. Three kinds of state layer, read from config.json by `hf_hybrid_fields` and from
 GGUF metadata by `gguf_hybrid_fields`: LFM2's gated short convolutions (`short_convolutions`), Qwen3.5's
 Gated DeltaNet (`gated_delta_nets`: a convolution state and a key x value matrix per value head) and
 Granite-4.0-H's Mamba2 (`mamba2_mixers`: a convolution state and a head_dim x state matrix per head). Another
